@@ -1,0 +1,58 @@
+"""build_app(config) -> Starlette: routes, error handlers and a lifespan that owns the parts."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from gateway.config import GatewayConfig
+from gateway.request import CHAT, COMPLETIONS, GENERATE
+from gateway.routes import admin, info
+from gateway.routes.errors import HANDLERS
+from gateway.routes.inference import InferenceEndpoint
+from gateway.runtime import Gateway
+
+
+def build_routes() -> list[Route]:
+    return [
+        Route("/generate", InferenceEndpoint(GENERATE), methods=["POST"]),
+        Route("/v1/chat/completions", InferenceEndpoint(CHAT), methods=["POST"]),
+        Route("/v1/completions", InferenceEndpoint(COMPLETIONS), methods=["POST"]),
+        Route("/v1/models", info.models, methods=["GET"]),
+        Route("/model_info", info.model_info, methods=["GET"]),
+        Route("/get_model_info", info.model_info, methods=["GET"]),
+        Route("/server_info", info.server_info, methods=["GET"]),
+        Route("/get_server_info", info.server_info, methods=["GET"]),
+        Route("/health", info.health, methods=["GET"]),
+        Route("/readiness", info.readiness, methods=["GET"]),
+        Route("/health_generate", info.health_generate, methods=["GET"]),
+        Route("/flush_cache", info.flush_cache, methods=["POST"]),
+        Route("/abort_request", info.abort_request, methods=["POST"]),
+        Route("/metrics", info.metrics, methods=["GET"]),
+        Route("/admin/servers", admin.list_servers, methods=["GET"]),
+        Route("/admin/servers", admin.add_server, methods=["POST"]),
+        Route("/admin/servers", admin.remove_server, methods=["DELETE"]),
+        Route("/admin/servers/drain", admin.drain_server, methods=["POST"]),
+        Route("/admin/servers/undrain", admin.undrain_server, methods=["POST"]),
+    ]
+
+
+def build_app(config: GatewayConfig,
+              transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
+    gateway = Gateway(config, transport)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = Starlette(routes=build_routes(), exception_handlers=HANDLERS, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,50 @@
+"""Bootstrap room allocation: unique for the life of the process and across replicas.
+
+A room is 63 bits: the replica id (12 bits, 0..4095) in bits 51..62 and a 51-bit counter
+below. The counter starts at the current time in microseconds and only increases, so:
+
+* within one process rooms never repeat (a retry takes fresh rooms);
+* two replicas with different ids can never produce the same room;
+* a restarted gateway starts above every room it handed out before, as long as it allocated
+  fewer than one million rooms per second on average over its life (the counter cannot pass
+  the clock faster than that), so a prefill's tombstone of an old room is never hit;
+* consecutive rooms cycle through `room % dp_size`, which SGLang uses to spread requests over
+  data-parallel ranks, instead of random rooms that clump.
+
+The counter wraps after 2**51 (about the year 2041 in microseconds) within its own bits.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+REPLICA_BITS = 12
+COUNTER_BITS = 51
+MAX_REPLICA = (1 << REPLICA_BITS) - 1
+_COUNTER_MASK = (1 << COUNTER_BITS) - 1
+
+
+class RoomAllocator:
+    def __init__(self, replica_id: int | None = None, start: int | None = None) -> None:
+        if replica_id is None:
+            replica_id = secrets.randbelow(MAX_REPLICA + 1)
+        if not 0 <= replica_id <= MAX_REPLICA:
+            raise ValueError(f"replica id must be in 0..{MAX_REPLICA}")
+        self.replica_id = replica_id
+        self._base = replica_id << COUNTER_BITS
+        self._next = (time.time_ns() // 1000 if start is None else start) & _COUNTER_MASK
+
+    def take(self, count: int | None = None) -> int | list[int]:
+        """One room (count None) or a list of `count` distinct rooms."""
+        if count is None:
+            room = self._base | self._next
+            self._next = (self._next + 1) & _COUNTER_MASK
+            return room
+        first = self._next
+        self._next = (first + count) & _COUNTER_MASK
+        return [self._base | ((first + i) & _COUNTER_MASK) for i in range(count)]
+
+
+def replica_of(room: int) -> int:
+    return room >> COUNTER_BITS

@@ -1,0 +1,115 @@
+"""Typed gateway errors, each carrying its HTTP status and OpenAI error type.
+
+Hierarchy (one place to map every failure to a client-visible answer):
+
+    GatewayError
+    ├── BadRequest            400 invalid_request_error
+    │   └── PayloadTooLarge   413
+    ├── Unauthorized          401 authentication_error
+    ├── NotFound              404
+    ├── TooManyRequests       429 rate_limit_error (admission full)
+    ├── ServiceUnavailable    503 (no usable prefill/decode pair, draining, queue timeout)
+    └── UpstreamError         502 / 504 (a leg failed; says which leg and why)
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class GatewayError(Exception):
+    """Base error: a message for the client plus HTTP status and OpenAI error type."""
+
+    status: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        """The OpenAI-style error object."""
+        return error_body(self.message, self.error_type, self.code or str(self.status))
+
+
+class BadRequest(GatewayError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class NotFound(GatewayError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class TooManyRequests(GatewayError):
+    status = 429
+    error_type = "rate_limit_error"
+
+
+class ServiceUnavailable(GatewayError):
+    status = 503
+    error_type = "service_unavailable"
+
+
+class UpstreamError(GatewayError):
+    """A prefill or decode leg failed.
+
+    `retryable` tells the retry loop whether another pair may succeed (connect errors,
+    5xx, 408/429); `upstream_status` keeps the server's own status for metrics.
+    """
+
+    status = 502
+    error_type = "upstream_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        leg: str,
+        worker_url: str,
+        retryable: bool,
+        upstream_status: int | None = None,
+        status: int | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message, status=status, code=code)
+        self.leg = leg
+        self.worker_url = worker_url
+        self.retryable = retryable
+        self.upstream_status = upstream_status
+        if 400 <= self.status < 500:
+            self.error_type = "invalid_request_error"
+        elif self.status == 504:
+            self.error_type = "timeout_error"
+
+
+def error_body(message: str, error_type: str, code: str | int) -> dict:
+    return {"error": {"message": message, "type": error_type, "code": code}}
+
+
+def error_bytes(err: GatewayError, request_id: str | None = None) -> bytes:
+    body = err.body()
+    if request_id:
+        body["error"]["request_id"] = request_id
+    return orjson.dumps(body)

@@ -1,0 +1,124 @@
+"""Merge the prompt logprobs that only the prefill server holds into the decode answer.
+
+In PD mode the prefill computes the prompt, so `meta_info.input_token_logprobs` (native API)
+and the prompt part of OpenAI completions logprobs with `echo` live in the prefill's answer.
+The client must get them in front of the decode's own entries, in every streamed chunk that
+carries them and in the final JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.request import COMPLETIONS, GENERATE
+from gateway.sse import data_objects
+
+LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def prefill_parts(endpoint: str, body: bytes) -> dict[int, Any]:
+    """Index -> what the prefill knows about the prompt of item `index`.
+
+    For /generate: the `input_token_logprobs` list. For completions: the prompt entries of
+    the choice's `logprobs` (all entries but the prefill's single generated token).
+    """
+    items: list[dict]
+    if body.lstrip()[:5] == b"data:":
+        items = data_objects(body)
+    else:
+        data = orjson.loads(body)
+        items = data if isinstance(data, list) else [data]
+    parts: dict[int, Any] = {}
+    for position, item in enumerate(items):
+        if endpoint == GENERATE:
+            meta = item.get("meta_info") or {}
+            index = item.get("index", position)
+            if index not in parts and meta.get("input_token_logprobs") is not None:
+                parts[index] = meta["input_token_logprobs"]
+        elif endpoint == COMPLETIONS:
+            for choice in item.get("choices") or []:
+                index = choice.get("index", 0)
+                logprobs = choice.get("logprobs")
+                if index in parts or not logprobs:
+                    continue
+                generated = 0 if item.get("object", "").endswith("chunk") else 1
+                parts[index] = {
+                    key: _prompt_slice(logprobs.get(key), generated) for key in LOGPROB_LISTS
+                }
+    return parts
+
+
+def _prompt_slice(values: list | None, generated: int) -> list:
+    if not values:
+        return []
+    return values[: len(values) - generated] if generated else list(values)
+
+
+def merge_generate_item(item: dict, prompt_logprobs: list | None) -> None:
+    if prompt_logprobs is None:
+        return
+    meta = item.setdefault("meta_info", {})
+    meta["input_token_logprobs"] = prompt_logprobs + (meta.get("input_token_logprobs") or [])
+
+
+def merge_completion(obj: dict, parts: dict[int, Any], seen: set[int] | None = None) -> None:
+    """Prepend prompt logprobs to each choice once (first chunk per index when streaming)."""
+    for choice in obj.get("choices") or []:
+        index = choice.get("index", 0)
+        part = parts.get(index)
+        logprobs = choice.get("logprobs")
+        if part is None or logprobs is None or (seen is not None and index in seen):
+            continue
+        if seen is not None:
+            seen.add(index)
+        decode_prompt = _decode_prompt_len(logprobs, choice)
+        for key in LOGPROB_LISTS:
+            own = logprobs.get(key) or []
+            logprobs[key] = part[key] + own[decode_prompt:]
+
+
+def _decode_prompt_len(logprobs: dict, choice: dict) -> int:
+    """How many leading entries of the decode's logprobs are its own (partial) prompt part.
+
+    The decode has no prompt logprobs worth keeping; when it reports some, they duplicate the
+    prefill's, so drop them. Generated entries are those after the echoed prompt text.
+    """
+    tokens = logprobs.get("tokens") or []
+    offsets = logprobs.get("text_offset") or []
+    if not offsets:
+        return 0
+    # entries whose text offset lies inside the echoed prompt belong to the prompt
+    text = choice.get("text") or ""
+    generated_chars = len("".join(tokens[-1:]))
+    prompt_end = max(0, len(text) - generated_chars)
+    return sum(1 for off in offsets[:-1] if off is not None and off < prompt_end)
+
+
+def merge_body(endpoint: str, body: bytes, parts: dict[int, Any]) -> bytes:
+    """Merge a whole non-streaming decode answer."""
+    data = orjson.loads(body)
+    if endpoint == GENERATE:
+        items = data if isinstance(data, list) else [data]
+        for position, item in enumerate(items):
+            merge_generate_item(item, parts.get(item.get("index", position)))
+    elif endpoint == COMPLETIONS and isinstance(data, dict):
+        merge_completion(data, parts)
+    return orjson.dumps(data)
+
+
+class StreamMerger:
+    """Merges each streamed decode event; keeps per-index state for completions."""
+
+    def __init__(self, endpoint: str, parts: dict[int, Any]) -> None:
+        self.endpoint = endpoint
+        self.parts = parts
+        self._seen: set[int] = set()
+
+    def merge(self, obj: dict) -> dict:
+        if self.endpoint == GENERATE:
+            merge_generate_item(obj, self.parts.get(obj.get("index", 0)))
+        elif self.endpoint == COMPLETIONS:
+            merge_completion(obj, self.parts, self._seen)
+        return obj

@@ -1,0 +1,112 @@
+"""Every Prometheus metric of the gateway, defined in one place on an injected registry.
+
+Names start with `gateway_`; labels are bounded (endpoint, status class, worker URL, role,
+policy, reason), never request ids. Per-worker state (health, breaker, in-flight) is read from
+the pool at scrape time by a collector, so the request path does not update gauges for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.workers import WorkerPool, breaker_state_code
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry, pool: WorkerPool) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "gateway_requests", "Requests answered, by endpoint and HTTP status",
+            ["endpoint", "status"], registry=registry)
+        self.e2e = Histogram(
+            "gateway_request_duration_seconds", "End-to-end request latency at the gateway",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "Time from request arrival to the first byte of the answer body",
+            ["endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram(
+            "gateway_inter_token_latency_seconds", "Gap between streamed chunks",
+            ["endpoint"], buckets=ITL_BUCKETS, registry=registry)
+        self.queue_time = Histogram(
+            "gateway_queue_time_seconds", "Time spent waiting for an admission slot",
+            buckets=LATENCY_BUCKETS, registry=registry)
+        self.retries = Counter(
+            "gateway_retries", "Attempts retried on another pair, by failed leg and reason",
+            ["leg", "reason"], registry=registry)
+        self.leg_failures = Counter(
+            "gateway_upstream_failures", "Failed legs by worker, role and reason",
+            ["worker", "role", "reason"], registry=registry)
+        self.rejections = Counter(
+            "gateway_admission_rejections", "Requests refused before dispatch, by reason",
+            ["reason"], registry=registry)
+        self.decisions = Counter(
+            "gateway_routing_decisions", "Workers chosen, by role, policy and worker",
+            ["role", "policy", "worker"], registry=registry)
+        self.prompt_tokens = Counter(
+            "gateway_prompt_tokens", "Prompt tokens reported by prefill servers",
+            ["worker"], registry=registry)
+        self.cached_tokens = Counter(
+            "gateway_cached_tokens", "Prompt tokens served from a prefill server's prefix cache",
+            ["worker"], registry=registry)
+        self.predicted_tokens = Counter(
+            "gateway_predicted_cached_tokens",
+            "Prompt tokens the router expected to be cached on the chosen prefill",
+            ["worker"], registry=registry)
+        self.stream_bytes = Counter(
+            "gateway_streamed_bytes", "Response body bytes sent to clients",
+            ["endpoint"], registry=registry)
+        self.disconnects = Counter(
+            "gateway_client_disconnects", "Clients that went away before the answer ended",
+            ["endpoint"], registry=registry)
+        registry.register(PoolCollector(pool))
+
+
+class PoolCollector(Collector):
+    """Per-worker gauges read from the pool at scrape time."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["worker", "role"]
+        in_flight = GaugeMetricFamily("gateway_worker_in_flight_requests",
+                                      "Requests in flight per worker", labels=labels)
+        tokens = GaugeMetricFamily("gateway_worker_in_flight_tokens",
+                                   "Prompt tokens in flight per worker", labels=labels)
+        healthy = GaugeMetricFamily("gateway_worker_healthy",
+                                    "1 when health checks pass", labels=labels)
+        usable = GaugeMetricFamily("gateway_worker_usable",
+                                   "1 when the worker takes new requests", labels=labels)
+        breaker = GaugeMetricFamily("gateway_worker_breaker_state",
+                                    "Circuit breaker: 0 closed, 1 half-open, 2 open",
+                                    labels=labels)
+        queue = GaugeMetricFamily("gateway_worker_queued_requests",
+                                  "Waiting requests reported by the server's /v1/loads",
+                                  labels=labels)
+        usage = GaugeMetricFamily("gateway_worker_token_usage",
+                                  "KV cache token usage reported by the server", labels=labels)
+        usable_count = GaugeMetricFamily("gateway_usable_workers",
+                                         "Usable workers per role", labels=["role"])
+        counts = {"prefill": 0, "decode": 0}
+        for w in self.pool:
+            key = [w.url, w.role]
+            in_flight.add_metric(key, w.in_flight)
+            tokens.add_metric(key, w.in_flight_tokens)
+            healthy.add_metric(key, 1 if w.healthy else 0)
+            is_usable = w.healthy and not w.draining and w.breaker.state.value != "open"
+            usable.add_metric(key, 1 if is_usable else 0)
+            counts[w.role] += 1 if is_usable else 0
+            breaker.add_metric(key, breaker_state_code(w.breaker.state))
+            queue.add_metric(key, w.load.waiting)
+            usage.add_metric(key, w.load.token_usage)
+        for role, count in counts.items():
+            usable_count.add_metric([role], count)
+        yield from (in_flight, tokens, healthy, usable, breaker, queue, usage, usable_count)

@@ -1,0 +1,83 @@
+"""The scheduling policy interface: candidates + request view -> one worker.
+
+A policy is synchronous and does no I/O in `pick`; candidates arrive already filtered
+(usable: healthy, breaker closed, not draining; right model), never empty. Hooks let a policy
+keep its own state; they default to no-ops. Policies that need a background loop (e.g. a KV
+event subscriber) implement `start`/`stop`, which the app's lifespan calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from gateway.request import RequestView
+from gateway.workers import Worker
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """Options of a policy that takes none."""
+
+
+class Policy:
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, role: str, options: Any = None) -> None:
+        self.role = role
+        self.options = options if options is not None else self.Options()
+
+    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+        raise NotImplementedError
+
+    def on_dispatch(self, worker: Worker, view: RequestView) -> None:
+        """The request was sent to `worker`."""
+
+    def on_complete(self, worker: Worker, view: RequestView, success: bool) -> None:
+        """The request on `worker` finished (success False: it failed or was cancelled)."""
+
+    def on_workers_changed(self, workers: Sequence[Worker]) -> None:
+        """Workers of this role were added or removed."""
+
+    async def start(self) -> None:
+        """Start background work (called once by the app lifespan)."""
+
+    async def stop(self) -> None:
+        """Stop background work."""
+
+    def stats(self) -> dict:
+        """Policy-specific figures for the admin API and metrics."""
+        return {}
+
+
+def build_options(policy_cls: type[Policy], raw: dict | None) -> Any:
+    """Typed options from a raw mapping; unknown keys or bad types fail, naming the key."""
+    raw = raw or {}
+    fields = {f.name: f for f in dataclasses.fields(policy_cls.Options)}
+    for key in raw:
+        if key not in fields:
+            raise ValueError(
+                f"policy {policy_cls.name!r}: unknown option {key!r} "
+                f"(known: {', '.join(sorted(fields)) or 'none'})"
+            )
+    values = {}
+    for key, value in raw.items():
+        default = fields[key].default
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, (int, float)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            value = type(default)(value) if ok else value
+        else:
+            ok = True
+        if not ok:
+            raise ValueError(f"policy {policy_cls.name!r}: option {key!r} has a bad value {value!r}")
+        values[key] = value
+    options = policy_cls.Options(**values)
+    check = getattr(options, "validate", None)
+    if check is not None:
+        check()
+    return options

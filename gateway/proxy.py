@@ -1,0 +1,118 @@
+"""The request loop: pick a pair, dispatch, account, and retry safely.
+
+A retry happens only before anything reached the client (the dispatcher returns a stream
+only after its first chunk), only for failures another pair may not have (connect errors,
+timeouts, 408/429/5xx), with a new pair and new rooms, capped exponential backoff with
+jitter, and within the request's total deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+
+from gateway.errors import GatewayError, UpstreamError
+from gateway.metrics import Metrics
+from gateway.pd import Answer, Attempt, PDDispatcher
+from gateway.request import RequestView
+from gateway.scheduler import Scheduler
+from gateway.sse import data_objects
+
+
+class Proxy:
+    def __init__(self, scheduler: Scheduler, dispatcher: PDDispatcher, metrics: Metrics,
+                 max_attempts: int, backoff: float, backoff_max: float,
+                 request_timeout: float) -> None:
+        self.scheduler = scheduler
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self.request_timeout = request_timeout
+        self._policy_names = {role: p.name for role, p in scheduler.policies.items()}
+
+    async def handle(self, view: RequestView, request_id: str) -> Answer:
+        avoid = []
+        last_error: GatewayError | None = None
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                for number in range(1, self.max_attempts + 1):
+                    prefill, decode = self.scheduler.pick(view, avoid)
+                    attempt = self.dispatcher.prepare(view, prefill, decode, request_id)
+                    self._started(attempt)
+                    try:
+                        return await self.dispatcher.run(attempt)
+                    except UpstreamError as exc:
+                        last_error = exc
+                        if not exc.retryable or number == self.max_attempts:
+                            raise
+                        failed = prefill if exc.leg == "prefill" else decode
+                        avoid.append(failed)
+                        self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
+                        delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
+                        await asyncio.sleep(delay * (0.5 + random.random() / 2))
+        except TimeoutError:
+            detail = f"; last failure: {last_error.message}" if last_error else ""
+            raise GatewayError(
+                f"request did not complete within {self.request_timeout:g}s{detail}",
+                status=504) from None
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _started(self, attempt: Attempt) -> None:
+        tokens = attempt.view.prompt_tokens
+        attempt.prefill.start(tokens)
+        attempt.decode.start(tokens)
+        self.scheduler.dispatched(attempt.prefill, attempt.decode, attempt.view)
+        m = self.metrics.decisions
+        m.labels("prefill", self._policy_names["prefill"], attempt.prefill.url).inc()
+        m.labels("decode", self._policy_names["decode"], attempt.decode.url).inc()
+
+    def leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
+        """Called once per leg by the dispatcher: release counters, feed breaker and policy."""
+        worker = attempt.prefill if leg == "prefill" else attempt.decode
+        worker.finish(attempt.view.prompt_tokens, ok)
+        self.scheduler.completed(leg, worker, attempt.view, ok is True)
+        if ok is False:
+            self.metrics.leg_failures.labels(worker.url, leg, "error").inc()
+
+    def prefill_answered(self, attempt: Attempt, body: bytes) -> None:
+        """Count prompt and cached tokens the prefill reports (its cache is the one that
+        matters for time to first token)."""
+        prompt, cached = usage_of(body)
+        if prompt:
+            self.metrics.prompt_tokens.labels(attempt.prefill.url).inc(prompt)
+            self.metrics.cached_tokens.labels(attempt.prefill.url).inc(cached)
+
+
+def _reason(exc: UpstreamError) -> str:
+    if exc.upstream_status is not None:
+        return str(exc.upstream_status)
+    return "timeout" if exc.status == 504 else "connection"
+
+
+def usage_of(body: bytes) -> tuple[int, int]:
+    """(prompt_tokens, cached_tokens) from a native or OpenAI answer, summed over items."""
+    try:
+        items = data_objects(body) if body.lstrip()[:5] == b"data:" else orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return 0, 0
+    if isinstance(items, dict):
+        items = [items]
+    prompt = cached = 0
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        meta = item.get("meta_info")
+        if isinstance(meta, dict):
+            prompt += meta.get("prompt_tokens") or 0
+            cached += meta.get("cached_tokens") or 0
+            continue
+        usage = item.get("usage")
+        if isinstance(usage, dict):
+            prompt += usage.get("prompt_tokens") or 0
+            details = usage.get("prompt_tokens_details") or {}
+            cached += details.get("cached_tokens") or 0
+    return prompt, cached

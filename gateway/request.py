@@ -1,0 +1,209 @@
+"""The request view: parse and validate a body ONCE, derive everything routing needs.
+
+Batch detection follows SGLang's `GenerateReqInput`: a `text` list, a 2-D `input_ids`, a
+completions `prompt` list of strings or of token lists, and `n > 1` (parallel sampling) each
+make SGLang expand the request into items, and every item needs its own bootstrap room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.errors import BadRequest
+
+GENERATE = "generate"
+CHAT = "chat"
+COMPLETIONS = "completions"
+
+ENDPOINT_PATHS = {GENERATE: "/generate", CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What the gateway needs to know about one inference request."""
+
+    endpoint: str
+    body: dict
+    stream: bool
+    batch_size: int | None  # None: a single prompt; else the number of prompts
+    n: int  # parallel samples per prompt
+    routing_text: str | None  # the full rendered prompt of the first item
+    routing_tokens: tuple[int, ...] | None
+    prompt_tokens: int  # estimate of prompt tokens over all items (load accounting)
+    model: str | None
+    logprob_merge: bool  # prefill holds prompt logprobs that the answer must carry
+
+    @property
+    def path(self) -> str:
+        return ENDPOINT_PATHS[self.endpoint]
+
+    @property
+    def room_count(self) -> int | None:
+        """Rooms to allocate: None for one scalar room, else one per expanded item."""
+        if self.batch_size is None and self.n == 1:
+            return None
+        return (self.batch_size or 1) * self.n
+
+    @property
+    def routing_key(self) -> str | tuple[int, ...]:
+        if self.routing_tokens is not None:
+            return self.routing_tokens
+        return self.routing_text or ""
+
+
+def parse_request(endpoint: str, raw: bytes) -> RequestView:
+    """Parse `raw` into a RequestView or raise BadRequest naming the field."""
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    for name in PD_FIELDS:
+        if name in body and body[name] is not None:
+            raise BadRequest(f"'{name}' is assigned by the gateway; do not send it")
+    stream = _bool(body, "stream")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string")
+    if endpoint == GENERATE:
+        return _generate_view(body, stream, model)
+    if endpoint == CHAT:
+        return _chat_view(body, stream, model)
+    return _completions_view(body, stream, model)
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean")
+    return value
+
+
+def _n(value: Any, name: str) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadRequest(f"'{name}' must be a positive integer")
+    return value
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None) and body.get("input_embeds") is None:
+        raise BadRequest("exactly one of 'text' or 'input_ids' is required")
+    params = body.get("sampling_params")
+    if params is not None and not isinstance(params, (dict, list)):
+        raise BadRequest("'sampling_params' must be an object or a list of objects")
+    if isinstance(params, list):
+        if not params or not all(isinstance(p, dict) for p in params):
+            raise BadRequest("'sampling_params' list must hold objects")
+        n = _n(params[0].get("n"), "sampling_params.n")
+    else:
+        n = _n((params or {}).get("n"), "sampling_params.n")
+    batch: int | None
+    routing_text, routing_tokens = None, None
+    if text is not None:
+        if isinstance(text, str):
+            batch, routing_text, chars = None, text, len(text)
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            batch, routing_text, chars = len(text), text[0], sum(len(t) for t in text)
+        else:
+            raise BadRequest("'text' must be a string or a non-empty list of strings")
+        tokens = chars // 4 + 1
+    elif input_ids is not None:
+        if _is_token_list(input_ids) and input_ids:
+            batch, routing_tokens, tokens = None, tuple(input_ids), len(input_ids)
+        elif (isinstance(input_ids, list) and input_ids
+              and all(_is_token_list(x) and x for x in input_ids)):
+            batch, routing_tokens = len(input_ids), tuple(input_ids[0])
+            tokens = sum(len(x) for x in input_ids)
+        else:
+            raise BadRequest("'input_ids' must be a non-empty list of ints or of int lists")
+    else:
+        embeds = body["input_embeds"]
+        if not isinstance(embeds, list) or not embeds:
+            raise BadRequest("'input_embeds' must be a non-empty list")
+        single = isinstance(embeds[0], list) and embeds[0] and not isinstance(embeds[0][0], list)
+        batch = None if single else len(embeds)
+        tokens = len(embeds)
+    if isinstance(params, list) and len(params) != (batch or 1):
+        raise BadRequest("'sampling_params' list length must equal the batch size")
+    return RequestView(
+        endpoint=GENERATE, body=body, stream=stream, batch_size=batch, n=n,
+        routing_text=routing_text, routing_tokens=routing_tokens, prompt_tokens=tokens,
+        model=model, logprob_merge=_bool(body, "return_logprob"),
+    )
+
+
+def render_messages(messages: list[dict]) -> str:
+    """A stable text rendering of ALL chat messages: the routing key for prefix caching."""
+    parts: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(
+                p.get("text", "") for p in content if isinstance(p, dict)
+            )
+        parts.append(f"<|{message.get('role', '')}|>{content or ''}")
+    return "\n".join(parts)
+
+
+def _chat_view(body: dict, stream: bool, model: str | None) -> RequestView:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise BadRequest(f"'messages[{i}].content' must be a string or a list of parts")
+    text = render_messages(messages)
+    return RequestView(
+        endpoint=CHAT, body=body, stream=stream, batch_size=None, n=_n(body.get("n"), "n"),
+        routing_text=text, routing_tokens=None, prompt_tokens=len(text) // 4 + 1,
+        model=model, logprob_merge=False,
+    )
+
+
+def _completions_view(body: dict, stream: bool, model: str | None) -> RequestView:
+    prompt = body.get("prompt")
+    routing_text, routing_tokens = None, None
+    if isinstance(prompt, str):
+        batch, routing_text, tokens = None, prompt, len(prompt) // 4 + 1
+    elif _is_token_list(prompt) and prompt:
+        batch, routing_tokens, tokens = None, tuple(prompt), len(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        batch, routing_text = len(prompt), prompt[0]
+        tokens = sum(len(p) for p in prompt) // 4 + 1
+    elif isinstance(prompt, list) and prompt and all(_is_token_list(p) and p for p in prompt):
+        batch, routing_tokens, tokens = len(prompt), tuple(prompt[0]), sum(len(p) for p in prompt)
+    else:
+        raise BadRequest(
+            "'prompt' must be a string, a list of strings, a list of token ids "
+            "or a list of token-id lists"
+        )
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+        raise BadRequest("'logprobs' must be an integer")
+    echo = _bool(body, "echo")
+    return RequestView(
+        endpoint=COMPLETIONS, body=body, stream=stream, batch_size=batch,
+        n=_n(body.get("n"), "n"), routing_text=routing_text, routing_tokens=routing_tokens,
+        prompt_tokens=tokens, model=model, logprob_merge=echo and logprobs is not None,
+    )

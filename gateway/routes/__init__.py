@@ -1,0 +1,1 @@
+"""HTTP handlers: inference (pure ASGI, the hot path), info/health, and admin."""

@@ -1,0 +1,62 @@
+"""Small ASGI helpers shared by the handlers: body reading and JSON answers."""
+
+from __future__ import annotations
+
+from starlette.types import Receive, Send
+
+from gateway.errors import GatewayError, PayloadTooLarge, error_bytes
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+async def read_body(scope: dict, receive: Receive, limit: int) -> bytes:
+    """The whole request body, refusing more than `limit` bytes without reading them all."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                declared = 0
+            if declared > limit:
+                raise PayloadTooLarge(f"request body of {declared} bytes exceeds the "
+                                      f"limit of {limit} bytes")
+            break
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes,
+                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if extra:
+        headers.extend(extra)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, err: GatewayError, request_id: str | None = None) -> None:
+    extra = [(k.encode(), v.encode()) for k, v in err.headers.items()]
+    if request_id:
+        extra.append((b"x-request-id", request_id.encode()))
+    await send_bytes(send, err.status, error_bytes(err, request_id), b"application/json", extra)

@@ -1,0 +1,35 @@
+"""Every error as an OpenAI-style JSON answer, including unknown routes and methods."""
+
+from __future__ import annotations
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import GatewayError, NotFound, error_body, error_bytes
+
+
+def json_error(err: GatewayError) -> Response:
+    return Response(error_bytes(err), status_code=err.status, media_type="application/json",
+                    headers=err.headers)
+
+
+async def gateway_error(request: Request, exc: Exception) -> Response:
+    return json_error(exc) if isinstance(exc, GatewayError) else await http_error(request, exc)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404/405 and friends in the OpenAI error shape."""
+    status = getattr(exc, "status_code", 500)
+    if status == 404:
+        return json_error(NotFound(f"no route {request.method} {request.url.path}"))
+    detail = getattr(exc, "detail", None) or "request failed"
+    kind = "invalid_request_error" if status < 500 else "internal_error"
+    headers = dict(getattr(exc, "headers", None) or {})
+    return Response(orjson.dumps(error_body(f"{request.method} {request.url.path}: {detail}",
+                                            kind, status)),
+                    status_code=status, media_type="application/json", headers=headers)
+
+
+HANDLERS = {GatewayError: gateway_error, HTTPException: http_error}

@@ -1,0 +1,152 @@
+"""The gateway's parts, built from the config and owned for the life of the app.
+
+`Gateway.start()` (called by the lifespan) opens the HTTP client, probes the servers, and
+starts the background loops; `Gateway.stop()` closes all of them. Nothing here is global:
+the app holds one Gateway in `app.state.gateway`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from gateway.admission import Admission, KeyChecker
+from gateway.bootstrap import RoomAllocator
+from gateway.config import GatewayConfig
+from gateway.health import HealthChecker
+from gateway.metrics import Metrics
+from gateway.pd import PDDispatcher, Timeouts
+from gateway.policies import create_policy
+from gateway.probe import RoleMismatch, probe
+from gateway.proxy import Proxy
+from gateway.scheduler import Scheduler
+from gateway.upstream import build_client
+from gateway.workers import Worker, WorkerPool
+
+log = logging.getLogger("gateway")
+
+DEFAULT_PREFILL_POLICY = "cache_aware"
+DEFAULT_DECODE_POLICY = "least_load"
+
+
+class StartupError(RuntimeError):
+    """The gateway cannot serve with this configuration (exit code 3)."""
+
+
+class Gateway:
+    version = "0.1.0"
+
+    def __init__(self, config: GatewayConfig,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self.transport = transport
+        self.pool = WorkerPool()
+        for spec in config.prefill + config.decode:
+            self.pool.add(self._new_worker(spec.url, spec.role, spec.bootstrap_port))
+        self.registry = CollectorRegistry()
+        self.metrics = Metrics(self.registry, self.pool)
+        options = config.policy_options or {}
+        prefill_name = config.prefill_policy or config.policy or DEFAULT_PREFILL_POLICY
+        decode_name = config.decode_policy or config.policy or DEFAULT_DECODE_POLICY
+        self.scheduler = Scheduler(
+            self.pool,
+            create_policy(prefill_name, "prefill", options.get(prefill_name)),
+            create_policy(decode_name, "decode", options.get(decode_name)),
+        )
+        self.rooms = RoomAllocator(config.replica_id)
+        self.admission = Admission(config.max_concurrency, config.max_queue,
+                                   config.queue_timeout, self.metrics)
+        self.inference_keys = KeyChecker(config.api_keys)
+        self.admin_keys = KeyChecker(config.admin_api_keys or config.api_keys)
+        self.shutting_down = False
+        self.client: httpx.AsyncClient | None = None
+        self.dispatcher: PDDispatcher | None = None
+        self.proxy: Proxy | None = None
+        self.health: HealthChecker | None = None
+
+    def _new_worker(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
+        c = self.config
+        from gateway.breaker import CircuitBreaker  # noqa: PLC0415
+
+        return Worker(url, role, bootstrap_port,
+                      breaker=CircuitBreaker(c.breaker_failures, c.breaker_cooldown))
+
+    async def start(self) -> None:
+        c = self.config
+        self.client = build_client(c.connect_timeout, c.max_connections, self.transport)
+        self.dispatcher = PDDispatcher(
+            self.client, self.rooms, Timeouts(c.response_timeout, c.stream_idle_timeout))
+        self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
+                           c.retry_backoff, c.retry_backoff_max, c.request_timeout)
+        self.dispatcher.on_leg_done = self.proxy.leg_done
+        self.dispatcher.on_prefill_body = self.proxy.prefill_answered
+        await self._probe_all()
+        self.health = HealthChecker(
+            self.pool, self.client, endpoint=c.health_endpoint, interval=c.health_interval,
+            timeout=c.health_timeout, failures=c.health_failures,
+            successes=c.health_successes, loads_interval=c.loads_interval)
+        self.health.start()
+        for policy in self.scheduler.policies.values():
+            await policy.start()
+
+    async def _probe_all(self) -> None:
+        """Verify roles and learn bootstrap ports. A wrong role is fatal; an unreachable
+        server starts out down and is probed again by the health checker."""
+        if self.config.skip_probe:
+            for worker in self.pool:
+                worker.verified = True
+                if worker.role == "prefill" and worker.bootstrap_port is None:
+                    worker.bootstrap_port = 8998
+            return
+        workers = list(self.pool)
+        results = await asyncio.gather(
+            *(probe(self.client, w.url, w.role, self.config.probe_timeout) for w in workers),
+            return_exceptions=True)
+        mismatches = []
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, RoleMismatch):
+                mismatches.append(str(result))
+            elif isinstance(result, BaseException):
+                worker.healthy = False
+                log.warning("%s server %s is not reachable yet (%s); it stays out of rotation "
+                            "until it answers", worker.role, worker.url, result)
+            else:
+                worker.apply_facts(result)
+        if mismatches:
+            raise StartupError("; ".join(mismatches))
+
+    async def register(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
+        """Add a server at runtime: probed now if it answers, else health-checked until then."""
+        worker = self._new_worker(url, role, bootstrap_port)
+        try:
+            worker.apply_facts(await probe(self.client, url, role, self.config.probe_timeout))
+        except RoleMismatch as exc:
+            from gateway.errors import BadRequest  # noqa: PLC0415
+
+            raise BadRequest(str(exc)) from None
+        except ConnectionError:
+            worker.healthy = False
+        self.pool.add(worker)
+        if self.health is not None:
+            self.health.watch(worker)
+        return worker
+
+    def unregister(self, url: str) -> Worker | None:
+        worker = self.pool.remove(url)
+        if worker is not None and self.health is not None:
+            self.health.unwatch(url)
+        return worker
+
+    async def stop(self) -> None:
+        self.shutting_down = True
+        for policy in self.scheduler.policies.values():
+            await policy.stop()
+        if self.health is not None:
+            await self.health.stop()
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
+        if self.client is not None:
+            await self.client.aclose()

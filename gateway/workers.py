@@ -1,0 +1,198 @@
+"""Workers (one backend server each) and the pool the scheduler picks from.
+
+A worker is *usable* for new work only when its health checks pass, its circuit breaker
+allows a request and it is not draining. Counters are plain ints updated on the event loop.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.probe import ServerFacts
+
+ROLES = ("prefill", "decode")
+
+
+def bootstrap_host_of(url: str) -> str:
+    """The host part SGLang expects in `bootstrap_host`: IPv6 literals in brackets."""
+    host = urlsplit(url).hostname or ""
+    try:
+        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
+            return f"[{host}]"
+    except ValueError:
+        pass
+    return host
+
+
+@dataclass
+class ServerLoad:
+    """The latest `/v1/loads` figures of a server (summed over its DP ranks)."""
+
+    running: int = 0
+    waiting: int = 0
+    waiting_uncached_tokens: int = 0
+    used_tokens: int = 0
+    max_total_tokens: int = 0
+    token_usage: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: str
+    bootstrap_port: int | None = None
+    model: str | None = None
+    dp_size: int = 1
+    healthy: bool = True
+    draining: bool = False
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    total_requests: int = 0
+    total_failures: int = 0
+    load: ServerLoad = field(default_factory=ServerLoad)
+    bootstrap_host: str = ""
+    verified: bool = False  # role and bootstrap port confirmed by /server_info
+    misconfigured: str | None = None  # why the server can never be used (role mismatch)
+    last_success: float = 0.0  # monotonic time of the last successful request
+
+    def __post_init__(self) -> None:
+        self.bootstrap_host = bootstrap_host_of(self.url)
+
+    @property
+    def usable(self) -> bool:
+        return (self.healthy and self.verified and not self.draining
+                and self.misconfigured is None and self.breaker.allows())
+
+    def apply_facts(self, facts: ServerFacts) -> None:
+        """Adopt what the server says of itself; a port given by the operator wins."""
+        if self.role == "prefill" and self.bootstrap_port is None:
+            self.bootstrap_port = facts.bootstrap_port
+        self.model = self.model or facts.model
+        self.dp_size = facts.dp_size
+        self.verified = True
+
+    def apply_loads(self, data: dict) -> None:
+        """Sum a `/v1/loads` answer over DP ranks."""
+        loads = data.get("loads") if isinstance(data, dict) else None
+        if not isinstance(loads, list):
+            return
+        total = ServerLoad(updated_at=time.monotonic())
+        usages = []
+        for entry in loads:
+            if not isinstance(entry, dict):
+                continue
+            total.running += int(entry.get("num_running_reqs") or 0)
+            total.waiting += int(entry.get("num_waiting_reqs") or 0)
+            total.waiting_uncached_tokens += int(entry.get("num_waiting_uncached_tokens") or 0)
+            total.used_tokens += int(entry.get("num_used_tokens") or 0)
+            total.max_total_tokens += int(entry.get("max_total_num_tokens") or 0)
+            usages.append(float(entry.get("token_usage") or 0.0))
+        total.token_usage = max(usages) if usages else 0.0
+        self.load = total
+
+    def start(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+        self.total_requests += 1
+        self.breaker.on_dispatch()
+
+    def finish(self, tokens: int, success: bool | None) -> None:
+        """Release counters; success None means the outcome says nothing about the server."""
+        self.in_flight -= 1
+        self.in_flight_tokens -= tokens
+        if success is not None:
+            self.breaker.record(success)
+            if success:
+                self.last_success = time.monotonic()
+            else:
+                self.total_failures += 1
+
+    def snapshot(self) -> dict:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "bootstrap_port": self.bootstrap_port,
+            "model": self.model,
+            "healthy": self.healthy,
+            "verified": self.verified,
+            "misconfigured": self.misconfigured,
+            "draining": self.draining,
+            "breaker": self.breaker.state.value,
+            "usable": self.usable,
+            "in_flight": self.in_flight,
+            "in_flight_tokens": self.in_flight_tokens,
+            "total_requests": self.total_requests,
+            "total_failures": self.total_failures,
+            "load": {
+                "running": self.load.running,
+                "waiting": self.load.waiting,
+                "waiting_uncached_tokens": self.load.waiting_uncached_tokens,
+                "token_usage": self.load.token_usage,
+            },
+        }
+
+
+class WorkerPool:
+    """All known workers by URL; listeners hear about membership changes."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, Worker] = {}
+        self._by_role: dict[str, list[Worker]] = {role: [] for role in ROLES}
+        self._listeners: list[Callable[[], None]] = []
+
+    def add(self, worker: Worker) -> Worker:
+        if worker.role not in ROLES:
+            raise ValueError(f"unknown role {worker.role!r}")
+        if worker.url in self._workers:
+            raise ValueError(f"{worker.url} is already registered")
+        self._workers[worker.url] = worker
+        self._by_role[worker.role].append(worker)
+        self._changed()
+        return worker
+
+    def remove(self, url: str) -> Worker | None:
+        worker = self._workers.pop(url, None)
+        if worker is not None:
+            self._by_role[worker.role].remove(worker)
+            self._changed()
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def role(self, role: str) -> list[Worker]:
+        return self._by_role[role]
+
+    def usable(self, role: str, model: str | None = None) -> list[Worker]:
+        return [
+            w for w in self._by_role[role]
+            if w.usable and (model is None or w.model is None or w.model == model)
+        ]
+
+    def __iter__(self) -> Iterable[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def ready(self) -> bool:
+        return bool(self.usable("prefill")) and bool(self.usable("decode"))
+
+
+def breaker_state_code(state: BreakerState) -> int:
+    """Numeric breaker state for gauges: 0 closed, 1 half-open, 2 open."""
+    return {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}[state]
