@@ -1,0 +1,91 @@
+"""A scripted in-memory PD cluster behind httpx.MockTransport for socket-free unit tests.
+
+Each server URL maps to a behaviour: answer, fail with a status, hang until cancelled, or
+stream chunks. The fake records what it received and which requests were cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.app import build_app
+from gateway.config import load_config
+
+
+@dataclass
+class FakeServer:
+    role: str
+    status: int = 200
+    hang: bool = False
+    delay: float = 0.0
+    chunks: list[bytes] | None = None  # streaming body chunks
+    body: Callable[[dict], dict] | None = None
+    received: list[dict] = field(default_factory=list)
+    cancelled: int = 0
+    aborts: list[str] = field(default_factory=list)
+
+
+class FakeCluster:
+    def __init__(self, servers: dict[str, FakeServer]) -> None:
+        self.servers = servers
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        server = self.servers[base]
+        path = request.url.path
+        if path == "/server_info":
+            return httpx.Response(200, json={"disaggregation_mode": server.role,
+                                             "disaggregation_bootstrap_port": 8998,
+                                             "served_model_name": "fake"})
+        if path in ("/health", "/v1/loads"):
+            return httpx.Response(200, json={"loads": []})
+        if path == "/abort_request":
+            server.aborts.append(json.loads(request.content)["rid"])
+            return httpx.Response(200, json={})
+        body = json.loads(request.content)
+        server.received.append(body)
+        try:
+            if server.hang:
+                await asyncio.Event().wait()
+            if server.delay:
+                await asyncio.sleep(server.delay)
+        except asyncio.CancelledError:
+            server.cancelled += 1
+            raise
+        if server.status >= 400:
+            return httpx.Response(server.status, json={"error": {"message": f"{server.role} boom"}})
+        if server.chunks is not None and body.get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  stream=_ChunkStream(server.chunks))
+        payload = server.body(body) if server.body else {
+            "text": f"{server.role}:{body.get('text')}",
+            "meta_info": {"prompt_tokens": 4, "cached_tokens": 2},
+        }
+        return httpx.Response(200, json=payload)
+
+
+class _ChunkStream(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            if chunk == b"<hang>":
+                await asyncio.Event().wait()
+            if chunk == b"<error>":
+                raise httpx.ReadError("connection reset")
+            yield chunk
+
+
+def make_app(cluster: FakeCluster, *extra: str):
+    prefill = [u for u, s in cluster.servers.items() if s.role == "prefill"]
+    decode = [u for u, s in cluster.servers.items() if s.role == "decode"]
+    argv = ["--prefill", ",".join(prefill), "--decode", ",".join(decode),
+            "--policy", "round_robin", "--loads-interval", "0", "--retry-backoff", "0.001",
+            *extra]
+    return build_app(load_config(argv, environ={}), transport=httpx.MockTransport(cluster.handle))
