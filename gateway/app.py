@@ -11,7 +11,7 @@ from starlette.routing import Route
 
 from gateway.config import GatewayConfig
 from gateway.request import CHAT, COMPLETIONS, GENERATE
-from gateway.routes import admin, info
+from gateway.routes import admin, dashboard, info
 from gateway.routes.errors import HANDLERS
 from gateway.routes.inference import InferenceEndpoint
 from gateway.runtime import Gateway
@@ -38,6 +38,7 @@ def build_routes() -> list[Route]:
         Route("/admin/servers", admin.remove_server, methods=["DELETE"]),
         Route("/admin/servers/drain", admin.drain_server, methods=["POST"]),
         Route("/admin/servers/undrain", admin.undrain_server, methods=["POST"]),
+        *dashboard.ROUTES,
     ]
 
 

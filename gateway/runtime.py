@@ -66,6 +66,11 @@ class Gateway:
         self.dispatcher: PDDispatcher | None = None
         self.proxy: Proxy | None = None
         self.health: HealthChecker | None = None
+        self.cluster = None
+        if config.launch:
+            from gateway.launch import LocalCluster  # noqa: PLC0415 - only with --launch
+
+            self.cluster = LocalCluster(config, self.pool, self._new_worker)
 
     def _new_worker(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
         c = self.config
@@ -83,6 +88,8 @@ class Gateway:
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout)
         self.dispatcher.on_leg_done = self.proxy.leg_done
         self.dispatcher.on_prefill_body = self.proxy.prefill_answered
+        if self.cluster is not None:
+            await self.cluster.start()
         await self._probe_all()
         self.health = HealthChecker(
             self.pool, self.client, endpoint=c.health_endpoint, interval=c.health_interval,
@@ -150,3 +157,5 @@ class Gateway:
             await self.dispatcher.close()
         if self.client is not None:
             await self.client.aclose()
+        if self.cluster is not None:
+            await self.cluster.stop()

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from gateway.policies.base import Policy, build_options
+from gateway.policies.cache_aware import CacheAwarePolicy
+from gateway.policies.least_load import LeastLoadPolicy
+from gateway.policies.min_ttft import MinTtftPolicy
+from gateway.policies.power_of_two import PowerOfTwoPolicy
+from gateway.policies.prefix_cache import PrefixCachePolicy
 from gateway.policies.random import RandomPolicy
 from gateway.policies.round_robin import RoundRobinPolicy
 
@@ -11,6 +16,11 @@ REGISTRY: dict[str, type[Policy]] = {
     for cls in (
         RandomPolicy,
         RoundRobinPolicy,
+        PowerOfTwoPolicy,
+        LeastLoadPolicy,
+        CacheAwarePolicy,
+        PrefixCachePolicy,
+        MinTtftPolicy,
     )
 }
 

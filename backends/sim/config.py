@@ -1,0 +1,244 @@
+"""Command line and settings of the simulated SGLang server.
+
+One frozen `SimConfig` is built from the flags before any port is bound; the
+fault knobs live apart in a mutable `Faults` because `POST /sim/faults`
+changes them at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Mode = Literal["prefill", "decode", "null"]
+MODES: tuple[str, ...] = ("prefill", "decode", "null")
+SGLANG_VERSION = "0.5.23"
+
+# Timing-model figures (milliseconds) for an 8B dense model in bf16 on one
+# H100; docs/SIMULATOR.md explains where each one comes from.
+H100_8B_TIMING: dict[str, float] = {
+    "prefill_overhead_ms": 5.0,
+    "prefill_ms_per_token": 0.05,
+    "decode_step_ms": 7.0,
+    "decode_ms_per_req": 0.07,
+    "decode_ms_per_kv_token": 0.00004,
+    "transfer_overhead_ms": 1.0,
+    "transfer_ms_per_token": 0.003,
+}
+
+
+@dataclass
+class Faults:
+    """Injected misbehaviour; mutable because /sim/faults edits it live."""
+
+    error_rate: float = 0.0
+    hang: bool = False
+    crash_after: int = 0
+    slow_start: float = 0.0
+    health_fail: bool = False
+    first_token_delay: float = 0.0
+
+    def update(self, changes: dict[str, Any]) -> None:
+        """Apply a JSON body of knob changes; unknown names raise ValueError."""
+        known = {f.name: f for f in dataclasses.fields(self)}
+        for raw_name, value in changes.items():
+            name = raw_name.replace("-", "_")
+            if name not in known:
+                raise ValueError(f"unknown fault knob {raw_name!r}; known: {sorted(known)}")
+            kind = type(getattr(self, name))
+            if kind is bool:
+                setattr(self, name, bool(value))
+            else:
+                number = kind(value)
+                if number < 0:
+                    raise ValueError(f"fault knob {raw_name!r} must be >= 0")
+                setattr(self, name, number)
+        if self.error_rate > 1:
+            raise ValueError("error_rate must be within [0, 1]")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class KvEventsSettings:
+    """The parsed `--kv-events-config` (SGLang's KVEventsConfig subset)."""
+
+    raw: str
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    bind: bool | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, raw: str) -> KvEventsSettings:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        allowed = {"publisher", "endpoint", "replay_endpoint", "topic", "buffer_steps", "hwm", "bind"}
+        ignored = {"max_queue_size", "format"}
+        unknown = set(data) - allowed - ignored
+        if unknown:
+            raise ValueError(f"unknown --kv-events-config keys: {sorted(unknown)}")
+        kept = {k: v for k, v in data.items() if k in allowed}
+        return cls(raw=raw, **kept)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Every resolved setting of one simulated server."""
+
+    mode: str = "null"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    bootstrap_port: int = 8998
+    model_name: str = "sim-model"
+    page_size: int = 1
+    max_running_requests: int = 256
+    max_total_tokens: int = 400_000
+    cache_capacity_tokens: int = 400_000
+    chunked_prefill_size: int = 8192
+    context_length: int = 131_072
+    default_max_new_tokens: int = 16
+    prefill_overhead_ms: float = H100_8B_TIMING["prefill_overhead_ms"]
+    prefill_ms_per_token: float = H100_8B_TIMING["prefill_ms_per_token"]
+    decode_step_ms: float = H100_8B_TIMING["decode_step_ms"]
+    decode_ms_per_req: float = H100_8B_TIMING["decode_ms_per_req"]
+    decode_ms_per_kv_token: float = H100_8B_TIMING["decode_ms_per_kv_token"]
+    transfer_overhead_ms: float = H100_8B_TIMING["transfer_overhead_ms"]
+    transfer_ms_per_token: float = H100_8B_TIMING["transfer_ms_per_token"]
+    token_delay: float | None = None
+    bootstrap_timeout: float = 30.0
+    waiting_timeout: float = 30.0
+    bootstrap_retries: int = 15
+    bootstrap_retry_interval: float = 1.0
+    transfer_backend: str = "mooncake"
+    enable_cache_report: bool = True
+    kv_events: KvEventsSettings | None = None
+    kv_events_encoding: str = "map"
+    seed: int = 0
+    log_level: str = "warning"
+    faults: Faults = field(default_factory=Faults, compare=False)
+
+    @property
+    def engine_type(self) -> str:
+        """The `engine_type` metric label SGLang derives from the mode."""
+        return {"prefill": "prefill", "decode": "decode"}.get(self.mode, "unified")
+
+
+def _flag_table() -> list[tuple[str, dict[str, Any]]]:
+    """All flags with their help; defaults come from the dataclasses."""
+    d = SimConfig()
+    f = Faults()
+    return [
+        ("--mode", {"choices": MODES, "default": d.mode, "help": "disaggregation mode"}),
+        ("--host", {"default": d.host}),
+        ("--port", {"type": int, "default": d.port}),
+        ("--bootstrap-port", {"type": int, "default": d.bootstrap_port,
+                              "help": "prefill bootstrap server port"}),
+        ("--model-name", {"default": d.model_name, "help": "served model name and model path"}),
+        ("--page-size", {"type": int, "default": d.page_size}),
+        ("--max-running-requests", {"type": int, "default": d.max_running_requests}),
+        ("--max-total-tokens", {"type": int, "default": d.max_total_tokens,
+                                "help": "KV pool size in tokens (token_usage denominator)"}),
+        ("--cache-capacity-tokens", {"type": int, "default": None,
+                                     "help": "prefix cache capacity (default: max-total-tokens)"}),
+        ("--chunked-prefill-size", {"type": int, "default": d.chunked_prefill_size}),
+        ("--context-length", {"type": int, "default": d.context_length}),
+        ("--default-max-new-tokens", {"type": int, "default": d.default_max_new_tokens}),
+        ("--prefill-overhead-ms", {"type": float, "default": d.prefill_overhead_ms}),
+        ("--prefill-ms-per-token", {"type": float, "default": d.prefill_ms_per_token}),
+        ("--decode-step-ms", {"type": float, "default": d.decode_step_ms}),
+        ("--decode-ms-per-req", {"type": float, "default": d.decode_ms_per_req}),
+        ("--decode-ms-per-kv-token", {"type": float, "default": d.decode_ms_per_kv_token}),
+        ("--transfer-overhead-ms", {"type": float, "default": d.transfer_overhead_ms}),
+        ("--transfer-ms-per-token", {"type": float, "default": d.transfer_ms_per_token}),
+        ("--token-delay", {"type": float, "default": None,
+                           "help": "fixed seconds per decode step, overriding the model"}),
+        ("--fast", {"action": "store_true", "help": "zero every timing-model delay"}),
+        ("--bootstrap-timeout", {"type": float, "default": d.bootstrap_timeout}),
+        ("--waiting-timeout", {"type": float, "default": d.waiting_timeout}),
+        ("--bootstrap-retries", {"type": int, "default": d.bootstrap_retries}),
+        ("--bootstrap-retry-interval", {"type": float, "default": d.bootstrap_retry_interval}),
+        ("--transfer-backend", {"default": d.transfer_backend}),
+        ("--enable-cache-report", {"action": argparse.BooleanOptionalAction,
+                                   "default": d.enable_cache_report}),
+        ("--kv-events-config", {"default": None, "help": "SGLang KVEventsConfig JSON"}),
+        ("--kv-events-encoding", {"choices": ("map", "array"), "default": d.kv_events_encoding}),
+        ("--seed", {"type": int, "default": d.seed, "help": "seed of the --error-rate draw"}),
+        ("--log-level", {"default": d.log_level}),
+        ("--error-rate", {"type": float, "default": f.error_rate}),
+        ("--hang", {"action": "store_true"}),
+        ("--crash-after", {"type": int, "default": f.crash_after}),
+        ("--slow-start", {"type": float, "default": f.slow_start}),
+        ("--health-fail", {"action": "store_true"}),
+        ("--first-token-delay", {"type": float, "default": f.first_token_delay}),
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m backends.sim",
+        description="Simulated SGLang 0.5.23 server (prefill, decode or plain).",
+    )
+    for name, options in _flag_table():
+        parser.add_argument(name, **options)
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> SimConfig:
+    """Parse and validate flags; raises SystemExit(2) on bad input."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return _resolve(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def _resolve(ns: argparse.Namespace) -> SimConfig:
+    timing = {k: getattr(ns, k) for k in H100_8B_TIMING}
+    if ns.fast:
+        timing = {k: 0.0 for k in timing}
+    token_delay = 0.0 if ns.fast and ns.token_delay is None else ns.token_delay
+    faults = Faults()
+    faults.update({
+        "error_rate": ns.error_rate, "hang": ns.hang, "crash_after": ns.crash_after,
+        "slow_start": ns.slow_start, "health_fail": ns.health_fail,
+        "first_token_delay": ns.first_token_delay,
+    })
+    kv_events = KvEventsSettings.parse(ns.kv_events_config) if ns.kv_events_config else None
+    for name in ("page_size", "max_running_requests", "max_total_tokens", "chunked_prefill_size",
+                 "context_length", "default_max_new_tokens"):
+        if getattr(ns, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if any(v < 0 for v in timing.values()) or (token_delay or 0) < 0:
+        raise ValueError("timing figures must be >= 0")
+    if ns.bootstrap_retries < 1:
+        raise ValueError("--bootstrap-retries must be >= 1")
+    capacity = ns.cache_capacity_tokens
+    return SimConfig(
+        mode=ns.mode, host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port,
+        model_name=ns.model_name, page_size=ns.page_size,
+        max_running_requests=ns.max_running_requests, max_total_tokens=ns.max_total_tokens,
+        cache_capacity_tokens=ns.max_total_tokens if capacity is None else max(0, capacity),
+        chunked_prefill_size=ns.chunked_prefill_size, context_length=ns.context_length,
+        default_max_new_tokens=ns.default_max_new_tokens, token_delay=token_delay,
+        bootstrap_timeout=ns.bootstrap_timeout, waiting_timeout=ns.waiting_timeout,
+        bootstrap_retries=ns.bootstrap_retries,
+        bootstrap_retry_interval=ns.bootstrap_retry_interval,
+        transfer_backend=ns.transfer_backend, enable_cache_report=ns.enable_cache_report,
+        kv_events=kv_events, kv_events_encoding=ns.kv_events_encoding, seed=ns.seed,
+        log_level=ns.log_level, faults=faults, **timing,
+    )

@@ -1,0 +1,219 @@
+"""How one item is served in each mode, with SGLang's PD rules and messages.
+
+null:    queue -> prefill -> decode steps.
+prefill: take the room -> wait for a decode to bootstrap (--bootstrap-timeout)
+         -> prefill -> send KV -> answer with one token, finish length 0.
+decode:  handshake with the prefill's bootstrap server (--bootstrap-retries)
+         -> wait for the KV (--waiting-timeout) -> decode steps.
+A leg that fails or is cancelled marks its room failed, so the other leg of
+the pair fails promptly instead of waiting for its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from backends.sim.bootstrap import handshake_failed, transfer_failed
+from backends.sim.job import ABORT_REASON, Job, SimError
+from backends.sim.rooms import DUPLICATE_DECODE, Room
+from backends.sim.state import SimState
+
+ABORTED = "Aborted by AbortReq."
+
+
+def missing_room(rid: str) -> str:
+    return ("Invalid request: Disaggregated request received without bootstrap room id. "
+            f"req.rid={rid!r}")
+
+
+def prefill_failed(rid: str, room: int, reason: str) -> str:
+    return (f"Prefill bootstrap failed for request rank=0 req.rid={rid!r} "
+            f"req.bootstrap_room={room} with exception "
+            f"KVTransferError(bootstrap_room={room}): {reason}")
+
+
+@dataclass
+class _Leg:
+    """What one item holds in the PD protocol, for cleanup."""
+
+    room: Room | None = None
+    decode_room: int | None = None
+    joined: str | None = None
+    kv_received: bool = False
+
+
+def launch(state: SimState, job: Job, endpoint: str) -> asyncio.Task[None]:
+    """Start serving `job`; it is findable by rid until it ends."""
+    task = asyncio.get_running_loop().create_task(run_job(state, job, endpoint))
+    rid = job.spec.rid
+    state.jobs[rid] = (job, task)
+
+    def _forget(_: asyncio.Task[None]) -> None:
+        if state.jobs.get(rid, (None,))[0] is job:
+            del state.jobs[rid]
+
+    task.add_done_callback(_forget)
+    return task
+
+
+def abort(state: SimState, rid: str | None, abort_all: bool) -> int:
+    """POST /abort_request: end matching jobs with finish_reason abort."""
+    targets = list(state.jobs.values()) if abort_all else [state.jobs[rid]] if rid in state.jobs else []
+    for job, task in targets:
+        if not job.done:
+            job.aborted = True
+            task.cancel()
+    return len(targets)
+
+
+async def run_job(state: SimState, job: Job, endpoint: str) -> None:
+    """Serve one item to its end; the outcome is left on the job."""
+    leg = _Leg()
+    outcome, reason = "completed", None
+    runner = {"prefill": _run_prefill, "decode": _run_decode}.get(state.config.mode, _run_null)
+    try:
+        await runner(state, job, leg)
+    except SimError as exc:
+        job.fail(exc)
+        outcome, reason = "failed", exc.message
+        state.telemetry.observe_failure(exc.message)
+    except asyncio.CancelledError:
+        if job.aborted:
+            job.finish(dict(ABORT_REASON))
+            outcome, reason = "aborted", ABORTED
+            state.telemetry.aborted += 1
+        else:
+            job.cancel()
+            outcome, reason = "cancelled", "client disconnected"
+            state.telemetry.aborted += 1
+    finally:
+        if outcome != "completed":
+            state.engine.drop(job)
+        _release_leg(state, job, leg, outcome, reason)
+        room = job.spec.bootstrap_room if state.config.mode != "null" else None
+        state.stats.record(endpoint, job.spec.rid, room, outcome, reason)
+        if outcome == "completed":
+            state.telemetry.observe_finished(job)
+
+
+def _release_leg(state: SimState, job: Job, leg: _Leg, outcome: str, reason: str | None) -> None:
+    ok = outcome == "completed"
+    if leg.room is not None and state.registry is not None:
+        state.engine.release(job)
+        if not ok:
+            why = ABORTED if outcome in ("cancelled", "aborted") else "Prefill bootstrap failed"
+            state.registry.fail(leg.room.room, why)
+    if leg.decode_room is not None:
+        state.decode_rooms.discard(leg.decode_room)
+        if not ok and leg.joined and not leg.kv_received and state.client is not None:
+            state.client.abort_later(leg.joined, leg.decode_room, reason or ABORTED)
+
+
+async def _first_token_delay(state: SimState) -> None:
+    delay = state.config.faults.first_token_delay
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def _run_null(state: SimState, job: Job, leg: _Leg) -> None:
+    await _first_token_delay(state)
+    state.engine.submit_prefill(job)
+    await job.ended.wait()
+
+
+async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
+    spec, cfg, registry = job.spec, state.config, state.registry
+    if registry is None:
+        raise RuntimeError("a prefill sim always has a room registry")
+    number = spec.bootstrap_room
+    if number is None:
+        raise SimError(400, missing_room(spec.rid))
+    got = registry.claim_prefill(number, spec.rid)
+    if isinstance(got, str):
+        raise SimError(500, prefill_failed(spec.rid, number, got))
+    leg.room = room = got
+    job.phase = "bootstrap"
+    start = time.monotonic()
+    while room.decode_rid is None and room.state == "open":
+        remaining = start + cfg.bootstrap_timeout - time.monotonic()
+        if remaining <= 0:
+            elapsed = time.monotonic() - start
+            raise SimError(500, prefill_failed(
+                spec.rid, number, f"Request {number} timed out after {elapsed:.1f}s in KVPoll.Bootstrapping"))
+        await registry.wait_change(room, remaining)
+    _check_room(room, spec.rid)
+    await _first_token_delay(state)
+    state.engine.submit_prefill(job)
+    while not job.prefilled.is_set():
+        waiter = asyncio.ensure_future(job.prefilled.wait())
+        changed = asyncio.ensure_future(room.changed.wait())
+        try:
+            await asyncio.wait((waiter, changed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            changed.cancel()
+        _check_room(room, spec.rid)
+    if job.error is not None:
+        raise job.error
+    job.phase = "transfer"
+    seconds = (cfg.transfer_overhead_ms + cfg.transfer_ms_per_token * job.prompt_tokens) / 1e3
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+    kv = {
+        "prompt_tokens": job.prompt_tokens, "seed": job.seed.hex(),
+        "cached_tokens": job.cached_tokens, "first_token": job.output_ids[0],
+        "first_logprob": job.output_logprobs[0], "prefill_rid": spec.rid,
+    }
+    if not registry.ready(room, kv):
+        _check_room(room, spec.rid)
+    state.engine.release(job)
+    job.finish({"type": "length", "length": 0})
+
+
+def _check_room(room: Room, rid: str) -> None:
+    if room.state == "failed":
+        raise SimError(500, prefill_failed(rid, room.room, room.reason or ABORTED))
+
+
+def _bootstrap_addr(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+async def _run_decode(state: SimState, job: Job, leg: _Leg) -> None:
+    spec, client = job.spec, state.client
+    if client is None:
+        raise RuntimeError("a decode sim always has a bootstrap client")
+    number = spec.bootstrap_room
+    if number is None:
+        raise SimError(400, missing_room(spec.rid))
+    if not spec.bootstrap_host or spec.bootstrap_port is None:
+        raise SimError(400, "Invalid request: Disaggregated request received without "
+                            f"bootstrap host or port. req.rid={spec.rid!r}")
+    if number in state.decode_rooms:
+        raise SimError(500, handshake_failed(spec.rid, number, DUPLICATE_DECODE))
+    state.decode_rooms.add(number)
+    leg.decode_room = number
+    addr = _bootstrap_addr(spec.bootstrap_host, spec.bootstrap_port)
+    job.phase = "bootstrap"
+    await client.handshake(addr, number, spec.rid)
+    leg.joined = addr
+    job.phase = "transfer"
+    kv = await client.wait_kv(addr, number, spec.rid)
+    leg.kv_received = True
+    if int(kv["prompt_tokens"]) != job.prompt_tokens:
+        raise SimError(500, transfer_failed(spec.rid, number, (
+            f"KV size mismatch: prefill sent {kv['prompt_tokens']} tokens, "
+            f"decode expects {job.prompt_tokens}")))
+    job.seed = bytes.fromhex(str(kv["seed"]))
+    job.cached_tokens = int(kv["cached_tokens"])
+    await _first_token_delay(state)
+    if spec.max_new_tokens <= 0:
+        job.finish({"type": "length", "length": 0})
+    else:
+        job.add_token(int(kv["first_token"]), float(kv["first_logprob"]))
+    state.engine.submit_decode(job)
+    await job.ended.wait()

@@ -1,0 +1,150 @@
+"""One generation unit (a single prompt, or one item of a batch) and its state.
+
+The engine appends tokens, the PD flow sets errors, and the HTTP layer reads
+snapshots; `changed` wakes the reader after every update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.sim import tokenizer
+
+
+class SimError(Exception):
+    """A request failure with the HTTP status SGLang would give it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """The normalized input of one item (GenerateReqInput after `__getitem__`)."""
+
+    index: int
+    rid: str
+    input_ids: list[int]
+    text: str | None
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    stream: bool = False
+
+
+ABORT_REASON = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+@dataclass(eq=False)
+class Job:
+    spec: ItemSpec
+    seed: bytes = b""
+    cached_tokens: int = 0
+    remaining_prefill: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: dict[str, Any] | None = None
+    error: SimError | None = None
+    cancelled: bool = False
+    aborted: bool = False
+    phase: str = "new"
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    prefilled: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        if not self.seed:
+            self.seed = tokenizer.prompt_seed(self.spec.input_ids)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.spec.input_ids)
+
+    @property
+    def context_len(self) -> int:
+        return len(self.spec.input_ids) + len(self.output_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None or self.cancelled
+
+    def add_token(self, token: int, logprob: float) -> None:
+        """Append one generated token and decide whether the item finished."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        spec = self.spec
+        if token in spec.stop_token_ids:
+            self._finish({"type": "stop", "matched": token})
+            return
+        before = len(self.text)
+        self.text += tokenizer.token_text(token)
+        for stop in spec.stop:
+            at = self.text.find(stop, max(0, before - len(stop) + 1))
+            if stop and at >= 0:
+                self.text = self.text[:at]
+                self._finish({"type": "stop", "matched": stop})
+                return
+        if len(self.output_ids) >= spec.max_new_tokens:
+            self._finish({"type": "length", "length": spec.max_new_tokens})
+            return
+        self.changed.set()
+
+    def next_token(self) -> None:
+        """Generate the token at the next output position."""
+        token, logprob = tokenizer.output_token(self.seed, len(self.output_ids))
+        self.add_token(token, logprob)
+
+    def stage_first_token(self) -> None:
+        """Prefill mode: keep the first token without finishing or notifying.
+
+        A prefill answers only once its KV has left, with finish length 0.
+        """
+        token, logprob = tokenizer.output_token(self.seed, 0)
+        self.first_token_at = time.perf_counter()
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        self.text = tokenizer.token_text(token)
+
+    def _finish(self, reason: dict[str, Any]) -> None:
+        self.finish_reason = reason
+        self._end()
+
+    def _end(self) -> None:
+        self.finished_at = time.perf_counter()
+        self.phase = "done"
+        self.changed.set()
+        self.ended.set()
+        self.prefilled.set()
+
+    def finish(self, reason: dict[str, Any]) -> None:
+        if not self.done:
+            self._finish(reason)
+
+    def fail(self, error: SimError) -> None:
+        if not self.done:
+            self.error = error
+            self._end()
+
+    def cancel(self) -> None:
+        """The client went away: stop without an answer."""
+        if not self.done:
+            self.cancelled = True
+            self._end()

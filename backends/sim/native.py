@@ -1,0 +1,136 @@
+"""The native API: POST /generate, /abort_request, /flush_cache.
+
+Errors follow http_server.py: a 400 (bad input) is `{"error": {"message"}}`,
+any other status is the HTTPException shape `{"object": "error", "message",
+"type": "<status>", "param": null, "code": <status>}`. A streaming request
+that fails after the stream began (every PD failure) gets HTTP 200 and a
+final chunk whose `finish_reason` is `{"type": "abort", "status_code": ...}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp
+
+from backends.sim import faults, flows
+from backends.sim.job import ItemSpec, Job
+from backends.sim.outputs import native_output
+from backends.sim.requests import BadRequest, parse_generate
+from backends.sim.responses import DONE, JobsResponse, first_error, sse
+from backends.sim.state import SimState
+
+
+def native_error(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    if status == 400:
+        return status, {"error": {"message": message}}
+    return status, {"object": "error", "message": message, "type": str(status), "param": None,
+                    "code": status}
+
+
+class NativeFormatter:
+    """Shapes of /generate: cumulative chunks, `[DONE]`, dict or list."""
+
+    defer_headers = False
+
+    def __init__(self, mode: str, is_single: bool) -> None:
+        self.mode = mode
+        self.is_single = is_single
+        self._sent: dict[int, int] = {}
+        self._closed: set[int] = set()
+
+    def closed(self, job: Job) -> bool:
+        return job.spec.index in self._closed
+
+    def updates(self, job: Job) -> list[bytes]:
+        idx = job.spec.index
+        if idx in self._closed:
+            return []
+        index = None if self.is_single else idx
+        if job.cancelled:
+            self._closed.add(idx)
+            return []
+        if job.done:
+            self._closed.add(idx)
+            return [sse(native_output(job, self.mode, index))]
+        count = len(job.output_ids)
+        if self.mode == "prefill" or count == self._sent.get(idx, 0):
+            return []
+        self._sent[idx] = count
+        return [sse(native_output(job, self.mode, index))]
+
+    def trailer(self) -> list[bytes]:
+        return [DONE]
+
+    def unary(self, jobs: list[Job]) -> tuple[int, object]:
+        failed = first_error(jobs)
+        if failed is not None and failed.error is not None:
+            return native_error(failed.error.status, failed.error.message)
+        outs = [native_output(j, self.mode) for j in jobs]
+        return 200, outs[0] if self.is_single else outs
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    if not body:
+        return {}
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"Invalid JSON body: {exc}") from None
+
+
+def make_jobs(state: SimState, specs: list[ItemSpec]) -> list[Job]:
+    """Jobs of one HTTP request share one `changed` event (one reader)."""
+    shared = asyncio.Event()
+    live = [s.rid for s in specs if s.rid in state.jobs]
+    if live:
+        raise BadRequest(f"Duplicate request ID detected: {live[0]}")
+    return [Job(spec=s, changed=shared) for s in specs]
+
+
+async def generate(request: Request) -> ASGIApp:
+    state: SimState = request.app.state.sim
+    endpoint = "/generate"
+    state.stats.received(endpoint)
+    early = await faults.before_generation(state, request, endpoint)
+    if early is not None:
+        return early
+    try:
+        parsed = parse_generate(await read_json(request), state.config)
+        jobs = make_jobs(state, parsed.items)
+    except BadRequest as exc:
+        state.stats.record(endpoint, "", None, "failed", str(exc))
+        status, payload = native_error(400, str(exc))
+        return JSONResponse(payload, status_code=status)
+    formatter = NativeFormatter(state.config.mode, parsed.is_single)
+    return JobsResponse(state, jobs, formatter, parsed.stream, endpoint)
+
+
+async def abort_request(request: Request) -> Response:
+    state: SimState = request.app.state.sim
+    try:
+        body = await read_json(request)
+    except BadRequest as exc:
+        status, payload = native_error(400, str(exc))
+        return JSONResponse(payload, status_code=status)
+    rid = body.get("rid") if isinstance(body, dict) else None
+    abort_all = bool(body.get("abort_all", False)) if isinstance(body, dict) else False
+    flows.abort(state, rid, abort_all)
+    return Response(status_code=200)
+
+
+async def flush_cache(request: Request) -> Response:
+    state: SimState = request.app.state.sim
+    if state.engine.num_running or state.engine.waiting:
+        return PlainTextResponse(
+            "Cache not flushed: there are running or waiting requests.\n", status_code=400)
+    state.cache.clear()
+    state.stats.flush_count += 1
+    return PlainTextResponse(
+        "Cache flushed.\nPlease check backend logs for more details. "
+        "(When there are running or waiting requests, the operation will not be performed.)\n")

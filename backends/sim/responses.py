@@ -1,0 +1,123 @@
+"""One ASGI response for every generation endpoint.
+
+It starts the items' flows, watches the receive channel for `http.disconnect`
+(so a client that leaves cancels its items, streaming or not), and writes
+either one JSON body or an SSE stream through a formatter that knows the
+endpoint's JSON shapes. A non-streaming answer is the finished state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from backends.sim.flows import launch
+from backends.sim.job import Job
+from backends.sim.state import SimState
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: object) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+class Formatter(Protocol):
+    """Endpoint-specific shapes of progress, end of stream and final answer."""
+
+    defer_headers: bool
+
+    def updates(self, job: Job) -> list[bytes]: ...
+
+    def closed(self, job: Job) -> bool: ...
+
+    def trailer(self) -> list[bytes]: ...
+
+    def unary(self, jobs: list[Job]) -> tuple[int, object]: ...
+
+
+class JobsResponse:
+    """Serve `jobs` (all sharing one `changed` event) and answer the client."""
+
+    def __init__(self, state: SimState, jobs: list[Job], formatter: Formatter, stream: bool,
+                 endpoint: str) -> None:
+        self.state, self.jobs, self.formatter = state, jobs, formatter
+        self.stream, self.endpoint = stream, endpoint
+        self.changed = jobs[0].changed
+        self.disconnected = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        tasks = [launch(self.state, job, self.endpoint) for job in self.jobs]
+        finished = False
+        try:
+            if self.stream:
+                await self._stream(send)
+            else:
+                await self._unary(send)
+            finished = not self.disconnected
+        finally:
+            watcher.cancel()
+            if not finished:
+                for task in tasks:
+                    task.cancel()
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                self.changed.set()
+                return
+
+    async def _stream(self, send: Send) -> None:
+        started = False
+        if not self.formatter.defer_headers:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            started = True
+        while True:
+            self.changed.clear()
+            for job in self.jobs:
+                for chunk in self.formatter.updates(job):
+                    if not started:
+                        await send({"type": "http.response.start", "status": 200,
+                                    "headers": SSE_HEADERS})
+                        started = True
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if self.disconnected:
+                return
+            if all(self.formatter.closed(job) for job in self.jobs):
+                break
+            await self.changed.wait()
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        body = b"".join(self.formatter.trailer())
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _unary(self, send: Send) -> None:
+        while True:
+            self.changed.clear()
+            if self.disconnected:
+                return
+            if any(j.error for j in self.jobs) or all(j.done for j in self.jobs):
+                break
+            await self.changed.wait()
+        status, payload = self.formatter.unary(self.jobs)
+        await send_json(send, status, payload)
+
+
+async def send_json(send: Send, status: int, payload: object) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+    await send({"type": "http.response.body", "body": orjson.dumps(payload), "more_body": False})
+
+
+def first_error(jobs: list[Job]) -> Job | None:
+    """The job whose error answers a non-streaming request (earliest to fail)."""
+    failed = [j for j in jobs if j.error is not None]
+    return min(failed, key=lambda j: j.finished_at or 0.0) if failed else None

@@ -1,0 +1,49 @@
+"""`--launch`: start a local cluster with backends.launcher and keep the pool in step with it.
+
+The launcher reports each server's state; only READY servers are healthy in the pool, so a
+crashed server leaves rotation at once and returns when its restart is ready again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from backends.launcher import Launcher, ServerHandle, ServerState, default_topology, load_topology
+from gateway.config import GatewayConfig
+from gateway.workers import Worker, WorkerPool
+
+log = logging.getLogger("gateway.launch")
+
+
+class LocalCluster:
+    def __init__(self, config: GatewayConfig, pool: WorkerPool, new_worker) -> None:
+        if config.launch_config:
+            self.topology = load_topology(config.launch_config)
+        else:
+            self.topology = default_topology(config.backend, config.num_prefill,
+                                             config.num_decode)
+        self.pool = pool
+        self._new_worker = new_worker
+        self.launcher = Launcher(self.topology, on_state=self._on_state, handle_signals=False)
+
+    async def start(self) -> None:
+        """Start every server and wait until all are ready (raises on failure)."""
+        await self.launcher.start()
+        for server in self.launcher.servers:
+            if self.pool.get(server.url) is None:
+                self.pool.add(self._new_worker(server.url, server.role, server.bootstrap_port))
+
+    def _on_state(self, server: ServerHandle, state: ServerState) -> None:
+        worker: Worker | None = self.pool.get(server.url)
+        if worker is None:
+            return
+        if state is ServerState.READY:
+            worker.healthy = True
+            worker.breaker.reset()
+            log.warning("%s server %s is ready again", server.role, server.url)
+        else:
+            worker.healthy = False
+            log.warning("%s server %s is %s: out of rotation", server.role, server.url, state)
+
+    async def stop(self) -> None:
+        await self.launcher.stop()

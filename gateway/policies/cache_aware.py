@@ -1,0 +1,126 @@
+"""cache_aware: send a prompt where its longest prefix was sent before, unless load says no.
+
+Approximate: the gateway's own routing history stands in for the servers' prefix caches (for
+the exact state see `prefix_cache`). What it does better than sglang-router's `cache_aware`:
+- the key is the FULL routing key: every chat message rendered (`RequestView.routing_text`) or
+  the whole `input_ids`, so two conversations sharing a system prompt are told apart by their
+  history, not lumped together by their first message;
+- one global memory bound for the tree, enforced on every insert (no periodic eviction thread
+  that lets the tree overshoot), LRU leaves first;
+- the load signal counts prompt tokens and server-reported `/v1/loads` figures, not only
+  request counts (`load.py`);
+- workers whose match is within a few percent of the best count as tied and the least loaded
+  of them wins, so a few characters of coincidental overlap past a shared system prompt do not
+  pin every request to one worker.
+
+Decision, in order:
+1. load imbalance (max - min > `balance_abs_threshold` and max > min * `balance_rel_threshold`,
+   in load units): the least loaded worker;
+2. best match / key length >= `match_threshold`: the least loaded of the best-matching workers;
+3. otherwise the least loaded worker (ties rotate).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.policies.base import Policy
+from gateway.policies.load import LoadOptions, imbalanced, load_scores, rotating_argmin
+from gateway.policies.prefix_tree import Key, PrefixTree
+from gateway.request import RequestView
+from gateway.workers import Worker
+
+# Matches within this fraction of the best one count as equal (coincidental overlap).
+TIE_BAND = 0.05
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class CacheAwareOptions(LoadOptions):
+    """Thresholds of the cache-or-load decision and the bound of the prefix tree."""
+
+    # Fraction of the key that must be matched to follow the cache. 0.3 keeps a shared system
+    # prompt of a third of the prompt sticky (its prefill is the saving), while short matches
+    # (role markers, a greeting) do not override load; the balance guard caps the hot spots.
+    match_threshold: float = 0.3
+    balance_abs_threshold: float = 32.0  # load units (one request + one per token_unit tokens)
+    balance_rel_threshold: float = 1.5
+    max_tree_size: int = 1 << 24  # characters/tokens over all workers (~16.8 M)
+    eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound evicts
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.match_threshold <= 1.0:
+            raise ValueError(
+                f"option 'match_threshold' must be in [0, 1], got {self.match_threshold}"
+            )
+        if self.balance_abs_threshold < 0:
+            raise ValueError(
+                f"option 'balance_abs_threshold' must be >= 0, got {self.balance_abs_threshold}"
+            )
+        if self.balance_rel_threshold < 1.0:
+            raise ValueError(
+                f"option 'balance_rel_threshold' must be >= 1, got {self.balance_rel_threshold}"
+            )
+        if self.max_tree_size < 1:
+            raise ValueError(f"option 'max_tree_size' must be >= 1, got {self.max_tree_size}")
+        if self.eviction_ttl < 0:
+            raise ValueError(f"option 'eviction_ttl' must be >= 0, got {self.eviction_ttl}")
+
+
+class CacheAwarePolicy(Policy):
+    name = "cache_aware"
+    Options = CacheAwareOptions
+
+    def __init__(self, role: str, options: CacheAwareOptions | None = None) -> None:
+        super().__init__(role, options)
+        self.tree = PrefixTree(self.options.max_tree_size, self.options.eviction_ttl)
+        self._turn = 0
+        self._decisions = {"cache": 0, "load": 0, "balance": 0}
+
+    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+        key = view.routing_key
+        matched = self.tree.match(key) if key else {}
+        return self.choose(candidates, matched, len(key))
+
+    def choose(self, candidates: Sequence[Worker], matched: dict[str, int], key_len: int) -> Worker:
+        """The decision above, given each worker's matched prefix length out of `key_len`."""
+        options = self.options
+        turn = self._turn
+        self._turn += 1
+        if len(candidates) == 1:
+            return candidates[0]
+        scores = load_scores(candidates, options, time.monotonic())
+        if imbalanced(scores, options.balance_abs_threshold, options.balance_rel_threshold):
+            self._decisions["balance"] += 1
+            return candidates[rotating_argmin(scores, turn)]
+        lengths = [matched.get(w.url, 0) for w in candidates]
+        best = max(lengths)
+        if best and key_len and best / key_len >= options.match_threshold:
+            floor = best - best * TIE_BAND
+            scores = [s if n >= floor else INF for s, n in zip(scores, lengths, strict=True)]
+            self._decisions["cache"] += 1
+        else:
+            self._decisions["load"] += 1
+        return candidates[rotating_argmin(scores, turn)]
+
+    def on_dispatch(self, worker: Worker, view: RequestView) -> None:
+        key: Key = view.routing_key
+        if key:
+            self.tree.insert(key, worker.url)
+
+    def on_workers_changed(self, workers: Sequence[Worker]) -> None:
+        present = {w.url for w in workers}
+        for url in set(self.tree.worker_sizes()) - present:
+            self.tree.remove_worker(url)
+
+    def stats(self) -> dict:
+        return {
+            "tree_size": self.tree.size,
+            "tree_max_size": self.tree.max_size,
+            "tree_nodes": self.tree.node_count,
+            "tree_size_by_worker": self.tree.worker_sizes(),
+            "decisions": dict(self._decisions),
+        }

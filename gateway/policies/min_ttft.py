@@ -1,0 +1,151 @@
+"""min_ttft: pick by estimated cost instead of thresholds.
+
+Prefill: the estimated time to first token on a worker is the prefill work queued ahead of the
+request plus the request's own uncached part, over the prefill throughput:
+
+    ttft(w) = (queued(w) + prompt_tokens * (1 - matched(w) / key_length)) / throughput
+
+queued(w) is the larger of the server's `waiting_uncached_tokens` (when every candidate's
+`/v1/loads` is fresh) and the uncached tokens this policy has sent to w that have not completed
+(the sum would count this gateway's queued requests twice); matched(w) comes from an approximate
+prefix tree of past dispatches, as in `cache_aware`. Unlike a threshold, this trades a longer
+cached prefix against a shorter queue token for token.
+
+Decode: the work is already sized, so pick the worker with the most headroom: the lowest
+utilization, the larger of KV token usage and running requests over `max_running_requests`
+(each corrected by this gateway's in-flight counts). Without fresh figures for every candidate,
+the gateway's in-flight requests and tokens decide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.policies.base import Policy
+from gateway.policies.load import all_fresh, rotating_argmin
+from gateway.policies.prefix_tree import PrefixTree
+from gateway.request import RequestView
+from gateway.workers import Worker
+
+
+@dataclass(frozen=True)
+class MinTtftOptions:
+    """Throughput model and the prefix tree bound."""
+
+    prefill_tokens_per_second: float = 20000.0  # one prefill server (8B model on an H100)
+    token_unit: int = 512  # decode without fresh figures: tokens that weigh like one request
+    load_max_age: float = 6.0  # seconds a /v1/loads snapshot counts as fresh
+    max_tree_size: int = 1 << 24  # characters/tokens over all workers
+    eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound
+
+    def validate(self) -> None:
+        if self.prefill_tokens_per_second <= 0:
+            raise ValueError("option 'prefill_tokens_per_second' must be > 0, "
+                             f"got {self.prefill_tokens_per_second}")
+        if self.token_unit < 1:
+            raise ValueError(f"option 'token_unit' must be >= 1, got {self.token_unit}")
+        if self.load_max_age <= 0:
+            raise ValueError(f"option 'load_max_age' must be > 0, got {self.load_max_age}")
+        if self.max_tree_size < 1:
+            raise ValueError(f"option 'max_tree_size' must be >= 1, got {self.max_tree_size}")
+        if self.eviction_ttl < 0:
+            raise ValueError(f"option 'eviction_ttl' must be >= 0, got {self.eviction_ttl}")
+
+
+class MinTtftPolicy(Policy):
+    name = "min_ttft"
+    Options = MinTtftOptions
+
+    def __init__(self, role: str, options: MinTtftOptions | None = None) -> None:
+        super().__init__(role, options)
+        self.tree = PrefixTree(self.options.max_tree_size, self.options.eviction_ttl)
+        self._turn = 0
+        self._queued: dict[str, float] = {}  # uncached tokens sent, not yet completed
+        self._sent: dict[tuple[int, str], float] = {}  # (id(view), url) -> its share
+        self._last: tuple[RequestView | None, dict[str, int]] = (None, {})
+
+    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+        turn = self._turn
+        self._turn += 1
+        if len(candidates) == 1:
+            return candidates[0]
+        now = time.monotonic()
+        fresh = all_fresh(candidates, now, self.options.load_max_age)
+        if self.role == "decode":
+            costs = [self._headroom_cost(w, fresh) for w in candidates]
+        else:
+            costs = self.ttft_estimates(candidates, view, fresh)
+        return candidates[rotating_argmin(costs, turn)]
+
+    def ttft_estimates(self, candidates: Sequence[Worker], view: RequestView,
+                       fresh: bool) -> list[float]:
+        """Estimated seconds to first token on each candidate."""
+        throughput = self.options.prefill_tokens_per_second
+        return [
+            (self._queued_tokens(w, fresh) + self._uncached(w.url, view)) / throughput
+            for w in candidates
+        ]
+
+    def _queued_tokens(self, worker: Worker, fresh: bool) -> float:
+        queued = self._queued.get(worker.url, 0.0)
+        if fresh:
+            queued = max(queued, worker.load.waiting_uncached_tokens)
+        return queued
+
+    def _uncached(self, url: str, view: RequestView) -> float:
+        """Prompt tokens `url` would have to compute, given what it was sent before."""
+        key = view.routing_key
+        if not key:
+            return float(view.prompt_tokens)
+        seen, matched = self._last
+        if seen is not view:
+            matched = self.tree.match(key)
+            self._last = (view, matched)
+        return view.prompt_tokens * (1.0 - matched.get(url, 0) / len(key))
+
+    def _headroom_cost(self, worker: Worker, fresh: bool) -> float:
+        if not fresh:
+            return worker.in_flight + worker.in_flight_tokens / self.options.token_unit
+        load = worker.load
+        utilization = load.token_usage
+        if load.max_total_tokens > 0:
+            utilization = max(utilization, worker.in_flight_tokens / load.max_total_tokens)
+        # `max_running_requests` is a /v1/loads field the pool may not record yet.
+        max_running = getattr(load, "max_running_requests", 0)
+        if max_running > 0:
+            running = max(load.running + load.waiting, worker.in_flight)
+            utilization = max(utilization, running / max_running)
+        return utilization
+
+    def on_dispatch(self, worker: Worker, view: RequestView) -> None:
+        if self.role != "decode":
+            share = self._uncached(worker.url, view)
+            self._sent[(id(view), worker.url)] = share
+            self._queued[worker.url] = self._queued.get(worker.url, 0.0) + share
+        key = view.routing_key
+        if key:
+            self.tree.insert(key, worker.url)
+
+    def on_complete(self, worker: Worker, view: RequestView, success: bool) -> None:
+        share = self._sent.pop((id(view), worker.url), None)
+        if share is not None:
+            left = self._queued.get(worker.url, 0.0) - share
+            self._queued[worker.url] = max(left, 0.0)
+
+    def on_workers_changed(self, workers: Sequence[Worker]) -> None:
+        present = {w.url for w in workers}
+        for url in set(self.tree.worker_sizes()) - present:
+            self.tree.remove_worker(url)
+        for url in set(self._queued) - present:
+            del self._queued[url]
+        for key in [k for k in self._sent if k[1] not in present]:
+            del self._sent[key]
+
+    def stats(self) -> dict:
+        return {
+            "tree_size": self.tree.size,
+            "tree_nodes": self.tree.node_count,
+            "queued_uncached_tokens": {url: round(v) for url, v in self._queued.items()},
+        }

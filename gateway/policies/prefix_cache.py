@@ -1,0 +1,211 @@
+"""prefix_cache: cache-aware routing on each server's EXACT prefix cache, from its KV events.
+
+Same decision as `cache_aware` (balance guard, match threshold, least loaded among the best
+matches); only the matched lengths differ. For a worker whose event stream is healthy, the
+matched length is the number of leading prompt blocks its cache holds (`kv_index.py`, fed by
+`kv_events.py`). For a worker whose stream is stale (no event for `stale_after` seconds while it
+has traffic) or never spoke, and for every worker when the request has no token ids, the
+approximate tree of `cache_aware` answers instead. Both count tokens when token ids are known,
+so the two kinds of figure compare.
+
+Where events come from, per worker (port = base + DP rank, for `worker.dp_size` ranks):
+1. option `endpoints`: {worker url: "tcp://host:port"} (the rank-0 publisher);
+2. the worker's `/server_info` `kv_events` descriptor (`endpoint_port_base`, `topic`,
+   `block_size`, `dp_size`, `replay_endpoint_port_base`) if the pool recorded it as
+   `worker.kv_events`;
+3. option `default_port` on the worker URL's host (0 disables).
+Workers that resolve to the same endpoint are not followed: their events could not be told
+apart. `replay_port` (0: none) is the ROUTER replay base on the same host.
+
+Token ids come from the request (`input_ids`, token prompts) or, for /generate and /v1/completions
+text, from `tokenizer_path` (a `tokenizer.json`, if the `tokenizers` package is installed). Chat
+text is not tokenized: the server applies a chat template first, which the gateway does not
+reproduce, so its hashes would not match.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
+from gateway.policies.kv_events import EventSource, KvEventSubscriber
+from gateway.policies.kv_index import KvIndex, salt_seed
+from gateway.request import CHAT, RequestView
+from gateway.workers import Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixCacheOptions(CacheAwareOptions):
+    """cache_aware's options plus where the KV events come from and when to distrust them."""
+
+    endpoints: dict = field(default_factory=dict)  # worker url -> "tcp://host:port" (rank 0)
+    default_port: int = 5557  # SGLang's documented default; 0 = only `endpoints`/descriptors
+    replay_port: int = 0  # ROUTER replay base port on the worker host; 0 = no replay
+    topic: str = ""
+    block_size: int = 0  # server page size; 0 = from the descriptor or the events
+    stale_after: float = 30.0  # seconds without events while traffic is pending
+    max_blocks: int = 1 << 23  # (block, worker rank) entries kept, over all workers
+    tokenizer_path: str = ""  # tokenizer.json to tokenize text prompts; "" = tree for text
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.endpoints, dict):
+            raise ValueError("option 'endpoints' must be a mapping of worker url to endpoint")
+        for url, endpoint in self.endpoints.items():
+            if not isinstance(url, str) or parse_tcp(endpoint) is None:
+                raise ValueError(
+                    f"option 'endpoints' entry {url!r}: expected 'tcp://host:port', got {endpoint!r}"
+                )
+        for name in ("default_port", "replay_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"option {name!r} must be a port number or 0, got {port}")
+        for name in ("topic", "tokenizer_path"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"option {name!r} must be a string")
+        if self.block_size < 0:
+            raise ValueError(f"option 'block_size' must be >= 0, got {self.block_size}")
+        if self.stale_after <= 0:
+            raise ValueError(f"option 'stale_after' must be > 0, got {self.stale_after}")
+        if self.max_blocks < 1:
+            raise ValueError(f"option 'max_blocks' must be >= 1, got {self.max_blocks}")
+
+
+def parse_tcp(endpoint: object) -> tuple[str, int] | None:
+    """(host, port) of 'tcp://host:port' (IPv6 hosts in brackets), else None."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        return None
+    return host, int(port)
+
+
+def load_tokenizer(path: str) -> Callable[[str], list[int]] | None:
+    """An encode function from a tokenizer.json, or None without the `tokenizers` package."""
+    if not path:
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        log.warning("tokenizer_path is set but 'tokenizers' is not installed; "
+                    "text prompts use the approximate tree")
+        return None
+    tokenizer = Tokenizer.from_file(path)
+    return lambda text: tokenizer.encode(text).ids
+
+
+class PrefixCachePolicy(CacheAwarePolicy):
+    name = "prefix_cache"
+    Options = PrefixCacheOptions
+
+    def __init__(self, role: str, options: PrefixCacheOptions | None = None) -> None:
+        super().__init__(role, options)
+        self.index = KvIndex(self.options.max_blocks)
+        self.subscriber = KvEventSubscriber(self.index)
+        self.encode = load_tokenizer(self.options.tokenizer_path)
+        self._last_tokens: tuple[RequestView | None, tuple[int, ...] | None] = (None, None)
+        self._matches = {"exact": 0, "approximate": 0}
+
+    def tokens_of(self, view: RequestView) -> tuple[int, ...] | None:
+        """The prompt's token ids, tokenizing text once per request when a tokenizer is set."""
+        if view.routing_tokens is not None:
+            return view.routing_tokens
+        if self.encode is None or not view.routing_text or view.endpoint == CHAT:
+            return None
+        seen, tokens = self._last_tokens
+        if seen is not view:
+            tokens = tuple(self.encode(view.routing_text))
+            self._last_tokens = (view, tokens)
+        return tokens
+
+    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+        tokens = self.tokens_of(view)
+        if tokens is None:
+            return super().pick(candidates, view)
+        matched = self.tree.match(tokens)
+        body = view.body
+        salt = body.get("cache_salt")
+        if body.get("lora_path") is None and (salt is None or isinstance(salt, str)):
+            now = time.monotonic()
+            stale_after = self.options.stale_after
+            fresh = [w.url for w in candidates if self.index.is_fresh(w.url, now, stale_after)]
+            if fresh:
+                matched.update(self.index.match(tokens, fresh, salt_seed(salt)))
+            self._matches["exact"] += len(fresh)
+            self._matches["approximate"] += len(candidates) - len(fresh)
+        return self.choose(candidates, matched, len(tokens))
+
+    def on_dispatch(self, worker: Worker, view: RequestView) -> None:
+        tokens = self.tokens_of(view)
+        if tokens:
+            self.tree.insert(tokens, worker.url)
+        else:
+            super().on_dispatch(worker, view)
+        self.index.note_dispatch(worker.url, time.monotonic())
+
+    def on_workers_changed(self, workers: Sequence[Worker]) -> None:
+        super().on_workers_changed(workers)
+        present = {w.url for w in workers}
+        for url in self.index.workers() - present:
+            self.index.remove_worker(url)
+        self.subscriber.set_sources(self._sources(workers))
+
+    def _sources(self, workers: Sequence[Worker]) -> list[EventSource]:
+        sources: list[EventSource] = []
+        for worker in workers:
+            sources.extend(self._sources_of(worker))
+        by_endpoint: dict[str, int] = {}
+        for source in sources:
+            by_endpoint[source.endpoint] = by_endpoint.get(source.endpoint, 0) + 1
+        shared = {e for e, n in by_endpoint.items() if n > 1}
+        if shared:
+            log.warning("kv events: several workers resolve to %s; not following them "
+                        "(set option 'endpoints')", sorted(shared))
+        return [s for s in sources if s.endpoint not in shared]
+
+    def _sources_of(self, worker: Worker) -> list[EventSource]:
+        options = self.options
+        host, port, topic = worker.bootstrap_host, options.default_port, options.topic
+        ranks, replay = max(worker.dp_size, 1), options.replay_port
+        descriptor = getattr(worker, "kv_events", None)  # /server_info `kv_events`, if recorded
+        explicit = parse_tcp(options.endpoints.get(worker.url))
+        block_size = options.block_size
+        if explicit is not None:
+            host, port = explicit
+        elif isinstance(descriptor, dict) and isinstance(descriptor.get("endpoint_port_base"), int):
+            port = descriptor["endpoint_port_base"]
+            topic = descriptor.get("topic") or topic
+            ranks = int(descriptor.get("dp_size") or ranks)
+            replay = replay or int(descriptor.get("replay_endpoint_port_base") or 0)
+            block_size = block_size or int(descriptor.get("block_size") or 0)
+        if block_size:
+            self.index.set_block_size(worker.url, block_size)
+        if not port or not host:
+            return []
+        return [
+            EventSource(
+                url=worker.url, rank=rank, endpoint=f"tcp://{host}:{port + rank}", topic=topic,
+                replay_endpoint=f"tcp://{host}:{replay + rank}" if replay else None,
+            )
+            for rank in range(ranks)
+        ]
+
+    async def start(self) -> None:
+        await self.subscriber.start()
+
+    async def stop(self) -> None:
+        await self.subscriber.stop()
+
+    def stats(self) -> dict:
+        return {
+            **super().stats(),
+            "matches": dict(self._matches),
+            "kv_index": self.index.stats(),
+            "kv_events": self.subscriber.stats(),
+        }

@@ -1,0 +1,140 @@
+"""The built-in status page at /dashboard and the JSON it polls.
+
+    GET /dashboard        one self-contained HTML page (gateway/static/dashboard.html)
+    GET /dashboard/data   servers, per-role counts, request totals, cache figures and
+                          recent errors, as JSON; guarded by the admin keys like /admin
+
+The page polls /dashboard/data every 2 s and derives rates from successive totals, so the
+gateway keeps no state for it: every figure is read from the pool, the admission queue and
+the metric counters at request time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.errors import GatewayError
+from gateway.routes.errors import json_error
+from gateway.workers import ROLES
+
+PAGE = Path(__file__).resolve().parent.parent / "static" / "dashboard.html"
+RECENT_ERRORS_SHOWN = 20
+# The page is inline HTML, CSS and script that talks only to this gateway.
+PAGE_HEADERS = {
+    "cache-control": "no-cache",
+    "content-security-policy": (
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"),
+    "x-content-type-options": "nosniff",
+}
+ERROR_FIELDS = ("time", "endpoint", "status", "type", "message", "request_id")
+
+
+async def page(request: Request) -> Response:
+    return FileResponse(PAGE, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+
+async def data(request: Request) -> Response:
+    gw = request.app.state.gateway
+    try:
+        gw.admin_keys.check(request.headers.get("authorization"),
+                            request.headers.get("x-api-key"))
+    except GatewayError as err:
+        return json_error(err)
+    servers = [w.snapshot() for w in gw.pool]
+    roles = {role: {"total": 0, "usable": 0} for role in ROLES}
+    for server in servers:
+        counts = roles[server["role"]]
+        counts["total"] += 1
+        counts["usable"] += 1 if server["usable"] else 0
+    m = gw.metrics
+    prompt = _totals(m.prompt_tokens.collect(), "worker")
+    cached = _totals(m.cached_tokens.collect(), "worker")
+    for server in servers:
+        server["prompt_tokens"] = prompt.get(server["url"], 0.0)
+        server["cached_tokens"] = cached.get(server["url"], 0.0)
+    body = {
+        "time": time.time(),
+        "gateway": {
+            "version": gw.version,
+            "replica_id": gw.rooms.replica_id,
+            "prefill_policy": gw.scheduler.policies["prefill"].name,
+            "decode_policy": gw.scheduler.policies["decode"].name,
+            "shutting_down": gw.shutting_down,
+            "ready": gw.pool.ready() and not gw.shutting_down,
+        },
+        "roles": roles,
+        "servers": servers,
+        "admission": {
+            "active": gw.admission.active,
+            "queued": gw.admission.queued,
+            "limit": gw.admission.limit,
+            "max_queue": gw.admission.max_queue,
+        },
+        "requests": _request_totals(m.requests.collect()),
+        "cache": {
+            "prompt_tokens": sum(prompt.values()),
+            "cached_tokens": sum(cached.values()),
+            "hit_ratio": _ratio(sum(cached.values()), sum(prompt.values())),
+        },
+        "recent_errors": recent_errors(gw),
+    }
+    return JSONResponse(body, headers={"cache-control": "no-store"})
+
+
+def _totals(families: Iterable, label: str) -> dict[str, float]:
+    """Counter values summed by one label, read from a counter's `collect()`."""
+    out: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = sample.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _request_totals(families: Iterable) -> dict:
+    by_status = _totals(families, "status")
+    total = sum(by_status.values())
+    server_errors = sum(v for s, v in by_status.items() if s.startswith("5"))
+    client_errors = sum(v for s, v in by_status.items() if s.startswith("4"))
+    return {"total": total, "errors": server_errors, "client_errors": client_errors,
+            "by_status": dict(sorted(by_status.items()))}
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole else None
+
+
+def recent_errors(gw) -> list[dict]:
+    """The newest errors first, from the gateway's ring buffer when it has one.
+
+    Entries are dicts with (some of) ERROR_FIELDS; anything else is shown as its text.
+    """
+    entries = list(getattr(gw, "recent_errors", None) or ())[-RECENT_ERRORS_SHOWN:]
+    out = []
+    for entry in reversed(entries):
+        if isinstance(entry, dict):
+            out.append({name: _plain(entry.get(name)) for name in ERROR_FIELDS})
+        else:
+            out.append({**dict.fromkeys(ERROR_FIELDS), "message": str(entry)})
+    return out
+
+
+def _plain(value):
+    """A JSON-safe scalar."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+ROUTES: list[Route] = [
+    Route("/dashboard", page, methods=["GET"]),
+    Route("/dashboard/data", data, methods=["GET"]),
+]

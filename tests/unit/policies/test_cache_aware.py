@@ -1,0 +1,116 @@
+"""cache_aware: full-history keys, the threshold, the tie band, the imbalance guard, removal."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
+from tests.unit.policies.util import chat, generate_ids, worker
+
+SYSTEM = ("system", "You are a careful assistant. " * 20)  # ~600 characters, shared by all
+
+
+def history(topic: str, turns: int) -> list[tuple[str, str]]:
+    messages = [SYSTEM]
+    for i in range(turns):
+        messages += [("user", f"{topic} question {i}: " + topic * 30),
+                     ("assistant", f"{topic} answer {i}: " + topic[::-1] * 30)]
+    return messages
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"], ids=["workers_in_order", "workers_reversed"])
+def test_conversations_follow_their_history_not_the_shared_system_prompt(order: str) -> None:
+    policy = CacheAwarePolicy("prefill")
+    a, b = worker("a"), worker("b")
+    candidates = [a, b] if order == "ab" else [b, a]
+    policy.on_dispatch(a, chat(*history("apples", 2)))
+    policy.on_dispatch(b, chat(*history("boats", 2)))
+    for turns in (3, 4):
+        assert policy.pick(candidates, chat(*history("apples", turns))) is a
+        assert policy.pick(candidates, chat(*history("boats", turns))) is b
+
+
+def test_first_message_alone_does_not_decide() -> None:
+    """Same first user message, different later turns: the later turns decide."""
+    policy = CacheAwarePolicy("prefill")
+    a, b = worker("a"), worker("b")
+    first = [SYSTEM, ("user", "Plan a trip. " * 10)]
+    policy.on_dispatch(a, chat(*first, ("assistant", "Paris? " * 40)))
+    policy.on_dispatch(b, chat(*first, ("assistant", "Tokyo! " * 40)))
+    follow_up = ("user", "And then?")
+    assert policy.pick([a, b], chat(*first, ("assistant", "Tokyo! " * 40), follow_up)) is b
+    assert policy.pick([a, b], chat(*first, ("assistant", "Paris? " * 40), follow_up)) is a
+
+
+SEEN = list(range(1000))
+
+
+@pytest.mark.parametrize(
+    ("a_load", "b_load", "query", "expected"),
+    [
+        pytest.param({}, {}, SEEN + [5, 6], "a", id="match_above_threshold_follows_cache"),
+        pytest.param({"in_flight": 3}, {}, SEEN + [5, 6], "a",
+                     id="moderate_load_does_not_override_cache"),
+        pytest.param({"in_flight": 60}, {"in_flight": 2}, SEEN + [5, 6], "b",
+                     id="imbalance_guard_sends_to_least_loaded"),
+        pytest.param({"in_flight": 50}, {"in_flight": 40}, SEEN + [5, 6], "a",
+                     id="large_but_relatively_small_gap_keeps_cache"),
+        pytest.param({"in_flight": 3}, {"in_flight": 1}, SEEN[:200] + list(range(5000, 6000)),
+                     "b", id="below_threshold_least_loaded"),
+        pytest.param({"load": {"running": 80}, "age": 1.0}, {"age": 1.0}, SEEN, "b",
+                     id="server_reported_queue_trips_the_guard"),
+        pytest.param({"tokens": 40_000}, {}, SEEN, "b", id="queued_prompt_tokens_trip_the_guard"),
+    ],
+)
+def test_cache_or_load(a_load, b_load, query, expected) -> None:
+    policy = CacheAwarePolicy("prefill")
+    a, b = worker("a", **a_load), worker("b", **b_load)
+    policy.on_dispatch(a, generate_ids(SEEN))
+    assert policy.pick([a, b], generate_ids(query)).url == expected
+
+
+def test_coincidental_overlap_counts_as_a_tie() -> None:
+    """Both hold the 1000-token prefix; a's extra 10 tokens must not outweigh its load."""
+    policy = CacheAwarePolicy("prefill")
+    a, b = worker("a", in_flight=4), worker("b", in_flight=1)
+    policy.on_dispatch(a, generate_ids(SEEN + list(range(7000, 7010)) + [1]))
+    policy.on_dispatch(b, generate_ids(SEEN + [2]))
+    assert policy.pick([a, b], generate_ids(SEEN + list(range(7000, 7010)) + [3])) is b
+
+
+def test_threshold_option() -> None:
+    query = SEEN[:200] + list(range(5000, 5800))  # a holds 20% of it
+    strict = CacheAwarePolicy("prefill", CacheAwareOptions(match_threshold=0.3))
+    loose = CacheAwarePolicy("prefill", CacheAwareOptions(match_threshold=0.1))
+    for policy, expected in ((strict, "b"), (loose, "a")):
+        a, b = worker("a", in_flight=2), worker("b")
+        policy.on_dispatch(a, generate_ids(SEEN))
+        assert policy.pick([a, b], generate_ids(query)).url == expected
+
+
+def test_removed_worker_is_forgotten() -> None:
+    policy = CacheAwarePolicy("prefill")
+    a, b = worker("a"), worker("b")
+    policy.on_dispatch(a, generate_ids(SEEN))
+    policy.on_dispatch(b, generate_ids(SEEN[:10]))
+    policy.on_workers_changed([b])
+    assert policy.tree.worker_sizes() == {"b": 10}
+    assert policy.stats()["tree_size"] == 10
+
+
+def test_tree_bound_holds_across_dispatches() -> None:
+    policy = CacheAwarePolicy("prefill", CacheAwareOptions(max_tree_size=5_000))
+    workers = [worker(f"w{i}") for i in range(4)]
+    for i in range(200):
+        view = generate_ids(list(range(i * 100, i * 100 + 300)))
+        policy.on_dispatch(policy.pick(workers, view), view)
+        assert policy.tree.size <= 5_000
+
+
+def test_stats_count_decisions() -> None:
+    policy = CacheAwarePolicy("prefill")
+    a, b = worker("a"), worker("b")
+    policy.pick([a, b], generate_ids(SEEN))
+    policy.on_dispatch(a, generate_ids(SEEN))
+    policy.pick([a, b], generate_ids(SEEN))
+    assert policy.stats()["decisions"] == {"cache": 1, "load": 1, "balance": 0}

@@ -1,0 +1,79 @@
+"""The shared load score: server correction only on a consistent basis, rotation, the guard."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.policies.load import (
+    LoadOptions,
+    imbalanced,
+    is_fresh,
+    load_scores,
+    rotating_argmin,
+)
+from tests.unit.policies.util import worker
+
+OPTS = LoadOptions(token_unit=100, usage_weight=10.0, load_max_age=5.0)
+
+
+@pytest.mark.parametrize(
+    ("workers", "expected"),
+    [
+        pytest.param([worker("a", in_flight=2, tokens=300)], [5.0], id="gateway_only_requests_plus_tokens"),
+        pytest.param(
+            [worker("a", in_flight=1, tokens=100,
+                    load={"running": 3, "waiting": 2, "waiting_uncached_tokens": 50,
+                          "token_usage": 0.5}, age=1.0)],
+            [5 + 1 + 5.0], id="fresh_takes_larger_of_gateway_and_server",
+        ),
+        pytest.param(
+            [worker("a", in_flight=1, load={"running": 9}, age=60.0)],
+            [1.0], id="stale_snapshot_ignored",
+        ),
+        pytest.param(
+            [worker("a", in_flight=1, load={"running": 9}, age=1.0),
+             worker("b", in_flight=2)],
+            [1.0, 2.0], id="one_without_figures_puts_all_on_gateway_counters",
+        ),
+        pytest.param(
+            [worker("a", in_flight=4, load={"running": 1}, age=1.0),
+             worker("b", in_flight=0, load={"running": 7}, age=1.0)],
+            [4.0, 7.0], id="server_sees_traffic_from_elsewhere",
+        ),
+    ],
+)
+def test_load_scores(workers, expected) -> None:
+    assert load_scores(workers, OPTS, time.monotonic()) == pytest.approx(expected)
+
+
+def test_never_polled_is_not_fresh() -> None:
+    assert not is_fresh(worker("a"), time.monotonic(), 5.0)
+
+
+@pytest.mark.parametrize(
+    ("values", "start", "expected"),
+    [
+        pytest.param([3, 1, 2], 0, 1, id="plain_minimum"),
+        pytest.param([1, 1, 1], 0, 0, id="tie_from_start_0"),
+        pytest.param([1, 1, 1], 2, 2, id="tie_from_start_2"),
+        pytest.param([1, 2, 1], 5, 2, id="start_wraps_around"),
+    ],
+)
+def test_rotating_argmin(values, start, expected) -> None:
+    assert rotating_argmin(values, start) == expected
+
+
+@pytest.mark.parametrize(
+    ("scores", "expected"),
+    [
+        pytest.param([0, 40], True, id="idle_vs_busy"),
+        pytest.param([30, 40], False, id="relative_gap_too_small"),
+        pytest.param([100, 125], False, id="absolute_gap_too_small"),
+        pytest.param([100, 200], True, id="both_gaps_exceeded"),
+        pytest.param([5], False, id="single_worker"),
+    ],
+)
+def test_imbalanced(scores, expected) -> None:
+    assert imbalanced(scores, 32, 1.5) is expected

@@ -1,0 +1,110 @@
+"""min_ttft: queue-versus-cache trade-off for prefill, headroom for decode."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from gateway.policies.min_ttft import MinTtftOptions, MinTtftPolicy
+from tests.unit.policies.util import generate_ids, worker
+
+PROMPT = list(range(1000))  # 1000 prompt tokens
+
+
+def prefill(**options) -> MinTtftPolicy:
+    return MinTtftPolicy("prefill", MinTtftOptions(**options))
+
+
+@pytest.mark.parametrize(
+    ("a_queued", "a_cached", "b_kwargs", "expected"),
+    [
+        pytest.param(0, 1000, {}, "a", id="cached_and_idle"),
+        pytest.param(3000, 1000, {}, "b", id="long_queue_outweighs_full_cache"),
+        pytest.param(600, 1000, {}, "a", id="short_queue_worth_waiting_for_cache"),
+        pytest.param(0, 500, {"load": {"waiting_uncached_tokens": 3000}, "age": 1.0}, "a",
+                     id="server_reported_queue_on_the_other"),
+        pytest.param(0, 0, {"load": {"waiting_uncached_tokens": 3000}, "age": 1.0}, "a",
+                     id="no_cache_anywhere_shorter_queue"),
+    ],
+)
+def test_prefill_minimises_estimated_ttft(a_queued, a_cached, b_kwargs, expected) -> None:
+    policy = prefill()
+    a = worker("a", age=1.0 if b_kwargs.get("age") else None)
+    b = worker("b", **b_kwargs)
+    if a_cached:
+        policy.on_dispatch(a, generate_ids(PROMPT[:a_cached]))
+        policy.on_complete(a, policy._last[0], True)
+    if a_queued:
+        policy.on_dispatch(a, generate_ids(list(range(50_000, 50_000 + a_queued))))
+    assert policy.pick([a, b], generate_ids(PROMPT)).url == expected
+
+
+def test_stale_server_queue_is_ignored() -> None:
+    policy = prefill()
+    a, b = worker("a", load={"waiting_uncached_tokens": 9000}, age=60.0), worker("b")
+    policy.on_dispatch(b, generate_ids(list(range(5000, 5500))))  # b: 500 queued
+    assert policy.pick([a, b], generate_ids(PROMPT)) is a
+
+
+def test_estimates_are_seconds_at_the_configured_throughput() -> None:
+    policy = prefill(prefill_tokens_per_second=10_000.0)
+    a, b = worker("a"), worker("b")
+    policy.on_dispatch(a, generate_ids(PROMPT[:500]))
+    estimates = policy.ttft_estimates([a, b], generate_ids(PROMPT), fresh=False)
+    assert estimates == pytest.approx([(500 + 500) / 10_000, 1000 / 10_000])
+
+
+def test_completion_releases_the_queue() -> None:
+    policy = prefill()
+    a, b = worker("a"), worker("b")
+    first = generate_ids(PROMPT + list(range(5000, 5200)))
+    policy.on_dispatch(a, first)
+    assert policy.pick([a, b], generate_ids(PROMPT)) is b  # a still busy with 1200 tokens
+    policy.on_complete(a, first, True)
+    assert policy.pick([a, b], generate_ids(PROMPT)) is a  # a has it cached now
+    assert policy.stats()["queued_uncached_tokens"] == {"a": 0}
+
+
+def capacity(w, max_running: int) -> None:
+    w.load.max_running_requests = max_running  # a /v1/loads field ServerLoad may lack
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        pytest.param(worker("a", "decode", load={"token_usage": 0.8}, age=1.0),
+                     worker("b", "decode", load={"token_usage": 0.3}, age=1.0), "b",
+                     id="lower_kv_usage"),
+        pytest.param(worker("a", "decode", load={"running": 90}, age=1.0),
+                     worker("b", "decode", load={"running": 10, "token_usage": 0.05}, age=1.0),
+                     "b", id="fewer_running_of_max_running"),
+        pytest.param(worker("a", "decode", tokens=90_000,
+                            load={"token_usage": 0.1, "max_total_tokens": 100_000}, age=1.0),
+                     worker("b", "decode", load={"token_usage": 0.5, "max_total_tokens": 100_000},
+                            age=1.0),
+                     "b", id="gateway_in_flight_tokens_correct_stale_usage"),
+        pytest.param(worker("a", "decode", in_flight=5, load={"token_usage": 0.0}, age=1.0),
+                     worker("b", "decode", in_flight=1, load={"token_usage": 0.9}),
+                     "b", id="without_fresh_figures_gateway_counts_decide"),
+    ],
+)
+def test_decode_prefers_headroom(a, b, expected) -> None:
+    for w in (a, b):
+        capacity(w, 100)
+    assert MinTtftPolicy("decode").pick([a, b], generate_ids(PROMPT)).url == expected
+
+
+def test_decode_ties_rotate() -> None:
+    policy = MinTtftPolicy("decode")
+    workers = [worker(u, "decode") for u in "abc"]
+    assert Counter(policy.pick(workers, generate_ids(PROMPT)).url for _ in range(9)) == {
+        "a": 3, "b": 3, "c": 3}
+
+
+def test_removed_worker_is_forgotten() -> None:
+    policy = prefill()
+    a, b = worker("a"), worker("b")
+    policy.on_dispatch(a, generate_ids(PROMPT))
+    policy.on_workers_changed([b])
+    assert policy.stats() == {"tree_size": 0, "tree_nodes": 0, "queued_uncached_tokens": {}}

@@ -1,0 +1,173 @@
+"""prefix_cache: exact matches from KV events, tree fallback when events are stale or useless."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.policies.kv_index import block_hashes
+from gateway.policies.prefix_cache import PrefixCacheOptions, PrefixCachePolicy, parse_tcp
+from tests.unit.policies.util import chat, completion, generate_ids, generate_text, worker
+
+PROMPT = list(range(1000, 1064))  # 16 blocks of 4
+A, B = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
+
+
+def policy(**options) -> PrefixCachePolicy:
+    return PrefixCachePolicy("prefill", PrefixCacheOptions(**options))
+
+
+def holds(p: PrefixCachePolicy, url: str, tokens: list[int], blocks: int | None = None) -> None:
+    """Feed `p` an event batch saying `url` stored the leading blocks of `tokens`."""
+    chain = list(block_hashes(tokens, 4))[:blocks]
+    p.index.apply_batch((url, 0), [{"type": "BlockStored", "block_hashes": chain,
+                                    "parent_block_hash": None, "token_ids": [],
+                                    "block_size": 4, "lora_id": None}], time.monotonic())
+
+
+def test_exact_state_beats_routing_history() -> None:
+    """The tree says a (it was sent the prompt) but the events say only b still holds it."""
+    p = policy()
+    a, b = worker(A), worker(B)
+    p.on_dispatch(a, generate_ids(PROMPT))
+    holds(p, A, [])  # a's stream is alive, and its cache no longer has the prompt
+    holds(p, B, PROMPT)
+    assert p.pick([a, b], generate_ids(PROMPT + [1, 2])) is b
+    assert p.stats()["matches"] == {"exact": 2, "approximate": 0}
+
+
+def test_longest_exact_prefix_wins() -> None:
+    p = policy()
+    a, b = worker(A), worker(B)
+    holds(p, A, PROMPT, blocks=6)
+    holds(p, B, PROMPT, blocks=12)
+    assert p.pick([a, b], generate_ids(PROMPT)) is b
+
+
+@pytest.mark.parametrize(
+    ("a_stream", "expected"),
+    [
+        pytest.param("fresh", "b", id="fresh_empty_cache_means_no_hit_least_loaded"),
+        pytest.param("stale", "a", id="stale_stream_falls_back_to_tree"),
+        pytest.param("never", "a", id="never_connected_falls_back_to_tree"),
+    ],
+)
+def test_fallback_to_tree_for_stale_workers(a_stream: str, expected: str) -> None:
+    p = policy(stale_after=30.0)
+    a, b = worker(A, in_flight=2), worker(B)
+    p.on_dispatch(a, generate_ids(PROMPT))  # the tree remembers a
+    if a_stream != "never":
+        holds(p, A, [])
+    if a_stream == "stale":
+        p.index._pending_since[A] = time.monotonic() - 100  # traffic, but silence since
+    holds(p, B, [])
+    assert p.pick([a, b], generate_ids(PROMPT)) is {"a": a, "b": b}[expected]
+
+
+@pytest.mark.parametrize(
+    ("view", "expected"),
+    [
+        pytest.param(chat(("user", "x" * 400)), "a", id="chat_text_uses_tree"),
+        pytest.param(generate_ids(PROMPT, lora_path="adapter"), "a", id="lora_uses_tree"),
+        pytest.param(generate_ids(PROMPT), "b", id="token_ids_use_events"),
+    ],
+)
+def test_requests_events_cannot_describe_use_the_tree(view, expected) -> None:
+    p = policy()
+    a, b = worker(A), worker(B)
+    p.on_dispatch(a, view)
+    holds(p, A, [])
+    holds(p, B, PROMPT)
+    assert p.pick([a, b], view) is {"a": a, "b": b}[expected]
+
+
+def test_text_is_tokenized_for_generate_and_completions_not_chat() -> None:
+    p = policy()
+    p.encode = lambda text: PROMPT  # what a tokenizer.json would give
+    a, b = worker(A), worker(B)
+    holds(p, A, [])
+    holds(p, B, PROMPT)
+    assert p.pick([a, b], generate_text("hello")) is b
+    assert p.pick([a, b], completion("hello")) is b
+    assert p.tokens_of(chat(("user", "hello"))) is None
+
+
+def test_load_guard_still_applies() -> None:
+    p = policy()
+    a, b = worker(A, in_flight=80), worker(B)
+    holds(p, A, PROMPT)
+    holds(p, B, [])
+    assert p.pick([a, b], generate_ids(PROMPT)) is b
+
+
+@pytest.mark.parametrize(
+    ("options", "descriptor", "dp_size", "expected"),
+    [
+        pytest.param({}, None, 1, [("tcp://10.0.0.1:5557", None)], id="default_port_on_url_host"),
+        pytest.param({"default_port": 0}, None, 1, [], id="no_port_no_subscription"),
+        pytest.param({"endpoints": {A: "tcp://events-a:7000"}}, None, 2,
+                     [("tcp://events-a:7000", None), ("tcp://events-a:7001", None)],
+                     id="explicit_endpoint_and_dp_ranks"),
+        pytest.param({"replay_port": 6000}, None, 1,
+                     [("tcp://10.0.0.1:5557", "tcp://10.0.0.1:6000")], id="replay_port"),
+        pytest.param({}, {"endpoint_port_base": 9100, "topic": "kv", "dp_size": 2,
+                          "replay_endpoint_port_base": 9200, "block_size": 16}, 1,
+                     [("tcp://10.0.0.1:9100", "tcp://10.0.0.1:9200"),
+                      ("tcp://10.0.0.1:9101", "tcp://10.0.0.1:9201")],
+                     id="server_info_descriptor"),
+    ],
+)
+def test_event_sources(options, descriptor, dp_size, expected) -> None:
+    p = policy(**options)
+    w = worker(A)
+    w.dp_size = dp_size
+    if descriptor is not None:
+        w.kv_events = descriptor  # what the pool would record from /server_info
+    sources = p._sources([w])
+    assert [(s.endpoint, s.replay_endpoint) for s in sources] == expected
+    assert [s.rank for s in sources] == list(range(len(expected)))
+    if descriptor:
+        assert sources[0].topic == "kv" and p.index.block_size(A) == 16
+
+
+def test_workers_sharing_an_endpoint_are_not_followed() -> None:
+    p = policy()
+    same_host = [worker("http://10.0.0.1:30000"), worker("http://10.0.0.1:30001"), worker(B)]
+    assert [s.url for s in p._sources(same_host)] == [B]
+
+
+def test_removed_worker_leaves_index_tree_and_subscriptions() -> None:
+    p = policy()
+    a, b = worker(A), worker(B)
+    p.on_workers_changed([a, b])
+    p.on_dispatch(a, generate_ids(PROMPT))
+    holds(p, A, PROMPT)
+    p.on_workers_changed([b])
+    assert A not in p.index.workers() and A not in p.tree.worker_sizes()
+    assert [s.url for s in p.subscriber._wanted.values()] == [B]
+
+
+def test_start_and_stop_without_sources() -> None:
+    async def run() -> None:
+        p = policy(default_port=0)
+        p.on_workers_changed([worker(A)])
+        await p.start()
+        await p.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        pytest.param("tcp://host:5557", ("host", 5557), id="host_port"),
+        pytest.param("tcp://[::1]:5557", ("[::1]", 5557), id="ipv6"),
+        pytest.param("tcp://host", None, id="no_port"),
+        pytest.param("ipc:///tmp/x", None, id="not_tcp"),
+        pytest.param(5557, None, id="not_a_string"),
+    ],
+)
+def test_parse_tcp(value, expected) -> None:
+    assert parse_tcp(value) == expected
