@@ -94,7 +94,7 @@ class PDDispatcher:
         body["bootstrap_room"] = rooms
         rid = body.get("rid")
         if rid is None and count is None:
-            rid = body["rid"] = uuid.UUID(int=rooms).hex
+            rid = body["rid"] = uuid.uuid4().hex
         headers = {**JSON_HEADERS, "x-request-id": request_id}
         return Attempt(view, prefill, decode, rooms, rid if isinstance(rid, str) else None,
                        orjson.dumps(body), headers)

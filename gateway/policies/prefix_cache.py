@@ -111,6 +111,7 @@ class PrefixCachePolicy(CacheAwarePolicy):
         self.encode = load_tokenizer(self.options.tokenizer_path)
         self._last_tokens: tuple[RequestView | None, tuple[int, ...] | None] = (None, None)
         self._matches = {"exact": 0, "approximate": 0}
+        self._workers: dict[str, Worker] = {}  # followed for events
 
     def tokens_of(self, view: RequestView) -> tuple[int, ...] | None:
         """The prompt's token ids, tokenizing text once per request when a tokenizer is set."""
@@ -125,6 +126,9 @@ class PrefixCachePolicy(CacheAwarePolicy):
         return tokens
 
     def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+        known = self._workers
+        if any(w.url not in known for w in candidates):  # workers we were not told about
+            self._follow({**known, **{w.url: w for w in candidates}})
         tokens = self.tokens_of(view)
         if tokens is None:
             return super().pick(candidates, view)
@@ -154,7 +158,11 @@ class PrefixCachePolicy(CacheAwarePolicy):
         present = {w.url for w in workers}
         for url in self.index.workers() - present:
             self.index.remove_worker(url)
-        self.subscriber.set_sources(self._sources(workers))
+        self._follow({w.url: w for w in workers})
+
+    def _follow(self, workers: dict[str, Worker]) -> None:
+        self._workers = workers
+        self.subscriber.set_sources(self._sources(list(workers.values())))
 
     def _sources(self, workers: Sequence[Worker]) -> list[EventSource]:
         sources: list[EventSource] = []
@@ -197,6 +205,8 @@ class PrefixCachePolicy(CacheAwarePolicy):
         ]
 
     async def start(self) -> None:
+        # Re-resolve: the servers were probed (dp_size, kv_events) after we last heard.
+        self._follow(dict(self._workers))
         await self.subscriber.start()
 
     async def stop(self) -> None:

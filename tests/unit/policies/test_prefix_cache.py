@@ -171,3 +171,10 @@ def test_start_and_stop_without_sources() -> None:
 )
 def test_parse_tcp(value, expected) -> None:
     assert parse_tcp(value) == expected
+
+
+def test_candidates_not_announced_are_followed() -> None:
+    p = policy()
+    a, b = worker(A), worker(B)
+    p.pick([a, b], generate_ids(PROMPT))
+    assert sorted(s.url for s in p.subscriber._wanted.values()) == [A, B]
