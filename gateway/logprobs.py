@@ -64,7 +64,11 @@ def merge_generate_item(item: dict, prompt_logprobs: list | None) -> None:
 
 
 def merge_completion(obj: dict, parts: dict[int, Any], seen: set[int] | None = None) -> None:
-    """Prepend prompt logprobs to each choice once (first chunk per index when streaming)."""
+    """Prepend prompt logprobs to each choice once (first chunk per index when streaming).
+
+    A decode server in PD mode computes no prompt logprobs (it never ran the prompt), so its
+    entries are all generated tokens and go after the prefill's prompt entries unchanged.
+    """
     for choice in obj.get("choices") or []:
         index = choice.get("index", 0)
         part = parts.get(index)
@@ -73,27 +77,9 @@ def merge_completion(obj: dict, parts: dict[int, Any], seen: set[int] | None = N
             continue
         if seen is not None:
             seen.add(index)
-        decode_prompt = _decode_prompt_len(logprobs, choice)
         for key in LOGPROB_LISTS:
             own = logprobs.get(key) or []
-            logprobs[key] = part[key] + own[decode_prompt:]
-
-
-def _decode_prompt_len(logprobs: dict, choice: dict) -> int:
-    """How many leading entries of the decode's logprobs are its own (partial) prompt part.
-
-    The decode has no prompt logprobs worth keeping; when it reports some, they duplicate the
-    prefill's, so drop them. Generated entries are those after the echoed prompt text.
-    """
-    tokens = logprobs.get("tokens") or []
-    offsets = logprobs.get("text_offset") or []
-    if not offsets:
-        return 0
-    # entries whose text offset lies inside the echoed prompt belong to the prompt
-    text = choice.get("text") or ""
-    generated_chars = len("".join(tokens[-1:]))
-    prompt_end = max(0, len(text) - generated_chars)
-    return sum(1 for off in offsets[:-1] if off is not None and off < prompt_end)
+            logprobs[key] = part[key] + own
 
 
 def merge_body(endpoint: str, body: bytes, parts: dict[int, Any]) -> bytes:

@@ -12,8 +12,8 @@ Sequence numbers keep the index honest:
   frames if a replay endpoint is known and still buffers them, else forget that source's blocks
   (missed removals would leave phantom hits; missing blocks only cost a hit);
 - a smaller one: the publisher restarted, and so did its cache: forget and go on;
-- the first one after connecting, if > 0: replay from 0 when possible (best effort: whatever is
-  replayed is a subset of the truth).
+- the first one after connecting: start from an empty state, and if its seq is > 0 replay from
+  0 when possible (best effort: whatever is replayed is a subset of the truth).
 
 One task per source, owned by `KvEventSubscriber`; `stop()` cancels and awaits them all.
 """
@@ -129,6 +129,7 @@ class KvEventSubscriber:
             sock = ctx.socket(zmq.SUB)
             try:
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IPV6, 1)  # endpoints may be bracketed IPv6 literals
                 sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
                 sock.connect(source.endpoint)
                 while True:
@@ -136,6 +137,8 @@ class KvEventSubscriber:
                     last = await self._receive(ctx, source, frames, last)
             except zmq.ZMQError as exc:
                 log.warning("kv events from %s: %s; retrying", source.endpoint, exc)
+            except Exception:  # a bug must not silently end the stream for good
+                log.exception("kv events from %s: unexpected error; retrying", source.endpoint)
             finally:
                 sock.close(linger=0)
             await asyncio.sleep(RETRY_DELAY)
@@ -154,6 +157,7 @@ class KvEventSubscriber:
             return last
         replay = source.replay_endpoint
         if last is None:
+            self.index.clear(source.key)  # whatever an earlier connection left is unverified
             if seq > 0 and replay:
                 await self._replay(ctx, replay, source, 0, seq, exact=False)
         elif seq <= last:
@@ -182,6 +186,7 @@ class KvEventSubscriber:
         expected = start
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:

@@ -135,9 +135,9 @@ class KvIndex:
             size = fields.get("block_size")
             if isinstance(size, int) and size > self._block_size.get(source[0], 0):
                 self._block_size[source[0]] = size  # a partial last page reports fewer
-            self._store(source, fields.get("block_hashes") or (), _medium(fields.get("medium")))
+            self._store(source, _hashes(fields), _medium(fields.get("medium")))
         elif kind == "BlockRemoved":
-            self._remove(source, fields.get("block_hashes") or (), _medium(fields.get("medium")))
+            self._remove(source, _hashes(fields), _medium(fields.get("medium")))
         elif kind == "AllBlocksCleared":
             self.clear(source)
         else:
@@ -255,6 +255,14 @@ class KvIndex:
                 for url, sources in self._sources.items()
             },
         }
+
+
+def _hashes(fields: dict) -> list:
+    """The event's block hashes; malformed entries are skipped rather than trusted."""
+    value = fields.get("block_hashes")
+    if not isinstance(value, (list, tuple)):
+        return []
+    return [h for h in value if isinstance(h, (int, bytes))]
 
 
 def _medium(value: Any) -> int:

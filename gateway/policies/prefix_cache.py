@@ -96,7 +96,10 @@ def load_tokenizer(path: str) -> Callable[[str], list[int]] | None:
         log.warning("tokenizer_path is set but 'tokenizers' is not installed; "
                     "text prompts use the approximate tree")
         return None
-    tokenizer = Tokenizer.from_file(path)
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as exc:  # tokenizers raises its own exception type
+        raise ValueError(f"option 'tokenizer_path': cannot load {path!r}: {exc}") from None
     return lambda text: tokenizer.encode(text).ids
 
 

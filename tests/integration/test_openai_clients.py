@@ -90,3 +90,28 @@ def test_sdk_sees_openai_error_for_bad_request(fresh):
     with pytest.raises(openai.BadRequestError) as info:
         client(fresh).chat.completions.create(model="sim-model", messages=[])
     assert "messages" in str(info.value)
+
+
+def test_completions_echo_logprobs_include_prompt_from_prefill(fresh):
+    body = {"prompt": "the quick brown fox", "max_tokens": 3, "echo": True, "logprobs": 1}
+    got = httpx.post(fresh.gateway + "/v1/completions", json=body, timeout=30).json()
+    want = direct_null(fresh, "/v1/completions", body)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
+    stream = httpx.post(fresh.gateway + "/v1/completions", json={**body, "stream": True},
+                        timeout=30).text
+    ref = httpx.post(fresh.null + "/v1/completions", json={**body, "stream": True},
+                     timeout=30).text
+
+    def logprob_tokens(sse: str) -> list:
+        import json
+
+        tokens = []
+        for event in sse.split("\n\n"):
+            if event.startswith("data: {"):
+                for choice in json.loads(event[6:]).get("choices", []):
+                    tokens += (choice.get("logprobs") or {}).get("tokens", [])
+        return tokens
+
+    assert logprob_tokens(stream) == logprob_tokens(ref)
+    assert len(logprob_tokens(stream)) > 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 
 import httpx
@@ -29,3 +30,45 @@ def test_default_sim_topology_starts_serves_health_and_stops(tmp_path: object) -
             return [s.pid for s in launcher.servers if s.pid is not None]
 
     assert_gone(asyncio.run(scenario()))
+
+
+def test_real_sim_crash_is_restarted(tmp_path: object) -> None:
+    """`--crash-after 1` makes the sim exit on its second generation request."""
+    topology = default_topology(
+        log_dir=str(tmp_path),
+        decode=1,
+        readiness_timeout_s=60,
+        defaults={"decode": {"args": ["--crash-after", "1"]}},
+        restart={"initial_backoff_s": 0.1},
+    )
+    events: list[tuple[str, ServerState]] = []
+
+    async def scenario() -> None:
+        launcher = Launcher(
+            topology,
+            lambda server, state: events.append((server.name, state)),
+            progress=False,
+            handle_signals=False,
+        )
+        async with launcher:
+            decode = launcher.server("decode-0")
+            async with httpx.AsyncClient(trust_env=False) as client:
+                for _ in range(2):
+                    with contextlib.suppress(httpx.HTTPError):
+                        await client.post(decode.url + "/generate", json={"text": "hi"})
+            deadline = asyncio.get_running_loop().time() + 30
+            while not (decode.restarts == 1 and decode.state is ServerState.READY):
+                assert asyncio.get_running_loop().time() < deadline, events
+                await asyncio.sleep(0.05)
+            assert decode.last_exit_code == 17
+
+    asyncio.run(scenario())
+    assert [state for name, state in events if name == "decode-0"] == [
+        ServerState.STARTING,
+        ServerState.READY,
+        ServerState.CRASHED,
+        ServerState.RESTARTING,
+        ServerState.STARTING,
+        ServerState.READY,
+        ServerState.STOPPED,
+    ]

@@ -53,8 +53,9 @@ def wait_for(check, what: str, timeout: float = DEADLINE, interval: float = 0.5)
 
 
 @pytest.fixture(scope="module")
-def prometheus(observed, tmp_path_factory):
+def prometheus(request, tmp_path_factory):
     binary = require_binaries("prometheus")["prometheus"]
+    observed = request.getfixturevalue("observed")  # only once Prometheus is known to exist
     home = tmp_path_factory.mktemp("prometheus")
     gateway = observed.gateway.removeprefix("http://")
     config = {
@@ -77,7 +78,7 @@ def prometheus(observed, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def scraped_traffic(observed, prometheus):
+def scraped_traffic(prometheus, observed):
     """Two rounds of traffic a few scrapes apart, so every series has moved between scrapes."""
     first = mixed_traffic(observed)
     time.sleep(2.5)

@@ -111,6 +111,8 @@ ENCODINGS = pytest.mark.parametrize("enc", ["map", "array"])
                      id="lora_namespaced_blocks_ignored"),
         pytest.param(lambda e: [["SomethingNew", 1], 42, stored([4], encoding=e)], {4},
                      id="unknown_events_skipped"),
+        pytest.param(lambda e: [stored(5, encoding=e), stored([[1], 6], encoding=e)], {6},
+                     id="malformed_hashes_skipped"),
     ],
 )
 def test_events_update_the_index(enc, events, held) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import pytest
@@ -130,6 +131,18 @@ def test_event_sources(options, descriptor, dp_size, expected) -> None:
     assert [s.rank for s in sources] == list(range(len(expected)))
     if descriptor:
         assert sources[0].topic == "kv" and p.index.block_size(A) == 16
+
+
+def test_ipv6_worker_host_is_bracketed() -> None:
+    sources = policy()._sources([worker("http://[fd00::5]:30000")])
+    assert [s.endpoint for s in sources] == ["tcp://[fd00::5]:5557"]
+
+
+def test_tokenizer_path_without_the_package_uses_the_tree(monkeypatch, caplog) -> None:
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails as if not installed
+    p = policy(tokenizer_path="/models/x/tokenizer.json")
+    assert p.encode is None and p.tokens_of(generate_text("hi")) is None
+    assert "not installed" in caplog.text
 
 
 def test_workers_sharing_an_endpoint_are_not_followed() -> None:
