@@ -69,7 +69,8 @@ class GatewayConfig:
     )
     stream_idle_timeout: float = _opt(120.0, "seconds allowed between two streamed chunks")
     request_timeout: float = _opt(1800.0, "total deadline of one request, retries included")
-    max_connections: int = _opt(1024, "upstream connection pool size")
+    max_connections: int = _opt(1024, "control-path (httpx) connection pool size")
+    upstream_client: str = _opt("fast", "data-path HTTP client: fast (built-in) or httpx")
     probe_timeout: float = _opt(10.0, "seconds for startup probes of /server_info")
     skip_probe: bool = _opt(False, "do not probe servers at startup (bootstrap port 8998)")
 
@@ -289,6 +290,8 @@ def _validate(cfg: GatewayConfig) -> None:
         raise ConfigError("replica_id must be in 0..4095")
     if cfg.max_attempts < 1:
         raise ConfigError("max_attempts must be at least 1")
+    if cfg.upstream_client not in ("fast", "httpx"):
+        raise ConfigError("upstream_client must be 'fast' or 'httpx'")
     if cfg.backend not in ("sim", "sglang"):
         raise ConfigError("backend must be 'sim' or 'sglang'")
     for name in ("connect_timeout", "response_timeout", "stream_idle_timeout",

@@ -78,6 +78,7 @@ class HealthChecker:
             except ConnectionError:
                 return False
             worker.apply_facts(facts)
+            self.pool.notify()
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self.client.get(worker.url + self.endpoint)

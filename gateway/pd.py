@@ -6,6 +6,9 @@ by request id), so a dead prefill never leaves a decode waiting minutes for KV. 
 answers are read whole; streams are relayed byte for byte, and the attempt only "succeeds"
 once the decode produced its first chunk, so a retry can still happen before the client has
 seen anything.
+
+The decode leg runs in the caller's task and the prefill leg in a second task whose failure
+interrupts the decode (cancel + uncancel, as asyncio.timeout does): two legs, one extra task.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import httpx
 import orjson
 
 from gateway.bootstrap import RoomAllocator
@@ -24,11 +26,10 @@ from gateway.errors import UpstreamError
 from gateway.logprobs import StreamMerger, merge_body, prefill_parts
 from gateway.request import RequestView
 from gateway.sse import DONE, EventSplitter, event_data, frame
-from gateway.upstream import status_error, translate_errors
+from gateway.upstream import Upstream, UpstreamResponse, status_error, translate_errors
 from gateway.workers import Worker
 
-JSON_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
-Opened = tuple[httpx.Response, AsyncIterator[bytes]]  # a decode stream and its chunk iterator
+LegCallback = Callable[["Attempt", str, "bool | None"], None]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Timeouts:
     response: float  # non-streaming answer, or a stream's first chunk
     stream_idle: float  # gap between two streamed chunks
     tail: float = 30.0  # how long a prefill answer may trail a finished decode
+    abort: float = 5.0  # bound of a best-effort /abort_request
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Attempt:
     rooms: int | list[int]
     rid: str | None
     payload: bytes
-    headers: dict[str, str]
+    request_id: str
     outcome: dict[str, bool | None] = field(default_factory=dict)
 
 
@@ -57,21 +59,36 @@ class Answer:
     """The decode's answer: a whole body, or a first chunk plus the rest of the stream."""
 
     status: int
-    content_type: str
+    content_type: bytes
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None
     close: Callable[[], Awaitable[None]] | None = None  # always awaited by the responder
 
 
+class _PrefillWatch:
+    """Done-callback of the prefill task: a failure interrupts the decode leg's task."""
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.armed = True
+        self.error: BaseException | None = None
+
+    def __call__(self, prefill: asyncio.Task) -> None:
+        if self.armed and not prefill.cancelled() and prefill.exception() is not None:
+            self.error = prefill.exception()
+            self.armed = False
+            self.task.cancel()
+
+
 class PDDispatcher:
-    def __init__(self, client: httpx.AsyncClient, rooms: RoomAllocator, timeouts: Timeouts,
-                 on_leg_done: Callable[[Attempt, str, bool | None], None] | None = None,
-                 on_prefill_body: Callable[[Attempt, bytes], None] | None = None) -> None:
-        self.client = client
+    def __init__(self, upstream: Upstream, control: Upstream, rooms: RoomAllocator,
+                 timeouts: Timeouts) -> None:
+        self.upstream = upstream
+        self.control = control  # for best-effort aborts
         self.rooms = rooms
         self.timeouts = timeouts
-        self.on_leg_done = on_leg_done or (lambda attempt, leg, ok: None)
-        self.on_prefill_body = on_prefill_body or (lambda attempt, body: None)
+        self.on_leg_done: LegCallback = lambda attempt, leg, ok: None
+        self.on_prefill_body: Callable[[Attempt, bytes], None] = lambda attempt, body: None
         self._background: set[asyncio.Task] = set()
 
     # -- building the attempt -------------------------------------------------------------
@@ -79,12 +96,12 @@ class PDDispatcher:
     def prepare(self, view: RequestView, prefill: Worker, decode: Worker,
                 request_id: str) -> Attempt:
         """New rooms (never reused, also not on retry) and the body both legs receive."""
-        count = view.room_count
-        rooms = self.rooms.take(count)
-        body = dict(view.body)
         if prefill.bootstrap_port is None:
             raise UpstreamError(f"prefill server {prefill.url} has no known bootstrap port",
                                 leg="prefill", worker_url=prefill.url, retryable=True)
+        count = view.room_count
+        rooms = self.rooms.take(count)
+        body = dict(view.body)
         if count is None:
             body["bootstrap_host"] = prefill.bootstrap_host
             body["bootstrap_port"] = prefill.bootstrap_port
@@ -95,40 +112,39 @@ class PDDispatcher:
         rid = body.get("rid")
         if rid is None and count is None:
             rid = body["rid"] = uuid.uuid4().hex
-        headers = {**JSON_HEADERS, "x-request-id": request_id}
         return Attempt(view, prefill, decode, rooms, rid if isinstance(rid, str) else None,
-                       orjson.dumps(body), headers)
+                       orjson.dumps(body), request_id)
 
     # -- one attempt -----------------------------------------------------------------------
 
     async def run(self, attempt: Attempt) -> Answer:
         """Send both legs; return the decode answer or raise the first leg failure."""
-        loop = asyncio.get_running_loop()
-        p_task = loop.create_task(self._prefill_leg(attempt))
-        d_task = loop.create_task(self._decode_leg(attempt))
+        task = asyncio.current_task()
+        p_task = asyncio.get_running_loop().create_task(self._prefill_leg(attempt))
+        watch = _PrefillWatch(task)
+        p_task.add_done_callback(watch)
+        response: UpstreamResponse | None = None
         handed_over = False
         try:
             async with asyncio.timeout(self.timeouts.response):
-                await _first_failure(p_task, d_task)
-                answer, opened = d_task.result()
+                response, answer = await self._decode_leg(attempt)
+                watch.armed = False
                 merger = None
                 if attempt.view.logprob_merge:
                     parts = prefill_parts(attempt.view.endpoint, await p_task)
-                    if opened is None:
+                    if response is None:
                         answer.body = merge_body(attempt.view.endpoint, answer.body, parts)
                     else:
                         merger = StreamMerger(attempt.view.endpoint, parts)
-            if opened is not None:
-                response, chunks = opened
-                stream = self._relay(attempt, response, chunks, answer.body, merger, p_task)
-                answer.stream, answer.body, handed_over = stream, b"", True
-
-                async def close() -> None:
-                    await stream.aclose()
-                    await self._end_stream(attempt, response, p_task, None)
-
-                answer.close = close
+            if response is not None:
+                answer.stream = self._relay(attempt, response, answer.body, merger, p_task)
+                answer.body, handed_over = b"", True
+                answer.close = self._closer(attempt, response, p_task, answer.stream)
             return answer
+        except asyncio.CancelledError:
+            if watch.error is not None and task.uncancel() == 0:
+                raise watch.error from None
+            raise
         except TimeoutError:
             leg = "decode" if p_task.done() else "prefill"
             worker = attempt.decode if leg == "decode" else attempt.prefill
@@ -136,21 +152,21 @@ class PDDispatcher:
                 f"{leg} server {worker.url} gave no answer within {self.timeouts.response:g}s",
                 leg=leg, worker_url=worker.url, retryable=True, status=504) from None
         finally:
+            watch.armed = False
             if not handed_over:
-                self._settle(attempt, p_task, d_task)
+                self._settle(attempt, p_task, response)
 
-    def _settle(self, attempt: Attempt, p_task: asyncio.Task, d_task: asyncio.Task) -> None:
-        """Cancel what still runs; a finished decode may leave the prefill to finish alone."""
-        if not d_task.done():
-            d_task.cancel()
+    def _settle(self, attempt: Attempt, p_task: asyncio.Task,
+                response: UpstreamResponse | None) -> None:
+        """After a failure or a whole answer: stop what still runs, account every leg."""
+        decode_ok = "decode" in attempt.outcome and attempt.outcome["decode"] is True
+        if response is not None:  # a stream opened but never handed to a relay
+            response.abort()
+        if "decode" not in attempt.outcome:
+            self._leg_done(attempt, "decode", None)
             self._abort(attempt.decode, attempt.rid)
-        elif not d_task.cancelled() and d_task.exception() is None:
-            _, opened = d_task.result()
-            if opened is not None:  # opened but never handed to a relay
-                self._spawn(opened[0].aclose())
-                self._leg_done(attempt, "decode", None)
         if not p_task.done():
-            if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
+            if decode_ok and response is None:
                 self._spawn(self._finish_tail(attempt, p_task))
             else:
                 p_task.cancel()
@@ -158,41 +174,35 @@ class PDDispatcher:
 
     async def _finish_tail(self, attempt: Attempt, p_task: asyncio.Task) -> None:
         """The decode is done; give the prefill's own answer a bounded time to arrive."""
-        try:
+        with contextlib.suppress(TimeoutError, UpstreamError, asyncio.CancelledError):
             async with asyncio.timeout(self.timeouts.tail):
                 await asyncio.shield(p_task)
-        except (TimeoutError, UpstreamError):
-            pass
-        finally:
-            if not p_task.done():
-                p_task.cancel()
-                self._abort(attempt.prefill, attempt.rid)
+        if not p_task.done():
+            p_task.cancel()
+            self._abort(attempt.prefill, attempt.rid)
 
     # -- the legs ----------------------------------------------------------------------------
 
-    async def _open(self, attempt: Attempt, leg: str, worker: Worker) -> httpx.Response:
-        request = self.client.build_request(
-            "POST", worker.url + attempt.view.path, content=attempt.payload,
-            headers=attempt.headers)
+    async def _open(self, attempt: Attempt, leg: str, worker: Worker) -> UpstreamResponse:
         with translate_errors(leg, worker):
-            response = await self.client.send(request, stream=True)
-            if response.status_code >= 400:
+            response = await self.upstream.post(worker.url, attempt.view.path, attempt.payload,
+                                                attempt.request_id)
+            if response.status >= 400:
                 try:
-                    body = await response.aread()
+                    body = await response.read()
                 finally:
-                    await response.aclose()
-                raise status_error(leg, worker, response.status_code, body)
+                    response.abort()
+                raise status_error(leg, worker, response.status, body)
         return response
 
     async def _prefill_leg(self, attempt: Attempt) -> bytes:
         ok: bool | None = None
+        response = None
         try:
             response = await self._open(attempt, "prefill", attempt.prefill)
-            try:
-                with translate_errors("prefill", attempt.prefill):
-                    body = await response.aread()
-            finally:
-                await response.aclose()
+            with translate_errors("prefill", attempt.prefill):
+                body = await response.read()
+            response = None
             ok = True
             self.on_prefill_body(attempt, body)
             return body
@@ -200,43 +210,36 @@ class PDDispatcher:
             ok = False if exc.retryable else None
             raise
         finally:
+            if response is not None:
+                response.abort()
             self._leg_done(attempt, "prefill", ok)
 
-    async def _decode_leg(self, attempt: Attempt) -> tuple[Answer, Opened | None]:
-        """Non-streaming: the whole body. Streaming: the open response and its first chunk."""
-        ok: bool | None = None
+    async def _decode_leg(self, attempt: Attempt) -> tuple[UpstreamResponse | None, Answer]:
+        """Non-streaming: the whole body (response None). Streaming: the open response and
+        its first chunk in `answer.body`; the relay accounts the leg when the stream ends."""
         response = None
-        handed = False
         try:
             response = await self._open(attempt, "decode", attempt.decode)
-            content_type = response.headers.get("content-type", "application/json")
+            content_type = response.header(b"content-type") or b"application/json"
             with translate_errors("decode", attempt.decode):
                 if not attempt.view.stream:
-                    body = await response.aread()
-                    await response.aclose()
-                    ok = True
-                    return Answer(response.status_code, content_type, body), None
-                chunks = response.aiter_raw()
-                first = b""
-                async for chunk in chunks:
-                    if chunk:
-                        first = chunk
-                        break
+                    body = await response.read()
+                    response = None
+                    self._leg_done(attempt, "decode", True)
+                    return None, Answer(200, content_type, body)
+                first = await response.next_chunk()
             if not first:
                 raise UpstreamError(f"decode server {attempt.decode.url} closed the stream "
                                     "before sending anything", leg="decode",
                                     worker_url=attempt.decode.url, retryable=True)
-            handed = True
-            return Answer(response.status_code, content_type, first), (response, chunks)
-        except BaseException as exc:
-            if response is not None:
-                await _close_quietly(response)
-            if isinstance(exc, UpstreamError):
-                ok = False if exc.retryable else None
+            opened, response = response, None
+            return opened, Answer(200, content_type, first)
+        except UpstreamError as exc:
+            self._leg_done(attempt, "decode", False if exc.retryable else None)
             raise
         finally:
-            if not handed:
-                self._leg_done(attempt, "decode", ok)
+            if response is not None:
+                response.abort()
 
     def _leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
         if leg in attempt.outcome:
@@ -246,9 +249,8 @@ class PDDispatcher:
 
     # -- streaming relay -----------------------------------------------------------------------
 
-    async def _relay(self, attempt: Attempt, response: httpx.Response,
-                     chunks: AsyncIterator[bytes], first: bytes, merger: StreamMerger | None,
-                     p_task: asyncio.Task) -> AsyncIterator[bytes]:
+    async def _relay(self, attempt: Attempt, response: UpstreamResponse, first: bytes,
+                     merger: StreamMerger | None, p_task: asyncio.Task) -> AsyncIterator[bytes]:
         """Yield the decode's SSE bytes; a mid-stream failure ends with an error event."""
         ok: bool | None = None
         splitter = EventSplitter() if merger else None
@@ -260,7 +262,7 @@ class PDDispatcher:
                 if out:
                     tail = (tail + out)[-16:]
                     yield out
-                chunk = await self._next_chunk(attempt, chunks)
+                chunk = await self._next_chunk(attempt, response)
             if splitter and splitter.rest().strip():
                 yield _merge_events(splitter, merger, b"\n\n")
             if not tail.endswith(DONE):
@@ -273,33 +275,40 @@ class PDDispatcher:
             prefix = b"" if tail.endswith(b"\n\n") or not tail else b"\n\n"
             yield prefix + frame(exc.body()) + DONE
         finally:
-            await self._end_stream(attempt, response, p_task, ok)
+            self._end_stream(attempt, response, p_task, ok)
 
-    async def _next_chunk(self, attempt: Attempt, chunks: AsyncIterator[bytes]) -> bytes | None:
+    async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse) -> bytes | None:
         """The next raw chunk within the idle timeout; None at the end of the stream."""
         try:
             with translate_errors("decode", attempt.decode):
                 async with asyncio.timeout(self.timeouts.stream_idle):
-                    return await chunks.__anext__()
-        except StopAsyncIteration:
-            return None
+                    return await response.next_chunk()
         except TimeoutError:
             raise UpstreamError(
                 f"decode server {attempt.decode.url} sent nothing for "
                 f"{self.timeouts.stream_idle:g}s", leg="decode",
                 worker_url=attempt.decode.url, retryable=True, status=504) from None
 
-    async def _end_stream(self, attempt: Attempt, response: httpx.Response,
-                          p_task: asyncio.Task, ok: bool | None) -> None:
+    def _end_stream(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
+                    ok: bool | None) -> None:
         """Idempotent cleanup of a stream, whether it ran to the end or never started."""
         if "decode" in attempt.outcome:
             return
-        await _close_quietly(response)
+        if ok is not True:
+            response.abort()
         self._leg_done(attempt, "decode", ok)
         if not p_task.done():
             self._spawn(self._finish_tail(attempt, p_task))
         if ok is None:  # the client went away mid-stream
             self._abort(attempt.decode, attempt.rid)
+
+    def _closer(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
+                stream: AsyncIterator[bytes]) -> Callable[[], Awaitable[None]]:
+        async def close() -> None:
+            await stream.aclose()
+            self._end_stream(attempt, response, p_task, None)
+
+        return close
 
     # -- background chores ----------------------------------------------------------------------
 
@@ -308,9 +317,11 @@ class PDDispatcher:
             self._spawn(self._post_abort(worker, rid))
 
     async def _post_abort(self, worker: Worker, rid: str) -> None:
-        with contextlib.suppress(httpx.HTTPError, TimeoutError):
-            async with asyncio.timeout(5):
-                await self.client.post(worker.url + "/abort_request", json={"rid": rid})
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.timeouts.abort):
+                response = await self.control.post(
+                    worker.url, "/abort_request", orjson.dumps({"rid": rid}), "abort")
+                await response.read()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -322,19 +333,6 @@ class PDDispatcher:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-
-
-async def _first_failure(p_task: asyncio.Task, d_task: asyncio.Task) -> None:
-    """Wait until the decode leg is done; raise as soon as either leg fails."""
-    pending = {p_task, d_task}
-    while not d_task.done():
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if p_task in done and p_task.exception() is not None:
-            raise p_task.exception()
-    if d_task.exception() is not None:
-        if p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
-            raise p_task.exception()  # the prefill's error is the cause
-        raise d_task.exception()
 
 
 def _merge_events(splitter: EventSplitter, merger: StreamMerger, chunk: bytes) -> bytes:
@@ -351,8 +349,3 @@ def _merge_events(splitter: EventSplitter, merger: StreamMerger, chunk: bytes) -
             continue
         out.append(frame(merger.merge(obj)) if isinstance(obj, dict) else event + b"\n\n")
     return b"".join(out)
-
-
-async def _close_quietly(response: httpx.Response) -> None:
-    with contextlib.suppress(Exception):
-        await response.aclose()

@@ -25,6 +25,7 @@ class ServerFacts:
     bootstrap_port: int | None
     model: str | None
     dp_size: int
+    kv_events: dict | None = None
 
 
 async def fetch_server_info(client: httpx.AsyncClient, url: str, timeout: float) -> dict:
@@ -59,6 +60,7 @@ def facts_from_info(info: dict, url: str, role: str) -> ServerFacts:
             DEFAULT_BOOTSTRAP_PORT if role == "prefill" else None),
         model=model if isinstance(model, str) else None,
         dp_size=int(info.get("dp_size") or 1),
+        kv_events=info.get("kv_events") if isinstance(info.get("kv_events"), dict) else None,
     )
 
 

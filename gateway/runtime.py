@@ -23,7 +23,7 @@ from gateway.policies import create_policy
 from gateway.probe import RoleMismatch, probe
 from gateway.proxy import Proxy
 from gateway.scheduler import Scheduler
-from gateway.upstream import build_client
+from gateway.upstream import FastUpstream, HttpxUpstream, build_client
 from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger("gateway")
@@ -82,8 +82,14 @@ class Gateway:
     async def start(self) -> None:
         c = self.config
         self.client = build_client(c.connect_timeout, c.max_connections, self.transport)
+        control = HttpxUpstream(self.client)
+        if self.transport is not None or c.upstream_client == "httpx":
+            self.upstream = control
+        else:
+            self.upstream = FastUpstream(c.connect_timeout)
         self.dispatcher = PDDispatcher(
-            self.client, self.rooms, Timeouts(c.response_timeout, c.stream_idle_timeout))
+            self.upstream, control, self.rooms,
+            Timeouts(c.response_timeout, c.stream_idle_timeout))
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout)
         self.dispatcher.on_leg_done = self.proxy.leg_done
@@ -91,6 +97,7 @@ class Gateway:
         if self.cluster is not None:
             await self.cluster.start()
         await self._probe_all()
+        self.scheduler.workers_changed()
         self.health = HealthChecker(
             self.pool, self.client, endpoint=c.health_endpoint, interval=c.health_interval,
             timeout=c.health_timeout, failures=c.health_failures,
@@ -155,6 +162,7 @@ class Gateway:
             await self.health.stop()
         if self.dispatcher is not None:
             await self.dispatcher.close()
+            await self.upstream.close()
         if self.client is not None:
             await self.client.aclose()
         if self.cluster is not None:

@@ -18,9 +18,11 @@ class Scheduler:
     def __init__(self, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy) -> None:
         self.pool = pool
         self.policies = {"prefill": prefill_policy, "decode": decode_policy}
-        pool.on_change(self._workers_changed)
+        pool.on_change(self.workers_changed)
+        self.workers_changed()
 
-    def _workers_changed(self) -> None:
+    def workers_changed(self) -> None:
+        """Tell the policies the current workers (membership or probed details changed)."""
         for role, policy in self.policies.items():
             policy.on_workers_changed(self.pool.role(role))
 

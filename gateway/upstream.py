@@ -1,18 +1,117 @@
-"""The one pooled HTTP client and the translation of its errors at the boundary."""
+"""Upstream clients and the translation of their errors at the boundary.
+
+Two clients behind one small interface (`Upstream.post` -> `UpstreamResponse`):
+
+* `FastUpstream` (default, data path): the lean keep-alive client of `http11.py`;
+* `HttpxUpstream`: httpx, for the control path, and for the data path in unit tests
+  (`httpx.MockTransport`) or with `--upstream-client httpx`.
+
+`build_client` makes the process's one httpx client (probes, health, info, admin).
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol
 
 import httpx
 import orjson
 
 from gateway.errors import UpstreamError
+from gateway.http11 import ConnectFailed, HTTPClient, HTTPClientError
 from gateway.workers import Worker
 
-MAX_ERROR_BODY = 64 * 1024
 RETRYABLE_STATUSES = frozenset({408, 429})
+
+
+class UpstreamResponse(Protocol):
+    status: int
+
+    def header(self, name: bytes) -> bytes | None: ...
+
+    async def next_chunk(self) -> bytes | None: ...
+
+    async def read(self) -> bytes: ...
+
+    def abort(self) -> None: ...
+
+
+class Upstream(Protocol):
+    async def post(self, base_url: str, path: str, body: bytes,
+                   request_id: str) -> UpstreamResponse: ...
+
+    async def close(self) -> None: ...
+
+
+class FastUpstream:
+    def __init__(self, connect_timeout: float) -> None:
+        self.client = HTTPClient(connect_timeout)
+
+    async def post(self, base_url: str, path: str, body: bytes,
+                   request_id: str) -> UpstreamResponse:
+        return await self.client.post(base_url, path, body,
+                                      b"X-Request-Id: " + request_id.encode() + b"\r\n")
+
+    async def close(self) -> None:
+        self.client.close()
+
+
+class _HttpxResponse:
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status = response.status_code
+        if response.is_stream_consumed:  # an in-memory body (MockTransport answers)
+            self._chunks = _once(response.content)
+        else:
+            self._chunks = response.aiter_raw()
+
+    def header(self, name: bytes) -> bytes | None:
+        value = self._response.headers.get(name.decode())
+        return value.encode() if value is not None else None
+
+    async def next_chunk(self) -> bytes | None:
+        async for chunk in self._chunks:
+            if chunk:
+                return chunk
+        await self._response.aclose()
+        return None
+
+    async def read(self) -> bytes:
+        parts = []
+        while (chunk := await self.next_chunk()) is not None:
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def abort(self) -> None:
+        # closing an httpx stream needs an await; the connection is dropped when collected
+        stream = self._response.stream
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            import asyncio  # noqa: PLC0415
+
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().create_task(close())
+
+
+async def _once(data: bytes):
+    yield data
+
+
+class HttpxUpstream:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post(self, base_url: str, path: str, body: bytes,
+                   request_id: str) -> UpstreamResponse:
+        request = self.client.build_request(
+            "POST", base_url + path, content=body,
+            headers={"content-type": "application/json", "accept-encoding": "identity",
+                     "x-request-id": request_id})
+        return _HttpxResponse(await self.client.send(request, stream=True))
+
+    async def close(self) -> None:
+        pass
 
 
 def build_client(
@@ -20,28 +119,27 @@ def build_client(
     max_connections: int,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> httpx.AsyncClient:
-    """One client per process. Reads are bounded by the dispatcher's own deadlines
-    (first byte, idle gap, total), so httpx's read timeout stays off."""
+    """The process's httpx client. Reads are bounded by callers' own deadlines."""
     timeout = httpx.Timeout(connect=connect_timeout, read=None, write=connect_timeout,
                             pool=connect_timeout)
     limits = httpx.Limits(max_connections=max_connections,
-                          max_keepalive_connections=max_connections, keepalive_expiry=30)
+                          max_keepalive_connections=max_connections, keepalive_expiry=4)
     return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport,
                              follow_redirects=False, trust_env=False)
 
 
 @contextlib.contextmanager
 def translate_errors(leg: str, worker: Worker) -> Iterator[None]:
-    """Turn httpx and timeout errors into an UpstreamError naming the leg and server."""
+    """Turn client and transport errors into an UpstreamError naming the leg and server."""
     try:
         yield
-    except httpx.ConnectError as exc:
+    except (httpx.ConnectError, ConnectFailed) as exc:
         raise UpstreamError(f"{leg} server {worker.url} refused or dropped the connection: {exc}",
                             leg=leg, worker_url=worker.url, retryable=True) from exc
     except httpx.TimeoutException as exc:
         raise UpstreamError(f"{leg} server {worker.url} timed out ({type(exc).__name__})",
                             leg=leg, worker_url=worker.url, retryable=True, status=504) from exc
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, HTTPClientError, OSError) as exc:
         raise UpstreamError(f"{leg} server {worker.url} failed: {type(exc).__name__}: {exc}",
                             leg=leg, worker_url=worker.url, retryable=True) from exc
 

@@ -39,6 +39,7 @@ class ServerLoad:
     used_tokens: int = 0
     max_total_tokens: int = 0
     token_usage: float = 0.0
+    max_running_requests: int = 0
     updated_at: float = 0.0
 
 
@@ -61,6 +62,7 @@ class Worker:
     verified: bool = False  # role and bootstrap port confirmed by /server_info
     misconfigured: str | None = None  # why the server can never be used (role mismatch)
     last_success: float = 0.0  # monotonic time of the last successful request
+    kv_events: dict | None = None  # the server's KV event publisher (/server_info kv_events)
 
     def __post_init__(self) -> None:
         self.bootstrap_host = bootstrap_host_of(self.url)
@@ -76,6 +78,7 @@ class Worker:
             self.bootstrap_port = facts.bootstrap_port
         self.model = self.model or facts.model
         self.dp_size = facts.dp_size
+        self.kv_events = facts.kv_events
         self.verified = True
 
     def apply_loads(self, data: dict) -> None:
@@ -93,6 +96,7 @@ class Worker:
             total.waiting_uncached_tokens += int(entry.get("num_waiting_uncached_tokens") or 0)
             total.used_tokens += int(entry.get("num_used_tokens") or 0)
             total.max_total_tokens += int(entry.get("max_total_num_tokens") or 0)
+            total.max_running_requests += int(entry.get("max_running_requests") or 0)
             usages.append(float(entry.get("token_usage") or 0.0))
         total.token_usage = max(usages) if usages else 0.0
         self.load = total
@@ -154,14 +158,14 @@ class WorkerPool:
             raise ValueError(f"{worker.url} is already registered")
         self._workers[worker.url] = worker
         self._by_role[worker.role].append(worker)
-        self._changed()
+        self.notify()
         return worker
 
     def remove(self, url: str) -> Worker | None:
         worker = self._workers.pop(url, None)
         if worker is not None:
             self._by_role[worker.role].remove(worker)
-            self._changed()
+            self.notify()
         return worker
 
     def get(self, url: str) -> Worker | None:
@@ -185,7 +189,8 @@ class WorkerPool:
     def on_change(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
 
-    def _changed(self) -> None:
+    def notify(self) -> None:
+        """Tell listeners the workers changed (membership, or facts learned by a probe)."""
         for listener in self._listeners:
             listener()
 

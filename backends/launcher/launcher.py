@@ -73,6 +73,7 @@ class Launcher:
         )
         self._client: httpx.AsyncClient | None = None
         self._supervisors: list[asyncio.Task[None]] = []
+        self._started = False
         self._stopping = False
         self._stop_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -99,6 +100,9 @@ class Launcher:
 
         Raises `TopologyError` (nothing started) or `StartupError` (everything stopped again).
         """
+        if self._started:
+            raise RuntimeError("a Launcher starts once; create a new one to start again")
+        self._started = True
         validate(self.topology, check_ports=self._check_ports)
         self.topology.log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self._kill_at_exit)
@@ -264,7 +268,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig, previous in self._signals_installed.items():
             loop.remove_signal_handler(sig)
-            signal.signal(sig, previous)  # type: ignore[arg-type]
+            if previous is not None:  # None: the handler was not set from Python
+                signal.signal(sig, previous)  # type: ignore[arg-type]
         self._signals_installed.clear()
 
     def _on_signal(self, sig: int) -> None:

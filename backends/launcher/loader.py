@@ -17,7 +17,7 @@ import shlex
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from backends.launcher.errors import TopologyError
 from backends.launcher.ports import free_ports, is_local
@@ -26,6 +26,7 @@ from backends.launcher.topology import (
     DEVICES,
     LOOPBACK,
     ROLES,
+    Backend,
     RestartPolicy,
     Role,
     ServerSpec,
@@ -147,7 +148,7 @@ class _Parser:
             if key in top
         }
         return Topology(
-            backend=backend,
+            backend=cast(Backend, backend),
             servers=servers,
             python=top.get("python", sys.executable),
             device=device,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the CPU rig: a venv with real SGLang 0.5.23 that runs prefill/decode servers without a GPU.
 #
-# Why a separate venv outside the repository: it is ~6 GB (torch is a CUDA build even though it
-# runs on the CPU) and takes minutes to build, so it is built once and reused by every test run.
+# Why a separate venv outside the repository: it is ~7 GB (torch is a CUDA build even though it
+# runs on the CPU) and takes ~2 minutes to build, so it is built once and reused by every test run.
 # Idempotent: when the stamp file records this script's RIG_VERSION, nothing is done.
 #
 # Usage: backends/sglang_cpu/build_rig.sh          (env: SGLANG_RIG_DIR, default /opt/sglang-rig)
@@ -16,7 +16,8 @@ SGLANG_VERSION="0.5.23"
 TORCH_PINS=("torch==2.14.1" "torchvision==0.29.1")
 # Undeclared imports of SGLang, and the Mooncake build that loads without libcuda.
 EXTRA_PACKAGES=("dill" "jsonschema" "soundfile" "mooncake-transfer-engine-non-cuda")
-# Requirements that need CUDA (or pull a different torch); SGLang runs without them on the CPU.
+# Requirements that need CUDA, or pull another torch (torchaudio==2.11 pins its own torch;
+# torchcodec needs FFmpeg); SGLang runs without them on the CPU. torch/torchvision: TORCH_PINS.
 GPU_ONLY_REGEX='^(sglang-kernel|flashinfer.*|flash-attn.*|sgl-deep-.*|sgl-flash-mla|nvidia-.*|nvshmem.*|tilelang|quack-kernels|humming-kernels|cuda-python|torch-memory-saver|torch|torchvision|torchaudio|torchcodec)$'
 
 PYTHON_BIN="${SGLANG_RIG_PYTHON:-python3.11}"

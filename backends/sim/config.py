@@ -192,6 +192,8 @@ def _flag_table() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
         (("--enable-cache-report",), {"action": argparse.BooleanOptionalAction,
                                       "default": d.enable_cache_report,
                                       "help": "usage.prompt_tokens_details.cached_tokens"}),
+        (("--enable-metrics",), {"action": "store_true",
+                                 "help": "accepted for SGLang compatibility; /metrics is always on"}),
         (("--kv-events-config",), {"default": None, "help": "SGLang KVEventsConfig JSON"}),
         (("--kv-events-encoding",), {"choices": ("map", "array"), "default": d.kv_events_encoding,
                                      "help": "event encoding: tagged maps (0.5.x) or arrays"}),

@@ -55,16 +55,12 @@ class JobsResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.get_running_loop().create_task(self._watch(receive))
         tasks = [launch(self.state, job, self.endpoint) for job in self.jobs]
-        finished = False
+        answered = False
         try:
-            if self.stream:
-                await self._stream(send)
-            else:
-                await self._unary(send)
-            finished = not self.disconnected
+            answered = await (self._stream(send) if self.stream else self._unary(send))
         finally:
             watcher.cancel()
-            if not finished:
+            if not answered:  # client gone (or server stopping): cancel what still runs
                 for task in tasks:
                     task.cancel()
 
@@ -76,7 +72,8 @@ class JobsResponse:
                 self.changed.set()
                 return
 
-    async def _stream(self, send: Send) -> None:
+    async def _stream(self, send: Send) -> bool:
+        """Write the SSE stream; False if the client left before the end."""
         started = False
         if not self.formatter.defer_headers:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -91,7 +88,7 @@ class JobsResponse:
                         started = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if self.disconnected:
-                return
+                return False
             if all(self.formatter.closed(job) for job in self.jobs):
                 break
             await self.changed.wait()
@@ -99,17 +96,20 @@ class JobsResponse:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         body = b"".join(self.formatter.trailer())
         await send({"type": "http.response.body", "body": body, "more_body": False})
+        return True
 
-    async def _unary(self, send: Send) -> None:
+    async def _unary(self, send: Send) -> bool:
+        """Answer once every item ended (or one failed); False if the client left first."""
         while True:
             self.changed.clear()
             if self.disconnected:
-                return
+                return False
             if any(j.error for j in self.jobs) or all(j.done for j in self.jobs):
                 break
             await self.changed.wait()
         status, payload = self.formatter.unary(self.jobs)
         await send_json(send, status, payload)
+        return True
 
 
 async def send_json(send: Send, status: int, payload: object) -> None:

@@ -15,6 +15,10 @@ medium holds it, because a host-memory hit still saves the prefill.
 
 Sources are (worker url, dp rank): each attention-DP rank has its own cache and publisher; a
 worker's match is its best rank's.
+
+Cost: ~140 bytes per (block, source) entry (measured with tracemalloc, 8 sources x 100k blocks),
+hence the `max_blocks` bound; a lookup hashes the prompt's pages until no source holds one
+(~0.7 us a page: 512 tokens at page size 16 take ~30 us, at page size 1 ~360 us).
 """
 
 from __future__ import annotations
@@ -91,9 +95,13 @@ class KvIndex:
 
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks  # (block, source) entries over all sources
-        self._holders: dict[int, set[Source]] = {}
+        # Holders are bitmasks over source bits: an int per block instead of a set (~3x smaller)
+        # and the chain walk in `match` is integer AND.
+        self._holders: dict[int, int] = {}  # block hash -> bits of the sources holding it
         self._blocks: dict[Source, dict[int, int]] = {}  # block hash -> media bitmask
         self._sources: dict[str, set[Source]] = {}
+        self._bit: dict[Source, int] = {}
+        self._free_bits: list[int] = []
         self._block_size: dict[str, int] = {}
         self._fixed_block_size: dict[str, int] = {}
         self._last_event: dict[str, float] = {}
@@ -148,6 +156,9 @@ class KvIndex:
         if blocks is None:
             blocks = self._blocks[source] = {}
             self._sources.setdefault(source[0], set()).add(source)
+            self._bit[source] = self._free_bits.pop() if self._free_bits else 1 << len(self._bit)
+        holder = self._bit[source]
+        holders = self._holders
         for block in hashes:
             mask = blocks.get(block)
             if mask is None:
@@ -155,7 +166,7 @@ class KvIndex:
                     self.dropped_blocks += 1  # under-estimates this worker's cache: safe
                     continue
                 blocks[block] = bit
-                self._holders.setdefault(block, set()).add(source)
+                holders[block] = holders.get(block, 0) | holder
                 self._entries += 1
             else:
                 blocks[block] = mask | bit
@@ -177,11 +188,11 @@ class KvIndex:
     def _forget(self, source: Source, blocks: dict[int, int], block: int) -> None:
         del blocks[block]
         self._entries -= 1
-        holders = self._holders.get(block)
-        if holders is not None:
-            holders.discard(source)
-            if not holders:
-                del self._holders[block]
+        left = self._holders.get(block, 0) & ~self._bit[source]
+        if left:
+            self._holders[block] = left
+        else:
+            self._holders.pop(block, None)
 
     def clear(self, source: Source) -> None:
         """Forget everything `source` holds (cleared cache, restart, unrecoverable gap)."""
@@ -194,6 +205,7 @@ class KvIndex:
         for source in self._sources.pop(url, set()):
             self.clear(source)
             self._blocks.pop(source, None)
+            self._free_bits.append(self._bit.pop(source))
         for table in (self._block_size, self._fixed_block_size, self._last_event,
                       self._pending_since):
             table.pop(url, None)
@@ -228,21 +240,29 @@ class KvIndex:
             if size > 0 and url in self._sources:
                 groups.setdefault(size, []).append(url)
         for size, group in groups.items():
-            alive = {source for url in group for source in self._sources[url]}
+            owner = {self._bit[src]: url for url in group for src in self._sources[url]}
+            alive = sum(owner)
             depth = 0
             for block in block_hashes(tokens, size, seed):
-                holders = self._holders.get(block)
-                still = alive & holders if holders else set()
-                if len(still) < len(alive):
-                    for source in alive - still:
-                        result[source[0]] = max(result[source[0]], depth * size)
-                    alive = still
+                held = self._holders.get(block, 0) & alive
+                if held != alive:
+                    self._record(result, owner, alive & ~held, depth * size)
+                    alive = held
                     if not alive:
                         break
                 depth += 1
-            for source in alive:
-                result[source[0]] = max(result[source[0]], depth * size)
+            self._record(result, owner, alive, depth * size)
         return result
+
+    @staticmethod
+    def _record(result: dict[str, int], owner: dict[int, str], bits: int, length: int) -> None:
+        """Each source in `bits` matched `length` tokens; a worker keeps its best rank."""
+        while bits:
+            bit = bits & -bits
+            bits ^= bit
+            url = owner[bit]
+            if length > result[url]:
+                result[url] = length
 
     def stats(self) -> dict:
         return {

@@ -49,7 +49,7 @@ class PrefixCacheOptions(CacheAwareOptions):
     topic: str = ""
     block_size: int = 0  # server page size; 0 = from the descriptor or the events
     stale_after: float = 30.0  # seconds without events while traffic is pending
-    max_blocks: int = 1 << 23  # (block, worker rank) entries kept, over all workers
+    max_blocks: int = 1 << 22  # (block, worker rank) entries over all workers (~140 B each)
     tokenizer_path: str = ""  # tokenizer.json to tokenize text prompts; "" = tree for text
 
     def validate(self) -> None:

@@ -69,7 +69,7 @@ class InferenceEndpoint:
 
     async def _send_answer(self, gw, answer: Answer, request_id: str, send: Send,
                            started: float) -> int:
-        headers = [(b"content-type", answer.content_type.encode()),
+        headers = [(b"content-type", answer.content_type),
                    (b"x-request-id", request_id.encode())]
         m = gw.metrics
         if answer.stream is None:

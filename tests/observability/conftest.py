@@ -17,8 +17,10 @@ ARTIFACTS = ROOT / "artifacts"
 DEPLOY = ROOT / "deploy"
 SETUP_HINT = ".ci/setup-extras installs it"
 
-# Short health and load polls, so the status page and the gauges follow the servers closely.
-GATEWAY_ARGS = [*ADMISSION_ARGS, "--health-interval", "1", "--loads-interval", "1"]
+# Short health and load polls, so the status page and the gauges follow the servers closely;
+# a short breaker cooldown, so a server the traffic's faults took out of rotation is back soon.
+GATEWAY_ARGS = [*ADMISSION_ARGS, "--health-interval", "1", "--loads-interval", "1",
+                "--breaker-cooldown", "1"]
 
 
 def missing_tool(what: str) -> None:

@@ -80,7 +80,7 @@ def test_prefill_failure_cancels_hanging_decode_fast():
 
 def test_decode_failure_cancels_hanging_prefill():
     cluster = FakeCluster({P1: FakeServer("prefill", hang=True),
-                           D1: FakeServer("decode", status=503)})
+                           D1: FakeServer("decode", status=503, delay=0.05)})
 
     async def go():
         async with gateway(cluster, "--max-attempts", "1") as (client, _):
@@ -96,7 +96,7 @@ def test_decode_failure_cancels_hanging_prefill():
 
 def test_retry_uses_other_pair_and_new_rooms():
     cluster = FakeCluster({P1: FakeServer("prefill", status=500), P2: FakeServer("prefill"),
-                           D1: FakeServer("decode"), D2: FakeServer("decode")})
+                           D1: FakeServer("decode", delay=0.05), D2: FakeServer("decode", delay=0.05)})
 
     async def go():
         async with gateway(cluster) as (client, app):

@@ -16,7 +16,6 @@ import types
 from typing import Any, NoReturn
 
 __version__ = "0.0.0+cpu.stand.in"
-__path__: list[str] = []  # a package, so `import sgl_kernel.x` reaches the finder below
 
 
 class SglKernelUnavailable(RuntimeError):

@@ -27,7 +27,7 @@ class Health(BaseHTTPRequestHandler):
         self.wfile.write(b"ok" if ok else b"starting")
 
     def log_message(self, format: str, *args: object) -> None:
-        sys.stdout.write(f"standin {self.server.server_address[1]}: {format % args}\n")
+        sys.stdout.write(f"standin: {format % args}\n")
         sys.stdout.flush()
 
 

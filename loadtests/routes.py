@@ -1,0 +1,83 @@
+"""How one logical request reaches the servers: through a proxy, or both PD legs sent directly.
+
+`ViaProxy` sends the request to a gateway (ours or a peer), which adds the bootstrap fields and
+talks to a prefill and a decode server. `BothLegs` is the floor: the load generator itself does
+what a zero-cost proxy would do, sending the same body with a fresh bootstrap room to the prefill
+and to a decode server at once and waiting for both answers (decode servers taken in turn).
+The simulated servers enforce the PD rules, so the floor is a valid PD request, not a shortcut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+
+import orjson
+
+from loadtests.client import Connection, post
+
+HOST = "127.0.0.1"
+
+
+class ViaProxy:
+    def __init__(self, port: int, path: str, body: dict) -> None:
+        self.port = port
+        self.raw = post(HOST, port, path, orjson.dumps(body))
+
+    def session(self) -> ProxySession:
+        return ProxySession(self)
+
+
+class ProxySession:
+    def __init__(self, route: ViaProxy) -> None:
+        self.raw = route.raw
+        self.conn = Connection(HOST, route.port)
+
+    async def call(self) -> int:
+        events, _ = await self.conn.send(self.raw)
+        return events
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class BothLegs:
+    def __init__(self, prefill_port: int, bootstrap_port: int, decode_ports: list[int],
+                 path: str, body: dict) -> None:
+        self.prefill_port = prefill_port
+        self.decode_ports = decode_ports
+        self.path = path
+        self.body = {**body, "bootstrap_host": HOST, "bootstrap_port": bootstrap_port}
+        # Rooms must never repeat across runs: the servers keep tombstones of used rooms.
+        self.rooms = itertools.count(random.getrandbits(62))
+        self.turn = itertools.count()
+
+    def session(self) -> LegsSession:
+        return LegsSession(self)
+
+
+class LegsSession:
+    def __init__(self, route: BothLegs) -> None:
+        self.route = route
+        self.prefill = Connection(HOST, route.prefill_port)
+        self.decodes = [Connection(HOST, port) for port in route.decode_ports]
+
+    async def call(self) -> int:
+        route = self.route
+        body = orjson.dumps({**route.body, "bootstrap_room": next(route.rooms)})
+        decode = self.decodes[next(route.turn) % len(self.decodes)]
+        prefill_leg = asyncio.ensure_future(
+            self.prefill.send(post(HOST, self.prefill.port, route.path, body)))
+        try:
+            events, _ = await decode.send(post(HOST, decode.port, route.path, body))
+        except BaseException:
+            prefill_leg.cancel()
+            raise
+        await prefill_leg
+        return events
+
+    def close(self) -> None:
+        self.prefill.close()
+        for conn in self.decodes:
+            conn.close()
