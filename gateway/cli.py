@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host.strip("[]"), port=config.port, loop="uvloop", http="httptools",
-        lifespan="on", log_level=config.log_level, access_log=False,
+        lifespan="on", log_level=config.log_level, access_log=False, proxy_headers=False,
         timeout_graceful_shutdown=config.shutdown_grace, backlog=2048))
     server.run()
     if not server.started:

@@ -167,16 +167,21 @@ class PDDispatcher:
             self._abort(attempt.decode, attempt.rid)
         if not p_task.done():
             if decode_ok and response is None:
-                self._spawn(self._finish_tail(attempt, p_task))
+                self._finish_tail(attempt, p_task)
             else:
                 p_task.cancel()
                 self._abort(attempt.prefill, attempt.rid)
 
-    async def _finish_tail(self, attempt: Attempt, p_task: asyncio.Task) -> None:
-        """The decode is done; give the prefill's own answer a bounded time to arrive."""
-        with contextlib.suppress(TimeoutError, UpstreamError, asyncio.CancelledError):
-            async with asyncio.timeout(self.timeouts.tail):
-                await asyncio.shield(p_task)
+    def _finish_tail(self, attempt: Attempt, p_task: asyncio.Task) -> None:
+        """The decode is done; give the prefill's own answer a bounded time to arrive.
+
+        A timer and a done-callback, not a task: this happens on most successful requests."""
+        handle = asyncio.get_running_loop().call_later(
+            self.timeouts.tail, self._tail_expired, attempt, p_task)
+        self._background.add(p_task)
+        p_task.add_done_callback(lambda task: (handle.cancel(), self._background.discard(task)))
+
+    def _tail_expired(self, attempt: Attempt, p_task: asyncio.Task) -> None:
         if not p_task.done():
             p_task.cancel()
             self._abort(attempt.prefill, attempt.rid)
@@ -298,7 +303,7 @@ class PDDispatcher:
             response.abort()
         self._leg_done(attempt, "decode", ok)
         if not p_task.done():
-            self._spawn(self._finish_tail(attempt, p_task))
+            self._finish_tail(attempt, p_task)
         if ok is None:  # the client went away mid-stream
             self._abort(attempt.decode, attempt.rid)
 

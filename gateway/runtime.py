@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -16,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from gateway.admission import Admission, KeyChecker
 from gateway.bootstrap import RoomAllocator
 from gateway.config import GatewayConfig
+from gateway.errors import GatewayError
 from gateway.health import HealthChecker
 from gateway.metrics import Metrics
 from gateway.pd import PDDispatcher, Timeouts
@@ -30,6 +33,7 @@ log = logging.getLogger("gateway")
 
 DEFAULT_PREFILL_POLICY = "cache_aware"
 DEFAULT_DECODE_POLICY = "least_load"
+RECENT_ERRORS = 50
 
 
 class StartupError(RuntimeError):
@@ -62,6 +66,7 @@ class Gateway:
         self.inference_keys = KeyChecker(config.api_keys)
         self.admin_keys = KeyChecker(config.admin_api_keys or config.api_keys)
         self.shutting_down = False
+        self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)
         self.client: httpx.AsyncClient | None = None
         self.dispatcher: PDDispatcher | None = None
         self.proxy: Proxy | None = None
@@ -71,6 +76,12 @@ class Gateway:
             from gateway.launch import LocalCluster  # noqa: PLC0415 - only with --launch
 
             self.cluster = LocalCluster(config, self.pool, self._new_worker)
+
+    def note_error(self, err: GatewayError, endpoint: str, request_id: str) -> None:
+        """Keep the last errors for the status page (bounded; no request bodies)."""
+        self.recent_errors.append({"time": time.time(), "endpoint": endpoint,
+                                   "status": err.status, "message": err.message[:300],
+                                   "request_id": request_id})
 
     def _new_worker(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
         c = self.config

@@ -13,6 +13,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from loadtests.client import ReplyError
 
@@ -23,8 +24,8 @@ class NullMeter:
     def start(self) -> None:
         pass
 
-    def stop(self) -> float:
-        return 0.0
+    def stop(self) -> None:
+        return None
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Closed:
     requests: int
     errors: int
     seconds: float
-    cpu: float
+    cpu: Any  # what the meter's stop() returned
 
     @property
     def rps(self) -> float:
@@ -55,7 +56,7 @@ class Streamed:
     events: int
     errors: int
     seconds: float
-    cpu: float
+    cpu: Any  # what the meter's stop() returned
 
     @property
     def events_per_s(self) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -62,15 +63,41 @@ def peak_rss_mb(root: int) -> float:
     return total_kb / 1024
 
 
-class CpuMeter:
-    """`start()` and `stop()` around a window; `stop()` returns the tree's CPU seconds in it."""
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores spent on anything but idle and I/O wait since boot."""
+    with open(PROC / "stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest time is already in user)
+    return (sum(fields[:8]) - fields[3] - fields[4]) / TICKS
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._start = 0.0
+
+@dataclass(frozen=True)
+class Usage:
+    """CPU seconds spent in one measured window, by whom."""
+
+    proxy: float
+    backends: float
+    loadgen: float
+    other: float  # everything else on the machine: other users' processes, the kernel
+
+
+class WindowMeter:
+    """`start()` and `stop()` around a window; `stop()` says who used the CPU in it."""
+
+    def __init__(self, proxy_pid: int | None, backend_pids: list[int]) -> None:
+        self.proxy_pid = proxy_pid
+        self.backend_pids = backend_pids
+        self._start = (0.0, 0.0, 0.0, 0.0)
+
+    def _now(self) -> tuple[float, float, float, float]:
+        proxy = cpu_seconds(self.proxy_pid) if self.proxy_pid is not None else 0.0
+        backends = sum(cpu_seconds(pid) for pid in self.backend_pids)
+        return proxy, backends, cpu_seconds(os.getpid()), machine_busy_seconds()
 
     def start(self) -> None:
-        self._start = cpu_seconds(self.pid)
+        self._start = self._now()
 
-    def stop(self) -> float:
-        return cpu_seconds(self.pid) - self._start
+    def stop(self) -> Usage:
+        proxy, backends, loadgen, busy = (b - a for a, b in zip(self._start, self._now(),
+                                                                strict=True))
+        return Usage(proxy, backends, loadgen, max(0.0, busy - proxy - backends - loadgen))

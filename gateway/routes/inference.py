@@ -1,13 +1,14 @@
 """The inference endpoints as pure ASGI apps: the request path, kept short.
 
 read body -> auth -> parse once -> admission slot -> proxy (pick, dispatch, retry) -> answer.
-A task watches the client connection for the whole request: when the client goes away,
-the work is cancelled, which cancels both upstream legs.
+The work runs in the request's own task; a small watcher task waits for the client to
+disconnect and then cancels it, which cancels both upstream legs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
@@ -18,13 +19,41 @@ from gateway.pd import Answer
 from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
 
+log = logging.getLogger("gateway.inference")
+
+
+class _Watch:
+    """Cancels the request task when the client disconnects, unless the answer is sent."""
+
+    __slots__ = ("task", "done", "gone")
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.done = False
+        self.gone = False
+
+    async def __call__(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.done:
+            self.gone = True
+            self.task.cancel()
+
 
 class InferenceEndpoint:
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, gateway, endpoint: str) -> None:
+        self.gw = gateway
         self.endpoint = endpoint
+        m = gateway.metrics
+        self._requests = {}
+        self._e2e = m.e2e.labels(endpoint)
+        self._ttft = {False: m.ttft.labels(endpoint, "false"), True: m.ttft.labels(endpoint, "true")}
+        self._itl = m.itl.labels(endpoint)
+        self._bytes = m.stream_bytes.labels(endpoint)
+        self._disconnects = m.disconnects.labels(endpoint)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gw = scope["app"].state.gateway
+        gw = self.gw
         started = time.perf_counter()
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
         status = 500
@@ -33,57 +62,69 @@ class InferenceEndpoint:
             raw = await read_body(scope, receive, gw.config.max_body_bytes)
             view = parse_request(self.endpoint, raw)
             async with gw.admission.slot():
-                status = await self._serve(gw, view, request_id, receive, send, started)
+                status = await self._serve(view, request_id, receive, send, started)
         except GatewayError as err:
             status = err.status
+            gw.note_error(err, self.endpoint, request_id)
             await send_error(send, err, request_id)
         except (ClientGone, OSError):
             status = 499
-        finally:
-            m = gw.metrics
-            m.requests.labels(self.endpoint, str(status)).inc()
-            m.e2e.labels(self.endpoint).observe(time.perf_counter() - started)
-            if status == 499:
-                m.disconnects.labels(self.endpoint).inc()
-
-    async def _serve(self, gw, view, request_id: str, receive: Receive, send: Send,
-                     started: float) -> int:
-        """Run the proxy and send its answer, both raced against a client disconnect."""
-        loop = asyncio.get_running_loop()
-        watcher = loop.create_task(_wait_disconnect(receive))
-        try:
-            work = loop.create_task(gw.proxy.handle(view, request_id))
-            if not await _race(work, watcher):
-                return 499
-            answer: Answer = work.result()
-            work = loop.create_task(self._send_answer(gw, answer, request_id, send, started))
+        except Exception:  # a bug: answer 500 in the usual shape rather than drop the client
+            log.exception("unexpected error on %s (request %s)", self.endpoint, request_id)
+            err = GatewayError("internal gateway error; see the gateway log", status=500)
+            gw.note_error(err, self.endpoint, request_id)
             try:
-                if not await _race(work, watcher):
-                    return 499
+                await send_error(send, err, request_id)
+            except Exception:  # noqa: BLE001 - the response may have started already
+                pass
+        finally:
+            counter = self._requests.get(status)
+            if counter is None:
+                counter = self._requests[status] = gw.metrics.requests.labels(
+                    self.endpoint, str(status))
+            counter.inc()
+            self._e2e.observe(time.perf_counter() - started)
+            if status == 499:
+                self._disconnects.inc()
+
+    async def _serve(self, view, request_id: str, receive: Receive, send: Send,
+                     started: float) -> int:
+        """Run the proxy and send its answer while a watcher listens for a disconnect."""
+        task = asyncio.current_task()
+        watch = _Watch(task)
+        watcher = asyncio.get_running_loop().create_task(watch(receive))
+        try:
+            answer: Answer = await self.gw.proxy.handle(view, request_id)
+            try:
+                return await self._send_answer(answer, request_id, send, started, watch)
             finally:
                 if answer.close is not None:
                     await answer.close()
-            return work.result()
+        except asyncio.CancelledError:
+            if watch.gone and task.uncancel() == 0:
+                return 499
+            raise
         finally:
+            watch.done = True
             watcher.cancel()
 
-    async def _send_answer(self, gw, answer: Answer, request_id: str, send: Send,
-                           started: float) -> int:
+    async def _send_answer(self, answer: Answer, request_id: str, send: Send, started: float,
+                           watch: _Watch) -> int:
         headers = [(b"content-type", answer.content_type),
                    (b"x-request-id", request_id.encode())]
-        m = gw.metrics
         if answer.stream is None:
             headers.append((b"content-length", str(len(answer.body)).encode()))
             await send({"type": "http.response.start", "status": answer.status,
                         "headers": headers})
+            watch.done = True
             await send({"type": "http.response.body", "body": answer.body})
-            m.ttft.labels(self.endpoint, "false").observe(time.perf_counter() - started)
-            m.stream_bytes.labels(self.endpoint).inc(len(answer.body))
+            self._ttft[False].observe(time.perf_counter() - started)
+            self._bytes.inc(len(answer.body))
             return answer.status
         headers.append((b"cache-control", b"no-cache"))
         headers.append((b"x-accel-buffering", b"no"))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-        itl = m.itl.labels(self.endpoint)
+        itl = self._itl
         sent = 0
         last = 0.0
         async for chunk in answer.stream:
@@ -92,29 +133,10 @@ class InferenceEndpoint:
             if last:
                 itl.observe(now - last)
             else:
-                m.ttft.labels(self.endpoint, "true").observe(now - started)
+                self._ttft[True].observe(now - started)
             last = now
             sent += len(chunk)
+        watch.done = True
         await send({"type": "http.response.body", "body": b""})
-        m.stream_bytes.labels(self.endpoint).inc(sent)
+        self._bytes.inc(sent)
         return answer.status
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _race(work: asyncio.Task, watcher: asyncio.Task) -> bool:
-    """Wait for `work`; False (work cancelled) if the client disconnected first."""
-    await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-    if work.done():
-        return True
-    work.cancel()
-    try:
-        await work
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone anyway
-        pass
-    return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import httpx
 import pytest
 
 from tests.observability.conftest import ARTIFACTS, require_binaries, require_module
@@ -76,6 +77,9 @@ def test_dashboard_shows_servers_and_updates(browser, observed):
     assert int(text("error-count").replace(",", "")) >= 1  # the 502 of the traffic
     assert "429" in text("status-breakdown")
     assert not browser.find_element(By.ID, "banner").is_displayed()
+    if httpx.get(observed.gateway + "/dashboard/data", timeout=5).json()["recent_errors"]:
+        # Once the gateway keeps its recent errors, the traffic's 502 is listed.
+        wait.until(lambda _: "502" in browser.find_element(By.ID, "errors").text)
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"

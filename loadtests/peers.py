@@ -1,0 +1,51 @@
+"""The peers' environment: sglang-router 0.3.2 (Rust router and mini_lb) in its own venv.
+
+The wheel pins FastAPI/uvicorn/aiohttp versions of its own, so it lives outside the repository
+and outside our environment (default `/opt/peers-venv`); it is created once and reused.
+mini_lb imports aiohttp, fastapi, orjson and uvicorn (the wheel declares them). uvloop and
+httptools are added so that mini_lb's uvicorn gets the same event loop and HTTP parser as our
+gateway (SGLang's own environment ships uvloop): the comparison is between proxies, not between
+asyncio and uvloop.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_VENV = Path("/opt/peers-venv")
+PACKAGES = ["sglang-router==0.3.2", "aiohttp", "fastapi", "orjson", "uvicorn", "uvloop",
+            "httptools"]
+CHECK = ("import aiohttp, fastapi, orjson, uvicorn, uvloop, httptools, sglang_router.mini_lb; "
+         "from sglang_router.router import Router; from sglang_router.version import __version__; "
+         "assert __version__ == '0.3.2', __version__")
+INSTALL_TIMEOUT = 900.0
+
+
+def python_of(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def ready(venv: Path) -> bool:
+    python = python_of(venv)
+    if not python.exists():
+        return False
+    done = subprocess.run([str(python), "-c", CHECK], capture_output=True, timeout=60,
+                          cwd="/")
+    return done.returncode == 0
+
+
+def ensure_venv(venv: Path = DEFAULT_VENV) -> Path:
+    """The venv's python, after creating the venv and installing the peers if needed."""
+    if ready(venv):
+        return python_of(venv)
+    print(f"peers: setting up {venv} ({' '.join(PACKAGES)})", flush=True)
+    if not python_of(venv).exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([str(python_of(venv)), "-m", "pip", "install", "-q",
+                    "--disable-pip-version-check", *PACKAGES],
+                   check=True, timeout=INSTALL_TIMEOUT)
+    if not ready(venv):
+        raise RuntimeError(f"peers venv {venv} still fails: {CHECK}")
+    return python_of(venv)

@@ -1,0 +1,166 @@
+"""Medians over rounds, ratios to the peers, the issue's targets, as Markdown tables."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Run:
+    """One target measured once (one round)."""
+
+    target: str
+    round: int
+    rps: float
+    errors: int
+    cpu_per_1k: float | None  # proxy CPU-seconds per 1000 requests (closed loop)
+    proxy_busy: float | None  # proxy CPU-seconds per second in the closed loop (1.0 = a core)
+    backend_busy: float
+    loadgen_busy: float
+    other_busy: float
+    open_loop: dict[str, dict] = field(default_factory=dict)  # rate -> p50_ms, p99_ms, errors
+    events_per_s: float = 0.0
+    stream_errors: int = 0
+    stream_cpu_per_1k_events: float | None = None
+    stream_proxy_busy: float | None = None
+    rss_mb: float | None = None
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.median(values)
+
+
+def summarize(runs: list[Run]) -> dict[str, dict]:
+    """Per target, the median of every figure over its rounds (errors are summed)."""
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(r.target for r in runs):
+        mine = [r for r in runs if r.target == name]
+        row = {key: _median([getattr(r, key) for r in mine]) for key in (
+            "rps", "cpu_per_1k", "proxy_busy", "backend_busy", "loadgen_busy", "other_busy",
+            "events_per_s", "stream_cpu_per_1k_events", "stream_proxy_busy", "rss_mb")}
+        row["errors"] = sum(r.errors + r.stream_errors for r in mine)
+        row["rounds"] = len(mine)
+        row["open_loop"] = {}
+        for rate in mine[0].open_loop:
+            points = [r.open_loop[rate] for r in mine if rate in r.open_loop]
+            row["open_loop"][rate] = {
+                "p50_ms": _median([p["p50_ms"] for p in points]),
+                "p99_ms": _median([p["p99_ms"] for p in points]),
+                "errors": sum(p["errors"] for p in points)}
+        out[name] = row
+    floor = out.get("floor")
+    for name, row in out.items():
+        for rate, point in row["open_loop"].items():
+            base = floor["open_loop"].get(rate) if floor else None
+            point["added_p50_ms"] = point["p50_ms"] - base["p50_ms"] if base else None
+            point["added_p99_ms"] = point["p99_ms"] - base["p99_ms"] if base else None
+    return out
+
+
+def _fmt(value, digits: int = 0, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "overload"
+    return f"{value:,.{digits}f}{suffix}"
+
+
+def results_table(summary: dict[str, dict]) -> str:
+    rates = list(next(iter(summary.values()))["open_loop"]) if summary else []
+    head = ["target", "req/s (64 conn)", "proxy CPU-s / 1k req", "req / proxy CPU-s",
+            "proxy core busy"]
+    for rate in rates:
+        head.append(f"p50 / p99 ms @{rate}/s")
+        head.append(f"added p99 ms @{rate}/s")
+    head += ["SSE events/s (64 streams)", "proxy CPU-s / 1k events", "peak RSS MB", "errors"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, row in summary.items():
+        cpu = row["cpu_per_1k"]
+        cells = [name, _fmt(row["rps"]), _fmt(cpu, 3), _fmt(1000 / cpu if cpu else None),
+                 _fmt(row["proxy_busy"] * 100 if row["proxy_busy"] is not None else None, 0,
+                      "%")]
+        for rate in rates:
+            point = row["open_loop"][rate]
+            cells.append(f"{_fmt(point['p50_ms'], 2)} / {_fmt(point['p99_ms'], 2)}")
+            cells.append(_fmt(point["added_p99_ms"], 2))
+        cells += [_fmt(row["events_per_s"]), _fmt(row["stream_cpu_per_1k_events"], 3),
+                  _fmt(row["rss_mb"], 0), str(row["errors"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ratio(a, b) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def ratios_table(summary: dict[str, dict]) -> str:
+    ours = [n for n in summary if n.startswith("gateway")]
+    peers = [n for n in ("sglang-router", "mini-lb") if n in summary]
+    if not ours or not peers:
+        return "(ratios need one of our targets and one peer)"
+    head = ["ours vs peer", "req/s", "req per CPU-s", "CPU-s / 1k req", "SSE events/s",
+            "peak RSS"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for us in ours:
+        for peer in peers:
+            a, b = summary[us], summary[peer]
+            cells = [f"{us} / {peer}", _fmt(_ratio(a["rps"], b["rps"]), 2, "x"),
+                     _fmt(_ratio(b["cpu_per_1k"], a["cpu_per_1k"]), 2, "x"),
+                     _fmt(_ratio(a["cpu_per_1k"], b["cpu_per_1k"]), 2, "x"),
+                     _fmt(_ratio(a["events_per_s"], b["events_per_s"]), 2, "x"),
+                     _fmt(_ratio(a["rss_mb"], b["rss_mb"]), 2, "x")]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def goals(summary: dict[str, dict], ours: str = "gateway") -> list[tuple[str, str, bool | None]]:
+    """The issue's four targets for one of our targets: (goal, measured, met)."""
+    us = summary.get(ours)
+    if us is None:
+        return []
+    router, mini = summary.get("sglang-router"), summary.get("mini-lb")
+    out: list[tuple[str, str, bool | None]] = []
+    ratio = _ratio(mini["cpu_per_1k"], us["cpu_per_1k"]) if mini else None
+    out.append(("at least 4x mini_lb's requests per CPU-second",
+                f"{_fmt(ratio, 2)}x", None if ratio is None else ratio >= 4))
+    ratio = _ratio(us["cpu_per_1k"], router["cpu_per_1k"]) if router else None
+    out.append(("CPU-seconds per 1000 requests within 2x of the Rust router's",
+                f"{_fmt(ratio, 2)}x the router's", None if ratio is None else ratio <= 2))
+    rate = "1000" if "1000" in us["open_loop"] else None
+    added = us["open_loop"][rate]["added_p99_ms"] if rate else None
+    out.append(("p99 added latency at 1000 req/s under 5 ms", f"{_fmt(added, 2)} ms",
+                None if added is None else added < 5))
+    ratio = _ratio(us["events_per_s"], router["events_per_s"]) if router else None
+    out.append(("streaming throughput within 10% of the Rust router's",
+                f"{_fmt(ratio, 2)}x the router's", None if ratio is None else ratio >= 0.9))
+    return out
+
+
+def goals_table(summary: dict[str, dict]) -> str:
+    lines = ["| target | goal | measured | met |", "|---|---|---|---|"]
+    for ours in (n for n in summary if n.startswith("gateway")):
+        for goal, measured, met in goals(summary, ours):
+            verdict = "n/a" if met is None else ("met" if met else "NOT met")
+            lines.append(f"| {ours} | {goal} | {measured} | {verdict} |")
+    return "\n".join(lines)
+
+
+def noise_table(summary: dict[str, dict]) -> str:
+    """Where the CPU went during the closed loop, in cores (1.0 = one core fully busy)."""
+    lines = ["| target | proxy | backends | load generator | everything else |",
+             "|---|---|---|---|---|"]
+    for name, row in summary.items():
+        lines.append(f"| {name} | {_fmt(row['proxy_busy'], 2)} | {_fmt(row['backend_busy'], 2)}"
+                     f" | {_fmt(row['loadgen_busy'], 2)} | {_fmt(row['other_busy'], 2)} |")
+    return "\n".join(lines)
+
+
+def as_json(runs: list[Run], summary: dict[str, dict], settings: dict) -> dict:
+    return {"settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}

@@ -1,0 +1,67 @@
+"""What is measured: the floor (no proxy), our gateway in two configurations, and the peers.
+
+A target is a name, whether it needs the peers' venv, and how to build its command line for a
+cluster and a port. Every proxy listens on 127.0.0.1 and logs at warning level where it can
+(mini_lb cannot be told: it logs one access line per request, as shipped).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtests.cluster import Cluster
+from loadtests.launch import HOST, free_port
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    argv: Callable[[Cluster, int, Path | None], list[str]] | None  # None: the floor
+    peer: bool = False
+    ours: bool = False
+    ready_path: str = "/health"
+
+
+def _gateway(*extra: str):
+    def argv(c: Cluster, port: int, _peer_python: Path | None) -> list[str]:
+        args = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(port),
+                "--log-level", "warning", "--prefill", c.prefill_url, str(c.bootstrap_port)]
+        for url in c.decode_urls:
+            args += ["--decode", url]
+        return args + list(extra)
+    return argv
+
+
+def _router(*extra: str):
+    def argv(c: Cluster, port: int, peer_python: Path | None) -> list[str]:
+        args = [str(peer_python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                "--host", HOST, "--port", str(port),
+                "--prefill", c.prefill_url, str(c.bootstrap_port)]
+        for url in c.decode_urls:
+            args += ["--decode", url]
+        return args + list(extra)
+    return argv
+
+
+def _rust_router(c: Cluster, port: int, peer_python: Path | None) -> list[str]:
+    # Prometheus would bind 0.0.0.0:29000 by default: loopback and a free port instead.
+    return _router("--policy", "random", "--log-level", "warn",
+                   "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
+                   )(c, port, peer_python)
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in [
+    Target("floor", "no proxy: the load generator sends both PD legs itself", None),
+    Target("gateway", "our gateway, default policies (cache_aware prefill, least_load decode)",
+           _gateway(), ours=True, ready_path="/readiness"),
+    Target("gateway-rr", "our gateway, --policy round_robin",
+           _gateway("--policy", "round_robin"), ours=True, ready_path="/readiness"),
+    Target("sglang-router", "sglang-router 0.3.2 (Rust), --policy random",
+           _rust_router, peer=True, ready_path="/readiness"),
+    Target("mini-lb", "sglang-router 0.3.2 --mini-lb (Python, FastAPI + aiohttp)",
+           _router("--mini-lb", "--policy", "random"), peer=True),
+]}
