@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -111,7 +110,7 @@ class PDDispatcher:
         body["bootstrap_room"] = rooms
         rid = body.get("rid")
         if rid is None and count is None:
-            rid = body["rid"] = uuid.uuid4().hex
+            rid = body["rid"] = f"{rooms:016x}"  # rooms never repeat, so neither do these
         return Attempt(view, prefill, decode, rooms, rid if isinstance(rid, str) else None,
                        orjson.dumps(body), request_id)
 

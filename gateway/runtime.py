@@ -8,7 +8,9 @@ the app holds one Gateway in `app.state.gateway`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import secrets
 import time
 from collections import deque
 
@@ -67,6 +69,9 @@ class Gateway:
         self.admin_keys = KeyChecker(config.admin_api_keys or config.api_keys)
         self.shutting_down = False
         self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)
+        # request ids for requests that bring none: a random process prefix plus a counter
+        prefix = secrets.token_hex(6)
+        self.request_ids = (f"{prefix}-{n:x}" for n in itertools.count(1))
         self.client: httpx.AsyncClient | None = None
         self.dispatcher: PDDispatcher | None = None
         self.proxy: Proxy | None = None

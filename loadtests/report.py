@@ -54,7 +54,7 @@ def summarize(runs: list[Run]) -> dict[str, dict]:
                 "errors": sum(p["errors"] for p in points)}
         out[name] = row
     floor = out.get("floor")
-    for name, row in out.items():
+    for row in out.values():
         for rate, point in row["open_loop"].items():
             base = floor["open_loop"].get(rate) if floor else None
             point["added_p50_ms"] = point["p50_ms"] - base["p50_ms"] if base else None

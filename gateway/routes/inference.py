@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 
 from starlette.types import Receive, Scope, Send
 
@@ -55,7 +54,7 @@ class InferenceEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
         started = time.perf_counter()
-        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
+        request_id = header(scope, b"x-request-id") or next(self.gw.request_ids)
         status = 500
         try:
             gw.inference_keys.check(header(scope, b"authorization"), header(scope, b"x-api-key"))
