@@ -187,7 +187,9 @@ class Bench:
             stream_cpu_per_1k_events=s_usage.proxy / streamed.events * 1000
             if proc and streamed.events else None,
             stream_proxy_busy=s_usage.proxy / streamed.seconds if proc else None,
-            rss_mb=rss)
+            rss_mb=rss,
+            cores={c: busy / closed.seconds for c, busy in usage.cores.items()},
+            stream_cores={c: busy / streamed.seconds for c, busy in s_usage.cores.items()})
 
     def profile(self, target: Target, out_dir: Path) -> str:
         """py-spy on the proxy during a closed loop; returns the summary of its samples."""
@@ -277,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds, medians; proxy on CPU {args.proxy_cpu}, servers and load "
         f"generator on CPU {args.load_cpu})",
         results_table(summary), ratios_table(summary), goals_table(summary),
-        "CPU use during the closed loop, in cores:\n\n" + noise_table(summary)])
+        "CPU use during the closed loop, in cores, and each core's busy share:\n\n"
+        + noise_table(summary)])
     print("\n" + text)
     for name, summary_text in profiles.items():
         print(f"\n## profile: {name}\n{summary_text}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,22 +64,30 @@ def peak_rss_mb(root: int) -> float:
     return total_kb / 1024
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds all cores spent on anything but idle and I/O wait since boot."""
+def busy_per_cpu() -> dict[str, float]:
+    """CPU seconds each core (and "all") spent on anything but idle and I/O wait since boot."""
+    out = {}
     with open(PROC / "stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal (guest time is already in user)
-    return (sum(fields[:8]) - fields[3] - fields[4]) / TICKS
+        for line in f:
+            if not line.startswith("cpu"):
+                break
+            name, *values = line.split()
+            fields = [int(v) for v in values]
+            # user nice system idle iowait irq softirq steal (guest time is already in user)
+            out["all" if name == "cpu" else name] = (sum(fields[:8]) - fields[3]
+                                                     - fields[4]) / TICKS
+    return out
 
 
 @dataclass(frozen=True)
 class Usage:
-    """CPU seconds spent in one measured window, by whom."""
+    """CPU seconds spent in one measured window, by whom, and per core."""
 
     proxy: float
     backends: float
     loadgen: float
     other: float  # everything else on the machine: other users' processes, the kernel
+    cores: dict[str, float]  # busy seconds per core ("cpu0", "cpu1", ...)
 
 
 class WindowMeter:
@@ -87,17 +96,22 @@ class WindowMeter:
     def __init__(self, proxy_pid: int | None, backend_pids: list[int]) -> None:
         self.proxy_pid = proxy_pid
         self.backend_pids = backend_pids
-        self._start = (0.0, 0.0, 0.0, 0.0)
+        self._start: tuple[float, float, float, dict[str, float]] = (0.0, 0.0, 0.0, {})
 
-    def _now(self) -> tuple[float, float, float, float]:
+    def _now(self) -> tuple[float, float, float, dict[str, float]]:
         proxy = cpu_seconds(self.proxy_pid) if self.proxy_pid is not None else 0.0
         backends = sum(cpu_seconds(pid) for pid in self.backend_pids)
-        return proxy, backends, cpu_seconds(os.getpid()), machine_busy_seconds()
+        # The load generator is this process alone (its children are the proxy and servers).
+        return proxy, backends, time.process_time(), busy_per_cpu()
 
     def start(self) -> None:
         self._start = self._now()
 
     def stop(self) -> Usage:
-        proxy, backends, loadgen, busy = (b - a for a, b in zip(self._start, self._now(),
-                                                                strict=True))
-        return Usage(proxy, backends, loadgen, max(0.0, busy - proxy - backends - loadgen))
+        proxy, backends, loadgen, cores = self._now()
+        proxy -= self._start[0]
+        backends -= self._start[1]
+        loadgen -= self._start[2]
+        cores = {name: busy - self._start[3].get(name, 0.0) for name, busy in cores.items()}
+        other = max(0.0, cores.pop("all") - proxy - backends - loadgen)
+        return Usage(proxy, backends, loadgen, other, cores)

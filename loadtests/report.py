@@ -26,6 +26,8 @@ class Run:
     stream_cpu_per_1k_events: float | None = None
     stream_proxy_busy: float | None = None
     rss_mb: float | None = None
+    cores: dict[str, float] = field(default_factory=dict)  # busy fraction per core, closed loop
+    stream_cores: dict[str, float] = field(default_factory=dict)  # the same, streams
 
 
 def _median(values):
@@ -43,6 +45,9 @@ def summarize(runs: list[Run]) -> dict[str, dict]:
         row = {key: _median([getattr(r, key) for r in mine]) for key in (
             "rps", "cpu_per_1k", "proxy_busy", "backend_busy", "loadgen_busy", "other_busy",
             "events_per_s", "stream_cpu_per_1k_events", "stream_proxy_busy", "rss_mb")}
+        for key in ("cores", "stream_cores"):
+            row[key] = {core: _median([r.__dict__[key].get(core) for r in mine])
+                        for core in getattr(mine[0], key)}
         row["errors"] = sum(r.errors + r.stream_errors for r in mine)
         row["rounds"] = len(mine)
         row["open_loop"] = {}
@@ -153,12 +158,19 @@ def goals_table(summary: dict[str, dict]) -> str:
 
 
 def noise_table(summary: dict[str, dict]) -> str:
-    """Where the CPU went during the closed loop, in cores (1.0 = one core fully busy)."""
-    lines = ["| target | proxy | backends | load generator | everything else |",
-             "|---|---|---|---|---|"]
+    """Where the CPU went, in cores (1.0 = one core fully busy), and how busy each core was."""
+    cores = sorted({c for row in summary.values() for c in row["cores"]})
+    head = ["target", "proxy", "servers", "load generator", "everything else"]
+    head += [f"{c} busy (closed / streams)" for c in cores]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in summary.items():
-        lines.append(f"| {name} | {_fmt(row['proxy_busy'], 2)} | {_fmt(row['backend_busy'], 2)}"
-                     f" | {_fmt(row['loadgen_busy'], 2)} | {_fmt(row['other_busy'], 2)} |")
+        cells = [name, _fmt(row["proxy_busy"], 2), _fmt(row["backend_busy"], 2),
+                 _fmt(row["loadgen_busy"], 2), _fmt(row["other_busy"], 2)]
+        for c in cores:
+            closed, streams = row["cores"].get(c), row["stream_cores"].get(c)
+            cells.append(f"{_fmt(closed and closed * 100, 0, '%')} / "
+                         f"{_fmt(streams and streams * 100, 0, '%')}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

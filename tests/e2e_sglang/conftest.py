@@ -1,8 +1,10 @@
 """Session fixture: real SGLang 0.5.23 servers on the CPU rig, started with our launcher.
 
-`sglang_cluster` generates the tiny model, then launches `deploy/cpu-rig/topology.yaml`
-(1 prefill + 2 decode) plus one plain `--disaggregation-mode null` server for reference output,
-and yields an `SglangCluster` with their URLs and bootstrap ports. It is skipped, with the
+`sglang_cluster` generates the tiny model, starts one plain `--disaggregation-mode null` server
+for reference output, then runs `python -m gateway --launch --launch-config
+deploy/cpu-rig/topology.yaml`: the gateway itself launches, supervises and registers 1 prefill +
+2 decode servers. It yields an `SglangCluster` with the gateway URL and the servers' URLs and
+bootstrap ports (as the gateway lists them). It is skipped, with the
 command to run, when the rig venv has not been built. Gateway-level tests can reuse it as is.
 Server logs: $SGLANG_E2E_LOG_DIR if set, else a pytest temporary directory (see cluster.log_dir).
 """
@@ -16,11 +18,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import yaml
 
 from backends.launcher import BackgroundLauncher, ServerHandle, StartupError, topology_from_dict
+from tests.procs import Proc, free_port, python
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGY_FILE = REPO / "deploy/cpu-rig/topology.yaml"
@@ -53,7 +58,9 @@ class SglangCluster:
     model_path: Path
     model_name: str
     log_dir: Path
-    launcher: BackgroundLauncher
+    launcher: BackgroundLauncher  # the plain reference server
+    gateway: str  # the gateway that launched and serves the prefill and decode servers
+    gateway_proc: Proc
 
     @property
     def prefill_urls(self) -> list[str]:
@@ -100,6 +107,32 @@ def make_model(out_dir: Path) -> Path:
     return out_dir
 
 
+def _start_gateway(model_path: Path, log_dir: Path) -> tuple[Proc, str]:
+    """`python -m gateway --launch` with the CPU-rig topology: the gateway starts, supervises
+    and registers the 1 prefill + 2 decode real SGLang servers itself."""
+    port = free_port()
+    env = {"SGLANG_TINY_MODEL": str(model_path), "LAUNCHER_LOG_DIR": str(log_dir),
+           "SGLANG_RIG_DIR": str(RIG_DIR)}
+    argv = python("-m", "gateway", "--launch", "--launch-config", str(TOPOLOGY_FILE),
+                  "--port", str(port), "--log-level", "info", "--health-interval", "3")
+    proc = Proc("gateway", argv, log_dir, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_http(url + "/readiness", timeout=600)
+    except BaseException:
+        proc.stop(grace=30)
+        raise
+    return proc, url
+
+
+def _plain_server(model_path: Path, log_dir: Path) -> BackgroundLauncher:
+    spec = yaml.safe_load(TOPOLOGY_FILE.read_text())
+    spec.update(model_path=str(model_path), model_name=MODEL_NAME, log_dir=str(log_dir),
+                prefill=0, decode=0, plain=1, readiness_timeout_s=300)
+    variables = {**os.environ, "TOPOLOGY_DIR": str(TOPOLOGY_FILE.parent)}
+    return BackgroundLauncher(topology_from_dict(spec, variables=variables), progress=True)
+
+
 @pytest.fixture(scope="session")
 def sglang_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangCluster]:
     if not (RIG_PYTHON.exists() and RIG_STAMP.exists()):
@@ -109,31 +142,51 @@ def sglang_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangC
         )
     model_path = make_model(tmp_path_factory.mktemp("tiny-model"))
     log_dir = Path(os.environ.get("SGLANG_E2E_LOG_DIR") or tmp_path_factory.mktemp("sglang-logs"))
-    spec = yaml.safe_load(TOPOLOGY_FILE.read_text())
-    spec.update(
-        model_path=str(model_path),
-        model_name=MODEL_NAME,
-        log_dir=str(log_dir),
-        plain=1,
-        readiness_timeout_s=240,
-    )
-    variables = {**os.environ, "TOPOLOGY_DIR": str(TOPOLOGY_FILE.parent)}
-    topology = topology_from_dict(spec, variables=variables)
-    launcher = BackgroundLauncher(topology, progress=True)
+    launcher = _plain_server(model_path, log_dir / "plain")
     try:
         launcher.start()
     except StartupError as exc:
-        pytest.fail(f"SGLang servers did not start (logs in {log_dir}):\n{exc}")
-    servers = launcher.servers
+        pytest.fail(f"the plain SGLang server did not start (logs in {log_dir}):\n{exc}")
     try:
+        gateway, url = _start_gateway(model_path, log_dir)
+    except BaseException:
+        launcher.stop()
+        raise
+    try:
+        listed = httpx.get(url + "/admin/servers", timeout=30).json()["servers"]
+        plain = next(s for s in launcher.servers if s.role == "plain")
         yield SglangCluster(
-            prefill=tuple(_server(s) for s in servers if s.role == "prefill"),
-            decode=tuple(_server(s) for s in servers if s.role == "decode"),
-            null=next(_server(s) for s in servers if s.role == "plain"),
+            prefill=tuple(_listed(s, log_dir) for s in listed if s["role"] == "prefill"),
+            decode=tuple(_listed(s, log_dir) for s in listed if s["role"] == "decode"),
+            null=_server(plain),
             model_path=model_path,
             model_name=MODEL_NAME,
             log_dir=log_dir,
             launcher=launcher,
+            gateway=url,
+            gateway_proc=gateway,
         )
     finally:
+        gateway.stop(grace=60)
         launcher.stop()
+    left = sglang_processes(model_path)
+    assert not left, f"SGLang processes left after the gateway stopped: {left}"
+
+
+def sglang_processes(model_path: Path) -> list[int]:
+    """Pids of live processes whose command line names this session's model."""
+    needle = str(model_path).encode()
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if needle in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _listed(server: dict, log_dir: Path) -> SglangServer:
+    host = urlsplit(server["url"]).hostname
+    return SglangServer(server["url"], server["role"], server["url"], host,
+                        server["bootstrap_port"], log_dir)
