@@ -81,10 +81,21 @@ class Admission:
 
 
 class KeyChecker:
-    """Constant-time API key check against a set of accepted keys (empty: open)."""
+    """Constant-time API key check against a set of accepted keys (empty: open).
 
-    def __init__(self, keys: tuple[str, ...]) -> None:
+    With `rate` > 0 each key also has a token bucket (`rate` requests/s, `burst` deep): a
+    request over it gets 429 with Retry-After. Buckets exist only for configured keys, so
+    their number is bounded.
+    """
+
+    def __init__(self, keys: tuple[str, ...], rate: float = 0.0, burst: int = 0,
+                 metrics: Metrics | None = None, clock=time.monotonic) -> None:
         self._keys = [k.encode() for k in keys]
+        self.rate = rate
+        self.burst = max(burst, 1)
+        self._metrics = metrics
+        self._clock = clock
+        self._buckets = [[float(self.burst), clock()] for _ in self._keys]
 
     @property
     def enabled(self) -> bool:
@@ -99,8 +110,25 @@ class KeyChecker:
         if not presented:
             raise Unauthorized("missing API key (Authorization: Bearer <key>)")
         candidate = presented.encode()
-        ok = False
-        for key in self._keys:
-            ok |= hmac.compare_digest(candidate, key)
-        if not ok:
+        found = -1
+        for index, key in enumerate(self._keys):  # no early exit: constant time over keys
+            if hmac.compare_digest(candidate, key):
+                found = index
+        if found < 0:
             raise Unauthorized("invalid API key")
+        if self.rate > 0:
+            self._take(found)
+
+    def _take(self, index: int) -> None:
+        bucket = self._buckets[index]
+        now = self._clock()
+        bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+        bucket[1] = now
+        if bucket[0] < 1.0:
+            wait = (1.0 - bucket[0]) / self.rate
+            if self._metrics is not None:
+                self._metrics.rejections.labels("rate_limit").inc()
+            raise TooManyRequests(
+                f"rate limit of {self.rate:g} requests/s for this API key exceeded",
+                headers={"retry-after": str(max(1, round(wait + 0.5)))})
+        bucket[0] -= 1.0

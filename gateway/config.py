@@ -97,6 +97,8 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = _opt((), "API keys accepted on inference routes", kind="list")
     api_key_file: str | None = _opt(None, "file with one API key per line")
     admin_api_keys: tuple[str, ...] = _opt((), "API keys accepted on admin routes", kind="list")
+    rate_limit: float = _opt(0.0, "requests/s allowed per API key (0 = unlimited)")
+    rate_burst: int = _opt(20, "requests a key may send at once above its rate")
     shutdown_grace: float = _opt(30.0, "seconds to finish in-flight requests on SIGTERM")
 
     # Identity

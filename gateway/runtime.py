@@ -65,7 +65,8 @@ class Gateway:
         self.rooms = RoomAllocator(config.replica_id)
         self.admission = Admission(config.max_concurrency, config.max_queue,
                                    config.queue_timeout, self.metrics)
-        self.inference_keys = KeyChecker(config.api_keys)
+        self.inference_keys = KeyChecker(config.api_keys, config.rate_limit, config.rate_burst,
+                                         self.metrics)
         self.admin_keys = KeyChecker(config.admin_api_keys or config.api_keys)
         self.shutting_down = False
         self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)

@@ -41,7 +41,7 @@ from loadtests import loads, peers, profile
 from loadtests.client import ReplyError
 from loadtests.cluster import BACKENDS, Cluster, cluster
 from loadtests.launch import HOST, ROOT, free_port, pinned, running
-from loadtests.procstat import WindowMeter, peak_rss_mb
+from loadtests.procstat import WindowMeter, peak_rss_mb, wait_quiet
 from loadtests.report import (
     Run,
     as_json,
@@ -85,6 +85,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="afterwards, profile each Python proxy under the closed loop with "
                         "py-spy (collapsed stacks + a summary in DIR)")
+    p.add_argument("--quiet-wait", type=float, default=30.0,
+                   help="before each target, wait up to this many seconds for other work on "
+                        "the machine to calm down (0: do not wait)")
+    p.add_argument("--quiet-cores", type=float, default=0.3,
+                   help="'calm' means everything running uses at most this many cores")
     p.add_argument("--log-dir", type=Path, help="process logs (default: a temporary dir)")
     p.add_argument("--timeout", type=float, default=1500.0,
                    help="give up (and clean up) after this many seconds")
@@ -92,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="CI-sized: 1 round, 2 s phases, rates 200,500")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.duration, args.rates = 1, 2.0, "200,500"
+        args.rounds, args.duration, args.rates, args.quiet_wait = 1, 2.0, "200,500", 0.0
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
@@ -165,6 +170,11 @@ class Bench:
         with self.started(target, f"{target.name}-r{round_no}") as (proc, port):
             gen, stream = self.routes(port)
             self.warm(gen)
+            if a.quiet_wait > 0:
+                busy = wait_quiet(a.quiet_cores, a.quiet_wait)
+                if busy > a.quiet_cores:
+                    print(f"  note: the machine is busy with other work ({busy:.2f} cores) "
+                          f"before {target.name}; measuring anyway", flush=True)
             meter = WindowMeter(proc.pid if proc else None, self.cluster.pids)
             closed = self.runner.run(loads.closed_loop(gen, a.concurrency, 1.0, a.duration,
                                                        meter))

@@ -115,3 +115,18 @@ class WindowMeter:
         cores = {name: busy - self._start[3].get(name, 0.0) for name, busy in cores.items()}
         other = max(0.0, cores.pop("all") - proxy - backends - loadgen)
         return Usage(proxy, backends, loadgen, other, cores)
+
+
+def wait_quiet(max_cores: float, patience: float, sample: float = 1.0) -> float:
+    """Wait until the whole machine is busier than `max_cores` no more (at most `patience` s).
+
+    Call it while none of our load runs: what it sees is other people's work and the idle
+    servers. Returns the last busy figure, in cores.
+    """
+    deadline = time.monotonic() + patience
+    while True:
+        before = busy_per_cpu()["all"]
+        time.sleep(sample)
+        busy = (busy_per_cpu()["all"] - before) / sample
+        if busy <= max_cores or time.monotonic() >= deadline:
+            return busy

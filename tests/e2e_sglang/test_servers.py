@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e_sglang.conftest import SglangCluster
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # the first test pays the start-up
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 

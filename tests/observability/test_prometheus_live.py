@@ -43,7 +43,8 @@ def finite(result: list[dict]) -> bool:
     return any(math.isfinite(float(series["value"][1])) for series in result)
 
 
-def wait_for(check, what: str, timeout: float = DEADLINE, interval: float = 0.5):
+def wait_for(check, timeout: float = DEADLINE, interval: float = 0.5):
+    """Call `check` until it returns something true or the time is up; its last result."""
     deadline = time.monotonic() + timeout
     while True:
         result = check()
@@ -72,7 +73,7 @@ def prometheus(request, tmp_path_factory):
             "--log.level=warn"]
     with running("prometheus", argv, home, url + "/-/ready", timeout=30) as proc:
         api = PromAPI(url)
-        up = wait_for(lambda: api.query(f'up{{job="{JOB}"}} == 1'), "first scrape")
+        up = wait_for(lambda: api.query(f'up{{job="{JOB}"}} == 1'))
         assert up, f"Prometheus never scraped the gateway:\n{proc.log()}"
         yield api
 
@@ -99,7 +100,7 @@ def test_every_dashboard_query_returns_data(prometheus, scraped_traffic):
                 del pending[name]
         return not pending
 
-    wait_for(all_answered, "dashboard queries")
+    wait_for(all_answered)
     assert not pending, "dashboard queries without data:\n" + "\n".join(
         f"  {name}: {expr}" for name, expr in pending.items())
 
@@ -121,7 +122,7 @@ def test_every_recording_rule_evaluates_to_data(prometheus, scraped_traffic):
                 pending.discard(name)
         return not pending
 
-    wait_for(all_recorded, "recording rules")
+    wait_for(all_recorded)
     assert not pending, f"recording rules without data: {sorted(pending)}"
 
 
@@ -135,7 +136,7 @@ def test_every_rule_loads_healthy(prometheus, scraped_traffic):
         ready = set(health) == expected and all(h == "ok" for h, _ in health.values())
         return health if ready else {}
 
-    health = wait_for(loaded, "rule evaluation")
+    health = wait_for(loaded)
     assert health, f"rules not all loaded and healthy: {prometheus.get('/api/v1/rules')}"
 
 

@@ -38,7 +38,7 @@ def _post(client: httpx.Client, path: str, body: dict) -> int:
         return response.status_code
 
 
-def _set_faults(cluster, urls: list[str], error_rate: float) -> None:
+def _set_faults(urls: list[str], error_rate: float) -> None:
     for url in urls:
         httpx.post(url + "/sim/faults", json={"error_rate": error_rate},
                    timeout=5).raise_for_status()
@@ -68,13 +68,13 @@ def mixed_traffic(cluster) -> Counter:
 
         decode = cluster.decode
         try:
-            _set_faults(cluster, decode[:1], 1.0)  # decode0 fails: retried on decode1
+            _set_faults(decode[:1], 1.0)  # decode0 fails: retried on decode1
             for _ in range(3):
                 statuses[_post(client, "/generate", generate(max_new_tokens=4))] += 1
-            _set_faults(cluster, decode, 1.0)  # every decode fails: 502 after the retries
+            _set_faults(decode, 1.0)  # every decode fails: 502 after the retries
             statuses[_post(client, "/generate", generate(max_new_tokens=4))] += 1
         finally:
-            _set_faults(cluster, decode, 0.0)
+            _set_faults(decode, 0.0)
 
         _leave_mid_stream(client)
         statuses[499] += 1
