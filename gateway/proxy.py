@@ -66,6 +66,9 @@ class Proxy:
         attempt.prefill.start(tokens)
         attempt.decode.start(tokens)
         self.scheduler.dispatched(attempt.prefill, attempt.decode, attempt.view)
+        predicted = self.scheduler.policies["prefill"].predicted_hit(attempt.prefill, attempt.view)
+        if predicted:
+            self.metrics.predicted_tokens.labels(attempt.prefill.url).inc(predicted * tokens)
         m = self.metrics.decisions
         m.labels("prefill", self._policy_names["prefill"], attempt.prefill.url).inc()
         m.labels("decode", self._policy_names["decode"], attempt.decode.url).inc()

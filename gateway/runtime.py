@@ -86,7 +86,8 @@ class Gateway:
     def note_error(self, err: GatewayError, endpoint: str, request_id: str) -> None:
         """Keep the last errors for the status page (bounded; no request bodies)."""
         self.recent_errors.append({"time": time.time(), "endpoint": endpoint,
-                                   "status": err.status, "message": err.message[:300],
+                                   "status": err.status, "type": err.error_type,
+                                   "message": err.message[:300],
                                    "request_id": request_id})
 
     def _new_worker(self, url: str, role: str, bootstrap_port: int | None) -> Worker:

@@ -33,6 +33,11 @@ class Policy:
     def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
         raise NotImplementedError
 
+    def predicted_hit(self, worker: Worker, view: RequestView) -> float | None:
+        """Fraction of the prompt this policy expects `worker` to have cached, asked right
+        after `pick` (for the predicted-vs-actual cache metric); None: no prediction."""
+        return None
+
     def on_dispatch(self, worker: Worker, view: RequestView) -> None:
         """The request was sent to `worker`."""
 

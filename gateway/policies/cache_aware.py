@@ -79,6 +79,7 @@ class CacheAwarePolicy(Policy):
         self.tree = PrefixTree(self.options.max_tree_size, self.options.eviction_ttl)
         self._turn = 0
         self._decisions = {"cache": 0, "load": 0, "balance": 0}
+        self._last_match: tuple[dict[str, int], int] = ({}, 0)
 
     def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
         key = view.routing_key
@@ -88,6 +89,7 @@ class CacheAwarePolicy(Policy):
     def choose(self, candidates: Sequence[Worker], matched: dict[str, int], key_len: int) -> Worker:
         """The decision above, given each worker's matched prefix length out of `key_len`."""
         options = self.options
+        self._last_match = (matched, key_len)
         turn = self._turn
         self._turn += 1
         if len(candidates) == 1:
@@ -105,6 +107,10 @@ class CacheAwarePolicy(Policy):
         else:
             self._decisions["load"] += 1
         return candidates[rotating_argmin(scores, turn)]
+
+    def predicted_hit(self, worker: Worker, view: RequestView) -> float | None:
+        matched, key_len = self._last_match
+        return matched.get(worker.url, 0) / key_len if key_len else None
 
     def on_dispatch(self, worker: Worker, view: RequestView) -> None:
         key: Key = view.routing_key

@@ -94,6 +94,13 @@ class MinTtftPolicy(Policy):
             queued = max(queued, worker.load.waiting_uncached_tokens)
         return queued
 
+    def predicted_hit(self, worker: Worker, view: RequestView) -> float | None:
+        seen, matched = self._last
+        key = view.routing_key
+        if seen is not view or not key:
+            return None
+        return matched.get(worker.url, 0) / len(key)
+
     def _uncached(self, url: str, view: RequestView) -> float:
         """Prompt tokens `url` would have to compute, given what it was sent before."""
         key = view.routing_key
