@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="repeats; medians are reported")
     p.add_argument("--duration", type=float, default=5.0,
                    help="seconds of the closed loop (streams and open loop take 4/5 of it)")
-    p.add_argument("--rates", default="500,1000",
-                   help="open-loop rates in requests/s, comma-separated")
+    p.add_argument("--rates", help="open-loop rates in requests/s, comma-separated "
+                                   "(default: 500,1000; --quick: 200,500)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=2)
     p.add_argument("--stream-tokens", type=int, default=256)
@@ -97,7 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="CI-sized: 1 round, 2 s phases, rates 200,500")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.duration, args.rates, args.quiet_wait = 1, 2.0, "200,500", 0.0
+        args.rounds, args.duration, args.quiet_wait = 1, 2.0, 0.0
+    args.rates = args.rates or ("200,500" if args.quick else "500,1000")
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:

@@ -37,6 +37,13 @@ def _median(values):
     return statistics.median(values)
 
 
+def _added(value: float | None, floor: float | None) -> float | None:
+    """Latency over the floor's; unknown when the floor itself was overloaded."""
+    if value is None or floor is None or math.isinf(floor):
+        return None
+    return value - floor
+
+
 def summarize(runs: list[Run]) -> dict[str, dict]:
     """Per target, the median of every figure over its rounds (errors are summed)."""
     out: dict[str, dict] = {}
@@ -62,8 +69,8 @@ def summarize(runs: list[Run]) -> dict[str, dict]:
     for row in out.values():
         for rate, point in row["open_loop"].items():
             base = floor["open_loop"].get(rate) if floor else None
-            point["added_p50_ms"] = point["p50_ms"] - base["p50_ms"] if base else None
-            point["added_p99_ms"] = point["p99_ms"] - base["p99_ms"] if base else None
+            point["added_p50_ms"] = _added(point["p50_ms"], base and base["p50_ms"])
+            point["added_p99_ms"] = _added(point["p99_ms"], base and base["p99_ms"])
     return out
 
 

@@ -1,22 +1,24 @@
-"""Assembles the sim: the HTTP app, its lifespan, and the uvicorn servers.
+"""Assembles the sim: the ASGI app, its lifespan, and the uvicorn server.
 
-A prefill sim runs a second, tiny app on --bootstrap-port in the same event
-loop (one process per simulated server, so 16 fit on 2 cores).
+uvicorn runs with uvloop and httptools. POST /generate skips Starlette (see
+`SimApp`); every other route is a Starlette route. A prefill sim also serves
+its bootstrap port (bootstrap.py) from the same event loop, bound by the
+lifespan before the HTTP port opens (one process per simulated server, so 16
+fit on 2 cores).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from backends.sim import info, native, openai
-from backends.sim.bootstrap import build_bootstrap_app
 from backends.sim.config import SimConfig
 from backends.sim.state import SimState
 
@@ -43,7 +45,32 @@ _ROUTES = [
 ]
 
 
-def build_app(state: SimState) -> Starlette:
+class SimApp:
+    """The ASGI app: POST /generate goes straight to `native.generate_asgi`.
+
+    /generate is the hot path of every PD benchmark; Starlette's routing,
+    middleware and Request object cost more than the rest of a small request.
+    The Starlette route stays for the fault knobs that must answer before
+    the body is parsed (--error-rate, --hang, --crash-after).
+    """
+
+    def __init__(self, state: SimState, routes: Starlette) -> None:
+        self.state = state
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["path"] == "/generate"
+                and scope["method"] in ("POST", "PUT") and not self._faulty()):
+            await native.generate_asgi(self.state, scope, receive, send)
+        else:
+            await self.routes(scope, receive, send)
+
+    def _faulty(self) -> bool:
+        f = self.state.config.faults
+        return bool(f.error_rate or f.hang or f.crash_after)
+
+
+def build_app(state: SimState) -> SimApp:
     """The main app; its lifespan starts and stops the state's loops and sockets."""
 
     @contextlib.asynccontextmanager
@@ -54,50 +81,21 @@ def build_app(state: SimState) -> Starlette:
         finally:
             await state.stop()
 
-    app = Starlette(routes=_ROUTES, lifespan=lifespan)
-    app.state.sim = state
-    return app
+    routes = Starlette(routes=_ROUTES, lifespan=lifespan)
+    routes.state.sim = state
+    return SimApp(state, routes)
 
 
-class _QuietServer(uvicorn.Server):
-    """A second server in the loop: the first one owns the signal handlers."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _uvicorn_config(app: Starlette, host: str, port: int, log_level: str) -> uvicorn.Config:
+def uvicorn_config(app: SimApp, config: SimConfig) -> uvicorn.Config:
     return uvicorn.Config(
-        app, host=host, port=port, loop="uvloop", http="httptools", lifespan="auto",
-        log_level=log_level, access_log=False, timeout_keep_alive=30, backlog=4096,
-        timeout_graceful_shutdown=1,
+        app, host=config.host, port=config.port, loop="uvloop", http="httptools",
+        lifespan="on", log_level=config.log_level, access_log=False, timeout_keep_alive=30,
+        backlog=4096, timeout_graceful_shutdown=1,
     )
 
 
-async def serve(config: SimConfig) -> None:
-    """Run until SIGINT/SIGTERM."""
-    state = SimState.build(config)
-    main = uvicorn.Server(_uvicorn_config(build_app(state), config.host, config.port,
-                                          config.log_level))
-    extra: _QuietServer | None = None
-    if config.mode == "prefill" and state.registry is not None:
-        boot_app = build_bootstrap_app(config, state.registry)
-        extra = _QuietServer(_uvicorn_config(boot_app, config.host, config.bootstrap_port,
-                                             config.log_level))
-    if extra is None:
-        await main.serve()
-        return
-    boot_task = asyncio.ensure_future(extra.serve())
-    try:
-        await main.serve()
-    finally:
-        extra.should_exit = True
-        await boot_task
-
-
 def run(config: SimConfig) -> None:
+    """Run until SIGINT/SIGTERM."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s sim %(message)s")
-    import uvloop
-
-    uvloop.run(serve(config))
+    state = SimState.build(config)
+    uvicorn.Server(uvicorn_config(build_app(state), config)).run()

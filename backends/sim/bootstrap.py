@@ -1,31 +1,39 @@
-"""The prefill's bootstrap server (HTTP on the bootstrap port) and the decode's client.
+"""The prefill's bootstrap server on --bootstrap-port, and the prefill end of the KV channel.
 
-Public routes mimic SGLang's CommonKVBootstrapServer (`GET /health` -> OK,
-`GET|PUT /route`, `POST /register_dp_rank`, `POST /query_dp_ranks`). The KV
-"transfer" between two sims goes through private routes:
+Plain HTTP/1.1 (httptools, keep-alive) with SGLang's public routes, as its
+CommonKVBootstrapServer answers them:
 
-    POST /sim/rooms/{room}/bootstrap  decode takes its half of the room
-    GET  /sim/rooms/{room}/kv?wait=S  long-poll until the KV is ready or failed
-    POST /sim/rooms/{room}/abort      decode gave up; the room becomes a tombstone
-    GET  /sim/rooms/{room}            state of one room (tests)
+    GET  /health            -> OK
+    GET  /route?prefill_dp_rank=..&prefill_cp_rank=..&target_tp_rank=..&target_pp_rank=..
+    PUT  /route             -> OK
+    POST /register_dp_rank  -> OK
+    POST /query_dp_ranks    {"bootstrap_rooms": [...]} -> {room: dp_rank}
+
+plus `GET /sim/rooms/{room}` (a room's state, for tests) and `GET /sim/kv`
+with `Upgrade: sim-kv/1`, which turns the connection into a decode's KV
+channel (wire.py). A small server of its own rather than a second uvicorn
+app: the channel needs the raw connection, and the few routes do not need a
+framework.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+from urllib.parse import parse_qs
 
-import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
+import httptools
+import orjson
 
 from backends.sim.config import SimConfig
-from backends.sim.job import SimError
-from backends.sim.rooms import RoomRegistry
+from backends.sim.rooms import Room, RoomRegistry
+from backends.sim.wire import CHANNEL_PATH, UPGRADE, BatchWriter, LineReader
 
-_ROUTE_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
-_MAX_POLL = 10.0
+ROUTE_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+_TEXT = b"text/plain; charset=utf-8"
+_JSON = b"application/json"
+_REASONS = {101: "Switching Protocols", 200: "OK", 400: "Bad Request", 404: "Not Found",
+            405: "Method Not Allowed"}
 
 
 def server_info_payload(config: SimConfig) -> dict[str, object]:
@@ -39,172 +47,200 @@ def server_info_payload(config: SimConfig) -> dict[str, object]:
     }
 
 
-def build_bootstrap_app(config: SimConfig, registry: RoomRegistry) -> Starlette:
-    """The Starlette app served on --bootstrap-port by a prefill sim."""
+class BootstrapServer:
+    """Listens on --bootstrap-port in the prefill's event loop."""
 
-    async def health(_: Request) -> Response:
-        return PlainTextResponse("OK")
-
-    async def route(request: Request) -> Response:
-        if request.method == "PUT":
-            return PlainTextResponse("OK")
-        q = request.query_params
-        if not all(q.get(k) for k in _ROUTE_KEYS):
-            return PlainTextResponse("Missing inputs for bootstrap server.", status_code=400)
-        ranks = [int(q[k]) for k in _ROUTE_KEYS]
-        if ranks == [-1, -1, -1, -1]:
-            return JSONResponse(server_info_payload(config))
-        if ranks == [0, 0, 0, 0]:
-            return JSONResponse({"rank_ip": config.host, "rank_port": config.bootstrap_port})
-        return PlainTextResponse(
-            "Bootstrap info not found for dp_rank={} cp_rank={} tp_rank={} pp_rank={}".format(*ranks),
-            status_code=404,
-        )
-
-    async def register_dp_rank(_: Request) -> Response:
-        return PlainTextResponse("OK")
-
-    async def query_dp_ranks(request: Request) -> Response:
-        body = await request.json()
-        rooms = body.get("bootstrap_rooms", []) if isinstance(body, dict) else []
-        return JSONResponse({str(int(r)): 0 for r in rooms if registry.get(int(r)) is not None})
-
-    async def join(request: Request) -> Response:
-        number = int(request.path_params["room"])
-        body = await request.json()
-        got = registry.join_decode(number, str(body.get("rid", "")))
-        if isinstance(got, str):
-            return JSONResponse({"ok": False, "reason": got}, status_code=409)
-        return JSONResponse({"ok": True})
-
-    async def kv(request: Request) -> Response:
-        number = int(request.path_params["room"])
-        wait = min(float(request.query_params.get("wait", "0")), _MAX_POLL)
-        room = registry.get(number)
-        if room is not None and not room.terminal and wait > 0:
-            await registry.wait_change(room, wait)
-            room = registry.get(number)
-        return JSONResponse(registry.kv_answer(room))
-
-    async def abort(request: Request) -> Response:
-        number = int(request.path_params["room"])
-        body = await request.json()
-        registry.fail(number, str(body.get("reason") or "Aborted by AbortReq."))
-        return JSONResponse({"ok": True})
-
-    async def show(request: Request) -> Response:
-        room = registry.get(int(request.path_params["room"]))
-        if room is None:
-            return JSONResponse({"state": "unknown"}, status_code=404)
-        return JSONResponse(room.view())
-
-    return Starlette(routes=[
-        Route("/health", health),
-        Route("/route", route, methods=["GET", "PUT"]),
-        Route("/register_dp_rank", register_dp_rank, methods=["POST"]),
-        Route("/query_dp_ranks", query_dp_ranks, methods=["POST"]),
-        Route("/sim/rooms/{room:int}/bootstrap", join, methods=["POST"]),
-        Route("/sim/rooms/{room:int}/kv", kv),
-        Route("/sim/rooms/{room:int}/abort", abort, methods=["POST"]),
-        Route("/sim/rooms/{room:int}", show),
-    ])
-
-
-def handshake_failed(rid: str, room: int, reason: str) -> str:
-    return (f"Decode handshake failed for request rank=0 decode_req.req.rid={rid!r} "
-            f"decode_req.req.bootstrap_room={room} with exception "
-            f"KVTransferError(bootstrap_room={room}): {reason}")
-
-
-def transfer_failed(rid: str, room: int, reason: str) -> str:
-    return (f"Decode transfer failed for request rank=0 decode_req.req.rid={rid!r} "
-            f"decode_req.req.bootstrap_room={room} with exception "
-            f"KVTransferError(bootstrap_room={room}): {reason}")
-
-
-class _NotABootstrapServer(Exception):
-    pass
-
-
-class BootstrapClient:
-    """What a decode sim does against a prefill's bootstrap server."""
-
-    def __init__(self, config: SimConfig, http: httpx.AsyncClient) -> None:
+    def __init__(self, config: SimConfig, registry: RoomRegistry) -> None:
         self.config = config
-        self.http = http
-        self._known: set[str] = set()  # addresses whose /route answered (SGLang's connection pool)
-        self._background: set[asyncio.Task[None]] = set()
+        self.registry = registry
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
 
-    async def handshake(self, addr: str, room: int, rid: str) -> None:
-        """Fetch the prefill's info and take the decode half of `room`.
-
-        Unreachable or foreign servers are retried --bootstrap-retries times,
-        --bootstrap-retry-interval apart, then fail like SGLang's receiver abort.
-        """
-        attempts = 0
-        while True:
-            attempts += 1
-            try:
-                await self._ensure_route(addr)
-                resp = await self.http.post(f"http://{addr}/sim/rooms/{room}/bootstrap",
-                                            json={"rid": rid})
-                if resp.status_code == 409:
-                    raise SimError(500, handshake_failed(rid, room, resp.json().get("reason", "")))
-                if resp.status_code != 200:
-                    self._known.discard(addr)
-                    raise _NotABootstrapServer(resp.status_code)
-                return
-            except (httpx.HTTPError, _NotABootstrapServer, ValueError):
-                if attempts >= self.config.bootstrap_retries:
-                    raise SimError(500, handshake_failed(rid, room, "Aborted by AbortReq.")) from None
-                await asyncio.sleep(self.config.bootstrap_retry_interval)
-
-    async def _ensure_route(self, addr: str) -> None:
-        if addr in self._known:
-            return
-        resp = await self.http.get(
-            f"http://{addr}/route",
-            params={k: -1 for k in _ROUTE_KEYS},
-        )
-        if resp.status_code != 200 or "page_size" not in resp.json():
-            raise _NotABootstrapServer(resp.status_code)
-        self._known.add(addr)
-
-    async def wait_kv(self, addr: str, room: int, rid: str) -> dict[str, object]:
-        """Long-poll the prefill until the KV of `room` is there (or failed)."""
+    async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        deadline = start + self.config.waiting_timeout
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                elapsed = loop.time() - start
-                raise SimError(500, transfer_failed(
-                    rid, room, f"Request {room} timed out after {elapsed:.1f}s in KVPoll.WaitingForInput"))
-            wait = min(remaining, _MAX_POLL)
-            try:
-                resp = await self.http.get(f"http://{addr}/sim/rooms/{room}/kv",
-                                           params={"wait": f"{wait:.3f}"}, timeout=wait + 5.0)
-                answer = resp.json()
-            except (httpx.HTTPError, ValueError):
-                self._known.discard(addr)
-                raise SimError(500, transfer_failed(
-                    rid, room, f"Lost connection with prefill instance (bootstrap_addr: {addr})")) from None
-            if answer.get("state") == "ready":
-                return answer
-            if answer.get("state") == "failed":
-                raise SimError(500, transfer_failed(rid, room, str(answer.get("reason"))))
+        self._server = await loop.create_server(
+            lambda: _Connection(self), self.config.host, self.config.bootstrap_port,
+            backlog=4096, reuse_address=True)
 
-    def abort_later(self, addr: str, room: int, reason: str) -> None:
-        """Tell the prefill this decode gave up on `room` (best effort, not awaited)."""
-        task = asyncio.get_running_loop().create_task(self._abort(addr, room, reason))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self._connections):
+                conn.close()
+            await self._server.wait_closed()
+            self._server = None
 
-    async def _abort(self, addr: str, room: int, reason: str) -> None:
+    # ---- routes ----------------------------------------------------------
+    def answer(self, method: str, path: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        """(status, content type, body) of one plain HTTP request."""
+        if path == "/health":
+            return 200, _TEXT, b"OK"
+        if path == "/route":
+            if method == "PUT":
+                return 200, _TEXT, b"OK"
+            return self._route(parse_qs(query))
+        if path in ("/register_dp_rank", "/query_dp_ranks"):
+            if method != "POST":
+                return 405, _TEXT, b"Method Not Allowed"
+            if path == "/register_dp_rank":
+                return 200, _TEXT, b"OK"
+            return self._query_dp_ranks(body)
+        if path.startswith("/sim/rooms/") and path[11:].isdigit():
+            room = self.registry.get(int(path[11:]))
+            if room is None:
+                return 404, _JSON, b'{"state":"unknown"}'
+            return 200, _JSON, orjson.dumps(room.view())
+        return 404, _TEXT, b"Not Found"
+
+    def _route(self, query: dict[str, list[str]]) -> tuple[int, bytes, bytes]:
+        if not all(query.get(k, [""])[0] for k in ROUTE_KEYS):
+            return 400, _TEXT, b"Missing inputs for bootstrap server."
         try:
-            await self.http.post(f"http://{addr}/sim/rooms/{room}/abort", json={"reason": reason},
-                                 timeout=2.0)
-        except httpx.HTTPError:
-            pass
+            ranks = [int(query[k][0]) for k in ROUTE_KEYS]
+        except ValueError:
+            return 400, _TEXT, b"Missing inputs for bootstrap server."
+        if ranks == [-1, -1, -1, -1]:
+            return 200, _JSON, orjson.dumps(server_info_payload(self.config))
+        if ranks == [0, 0, 0, 0]:
+            return 200, _JSON, orjson.dumps({"rank_ip": self.config.host,
+                                             "rank_port": self.config.bootstrap_port})
+        text = "Bootstrap info not found for dp_rank={} cp_rank={} tp_rank={} pp_rank={}"
+        return 404, _TEXT, text.format(*ranks).encode()
 
+    def _query_dp_ranks(self, body: bytes) -> tuple[int, bytes, bytes]:
+        try:
+            data = orjson.loads(body or b"{}")
+            rooms = data.get("bootstrap_rooms", []) if isinstance(data, dict) else []
+            known = {str(int(r)): 0 for r in rooms if self.registry.get(int(r)) is not None}
+        except (orjson.JSONDecodeError, TypeError, ValueError):
+            return 400, _TEXT, b"Invalid JSON body."
+        return 200, _JSON, orjson.dumps(known)
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection: HTTP/1.1 requests, until it upgrades to a KV channel."""
+
+    def __init__(self, server: BootstrapServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.link: DecodeLink | None = None
+        self._url = b""
+        self._body: list[bytes] = []
+        self._upgrade: bytes | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        self.server._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server._connections.discard(self)
+        if self.link is not None:
+            self.link.lost()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.link is not None:
+            self.link.feed(data)
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._switch(data[exc.args[0]:])
+        except httptools.HttpParserError:
+            self._write(400, _TEXT, b"Invalid HTTP request.", keep_alive=False)
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self._url, self._body, self._upgrade = b"", [], None
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"upgrade":
+            self._upgrade = value
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._upgrade is not None:
+            return  # answered by _switch(), once the parser stops at the upgrade
+        url = httptools.parse_url(self._url)
+        method = self.parser.get_method().decode()
+        status, kind, body = self.server.answer(method, url.path.decode(),
+                                                (url.query or b"").decode(), b"".join(self._body))
+        self._write(status, kind, body, keep_alive=self.parser.should_keep_alive())
+
+    def _switch(self, rest: bytes) -> None:
+        """Answer an upgrade: ours becomes a KV channel, any other is refused."""
+        path = httptools.parse_url(self._url).path.decode()
+        if path != CHANNEL_PATH or (self._upgrade or b"").lower() != UPGRADE:
+            self._write(400, _TEXT, b"Unsupported upgrade.", keep_alive=False)
+            return
+        assert self.transport is not None
+        self.transport.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                             b"Upgrade: " + UPGRADE + b"\r\n\r\n")
+        self.link = DecodeLink(self.server.registry, self.transport)
+        if rest:
+            self.link.feed(rest)
+
+    def _write(self, status: int, kind: bytes, body: bytes, keep_alive: bool) -> None:
+        assert self.transport is not None
+        head = (f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\ncontent-length: {len(body)}\r\n"
+                f"connection: {'keep-alive' if keep_alive else 'close'}\r\n").encode()
+        self.transport.write(head + b"content-type: " + kind + b"\r\n\r\n" + body)
+        if not keep_alive:
+            self.transport.close()
+
+
+class DecodeLink:
+    """The prefill end of one decode's KV channel: joins, aborts, and KV pushes."""
+
+    def __init__(self, registry: RoomRegistry, transport: asyncio.Transport) -> None:
+        self.registry = registry
+        self.transport = transport
+        self.writer = BatchWriter(transport)
+        self.reader = LineReader()
+        self.joined: dict[int, Room] = {}  # tag -> room joined here whose KV is not sent yet
+
+    def feed(self, data: bytes) -> None:
+        try:
+            messages = self.reader.feed(data)
+        except ValueError:
+            self.transport.close()
+            return
+        for message in messages:
+            self._on_message(message)
+
+    def _on_message(self, message: list[Any]) -> None:
+        op, tag = message[0], message[1]
+        if op == "join":
+            got = self.registry.join_decode(int(message[2]), str(message[3]))
+            if isinstance(got, str):
+                self.writer.send(["refused", tag, got])
+                return
+            self.writer.send(["joined", tag])
+            self.joined[tag] = got
+            got.listeners.append(lambda room: self._room_changed(tag, room))
+        elif op == "abort":
+            room = self.joined.pop(tag, None)
+            if room is not None:
+                self.registry.fail(room.room, str(message[2]))
+
+    def _room_changed(self, tag: int, room: Room) -> None:
+        """Push the KV (or the failure) once the room ends."""
+        if not room.terminal or self.joined.pop(tag, None) is None:
+            return
+        if room.state == "ready":
+            self.writer.send(["kv", tag, room.kv])
+        else:
+            self.writer.send(["failed", tag, room.reason])
+
+    def lost(self) -> None:
+        """The decode went away; its rooms run on (SGLang notices only by heartbeat)."""
+        self.joined.clear()

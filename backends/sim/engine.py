@@ -1,8 +1,8 @@
-"""The simulated GPU: one scheduler loop with a FIFO queue and a timing model.
+"""The simulated GPU: one scheduler with a FIFO queue and a timing model.
 
-Each loop turn runs one chunked-prefill batch (if any request is admitted and
-not yet prefilled), then one decode step for every decoding request, and
-sleeps for the modeled duration of each (minus the Python time already spent):
+Each scheduler turn runs one chunked-prefill batch (if any request is
+admitted and not yet prefilled), then one decode step for every decoding
+request; each takes its modeled duration:
 
     prefill batch = prefill_overhead_ms + prefill_ms_per_token * uncached tokens
     decode step   = decode_step_ms + decode_ms_per_req * batch
@@ -10,6 +10,13 @@ sleeps for the modeled duration of each (minus the Python time already spent):
                     (or a fixed --token-delay)
 
 Admission is FIFO, bounded by --max-running-requests and the KV pool size.
+
+The scheduler is driven by loop callbacks, not a task: `submit()` schedules
+a turn with `call_soon` (so every request that arrived in the same loop
+iteration joins the same batch), a modeled duration is a `call_at` that ends
+the step, and a zero duration (--fast) ends it in the next callback. A busy
+--fast server thus costs a callback per step, shared by the whole batch, and
+adds no timer, sleep or Event.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from backends.sim.config import SimConfig
 from backends.sim.job import Job
@@ -36,8 +45,9 @@ class Engine:
         self.prefilling: list[Job] = []
         self.decoding: list[Job] = []
         self.inflight: set[Job] = set()  # prefill mode: prefilled, KV being sent
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._busy = False  # a turn is scheduled or a step is running
+        self._handle: asyncio.Handle | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.cached_tokens_total = 0
@@ -47,23 +57,24 @@ class Engine:
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop = asyncio.get_running_loop()
+        self._busy = False
+        self._kick()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._busy = True  # no more turns
+        self._loop = None
 
     # ---- entry points used by the flows ----------------------------------
     def submit_prefill(self, job: Job) -> None:
-        """Queue a job for prefill; `job.prefilled` fires when its first token exists."""
+        """Queue a job for prefill; `job.prefilled` is set (and the job woken) at its first token."""
         job.phase = "waiting"
         job.cached_tokens = self.cache.match(job.spec.input_ids)
         self.waiting.append(job)
-        self._wake.set()
+        self._kick()
 
     def submit_decode(self, job: Job) -> None:
         """Continue a job whose KV and first token came from a prefill server."""
@@ -75,12 +86,12 @@ class Engine:
             return
         job.phase = "waiting"
         self.waiting.append(job)
-        self._wake.set()
+        self._kick()
 
     def release(self, job: Job) -> None:
         """Prefill mode: the KV of `job` left the server; free its slot."""
         self.inflight.discard(job)
-        self._wake.set()
+        self._kick()
 
     def drop(self, job: Job) -> None:
         """Forget a cancelled, aborted or failed job wherever it is."""
@@ -90,7 +101,7 @@ class Engine:
         if job in self.waiting:
             self.waiting.remove(job)
         self.inflight.discard(job)
-        self._wake.set()
+        self._kick()
 
     # ---- load figures ----------------------------------------------------
     @property
@@ -120,27 +131,57 @@ class Engine:
         while self._gen_marks and self._gen_marks[0][0] < now - _THROUGHPUT_WINDOW:
             self._gen_marks.popleft()
 
-    # ---- the loop --------------------------------------------------------
-    async def _run(self) -> None:
-        while True:
-            self._admit()
-            if not self.prefilling and not self.decoding:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if self.prefilling:
-                await self._prefill_step()
-            if self.decoding:
-                await self._decode_step()
+    # ---- the scheduler ---------------------------------------------------
+    def _kick(self) -> None:
+        """Schedule a turn unless one is scheduled or running."""
+        if not self._busy and self._loop is not None:
+            self._busy = True
+            self._handle = self._loop.call_soon(self._turn)
+
+    def _turn(self) -> None:
+        self._handle = None
+        self._admit()
+        if self.prefilling:
+            self._start_prefill()
+        elif self.decoding:
+            self._start_decode()
+        else:
+            self._busy = False  # idle until submit() or release()
+
+    def _after(self, started: float, seconds: float, step_end: Callable[..., None],
+               *args: Any) -> None:
+        """End a step `seconds` after `started`; in --fast mode in the next callback.
+
+        Never synchronously: a streaming reader woken by the previous step
+        runs first and sees every token, as with a real GPU.
+        """
+        assert self._loop is not None
+        if seconds <= 0:
+            self._handle = self._loop.call_soon(step_end, *args)
+        else:
+            self._handle = self._loop.call_at(started + seconds, step_end, *args)
+
+    def _next_turn(self) -> None:
+        """Yield to the loop between turns, so new arrivals join the next batch."""
+        self._handle = None
+        if (self.waiting or self.prefilling or self.decoding) and self._loop is not None:
+            self._handle = self._loop.call_soon(self._turn)
+        else:
+            self._busy = False
 
     def _admit(self) -> None:
+        if not self.waiting:
+            return
         limit = self.config.max_running_requests
-        while self.waiting and self.num_running < limit:
+        running, used = self.num_running, self.num_used_tokens  # kept up to date below
+        while self.waiting and running < limit:
             job = self.waiting[0]
             need = job.context_len + max(0, job.spec.max_new_tokens - len(job.output_ids))
-            if self.num_running and self.num_used_tokens + need > self.config.max_total_tokens:
+            if running and used + need > self.config.max_total_tokens:
                 return
             self.waiting.popleft()
+            running += 1
+            used += job.context_len
             if job.output_ids:  # decode mode: KV already here
                 job.phase = "decoding"
                 self.decoding.append(job)
@@ -150,8 +191,9 @@ class Engine:
             job.phase = "prefill"
             self.prefilling.append(job)
 
-    async def _prefill_step(self) -> None:
-        started = time.perf_counter()
+    def _start_prefill(self) -> None:
+        assert self._loop is not None
+        started = self._loop.time()
         budget = self.config.chunked_prefill_size
         tokens = 0
         for job in self.prefilling:
@@ -162,12 +204,20 @@ class Engine:
             budget -= take
             tokens += take
         cfg = self.config
-        await _spend(started, (cfg.prefill_overhead_ms + cfg.prefill_ms_per_token * tokens) / 1e3)
-        for job in [j for j in self.prefilling if j.remaining_prefill <= 0]:
-            self.prefilling.remove(job)
-            if job.done:
-                continue
-            self._prefill_done(job)
+        seconds = (cfg.prefill_overhead_ms + cfg.prefill_ms_per_token * tokens) / 1e3
+        self._after(started, seconds, self._end_prefill)
+
+    def _end_prefill(self) -> None:
+        done = [j for j in self.prefilling if j.remaining_prefill <= 0]
+        if done:
+            self.prefilling = [j for j in self.prefilling if j.remaining_prefill > 0]
+        for job in done:
+            if not job.done:
+                self._prefill_done(job)
+        if self.decoding:
+            self._start_decode()
+        else:
+            self._next_turn()
 
     def _prefill_done(self, job: Job) -> None:
         self.requests_total += 1
@@ -175,27 +225,28 @@ class Engine:
         self.cached_tokens_total += job.cached_tokens
         self._hits.append((job.prompt_tokens, job.cached_tokens))
         self.cache.insert(job.spec.input_ids)
-        mode = self.config.mode
-        if mode == "prefill":
+        if self.config.mode == "prefill":
             job.stage_first_token()
             self._count_generated(1)
-            job.prefilled.set()
+            job.prefilled = True
             self.inflight.add(job)
+            job.wake()
             return
         if job.spec.max_new_tokens <= 0:
             job.finish({"type": "length", "length": 0})
         else:
             job.next_token()
             self._count_generated(1)
-        job.prefilled.set()
+        job.prefilled = True
         if job.done:
             self._cache_finished(job)
         else:
             job.phase = "decoding"
             self.decoding.append(job)
 
-    async def _decode_step(self) -> None:
-        started = time.perf_counter()
+    def _start_decode(self) -> None:
+        assert self._loop is not None
+        started = self._loop.time()
         cfg = self.config
         batch = list(self.decoding)
         if cfg.token_delay is not None:
@@ -204,7 +255,9 @@ class Engine:
             kv = sum(j.context_len for j in batch)
             seconds = (cfg.decode_step_ms + cfg.decode_ms_per_req * len(batch)
                        + cfg.decode_ms_per_kv_token * kv) / 1e3
-        await _spend(started, seconds)
+        self._after(started, seconds, self._end_decode, batch)
+
+    def _end_decode(self, batch: list[Job]) -> None:
         produced = 0
         for job in batch:
             if job.done:
@@ -213,10 +266,12 @@ class Engine:
             produced += 1
         self._count_generated(produced)
         finished = [j for j in self.decoding if j.done]
+        if finished:
+            self.decoding = [j for j in self.decoding if not j.done]
         for job in finished:
-            self.decoding.remove(job)
             if job.error is None and not job.cancelled:
                 self._cache_finished(job)
+        self._next_turn()
 
     def _cache_finished(self, job: Job) -> None:
         """A plain server caches prompt + output (all but the last token)."""
@@ -230,7 +285,3 @@ class Engine:
             self._gen_marks.append((now, n))
             self._trim_marks(now)
 
-
-async def _spend(started: float, seconds: float) -> None:
-    """Sleep until `seconds` after `started`; always yields to the loop."""
-    await asyncio.sleep(max(0.0, seconds - (time.perf_counter() - started)))

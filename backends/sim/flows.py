@@ -3,10 +3,17 @@
 null:    queue -> prefill -> decode steps.
 prefill: take the room -> wait for a decode to bootstrap (--bootstrap-timeout)
          -> prefill -> send KV -> answer with one token, finish length 0.
-decode:  handshake with the prefill's bootstrap server (--bootstrap-retries)
-         -> wait for the KV (--waiting-timeout) -> decode steps.
+decode:  join the room over the KV channel to the prefill's bootstrap server
+         (--bootstrap-retries to reach it) -> wait for the KV (--waiting-timeout)
+         -> decode steps.
 A leg that fails or is cancelled marks its room failed, so the other leg of
 the pair fails promptly instead of waiting for its timeout.
+
+A flow is one coroutine. It runs inside the HTTP request's own task for a
+single non-streaming item (responses.py) and in a task of its own otherwise;
+`job.task` is whichever runs it, and cancelling it (client gone,
+/abort_request, shutdown) ends the item. A flow sleeps in `job.wait()` and is
+woken by the engine, by its room's listeners and by deadlines.
 """
 
 from __future__ import annotations
@@ -15,8 +22,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from backends.sim.bootstrap import handshake_failed, transfer_failed
 from backends.sim.job import ABORT_REASON, Job, SimError
+from backends.sim.kvclient import KvTransfer, handshake_failed, transfer_failed
 from backends.sim.rooms import DUPLICATE_DECODE, Room
 from backends.sim.state import SimState
 
@@ -40,31 +47,36 @@ class _Leg:
 
     room: Room | None = None
     decode_room: int | None = None
-    joined: str | None = None
-    kv_received: bool = False
+    transfer: KvTransfer | None = None
+
+
+def register(state: SimState, job: Job, task: asyncio.Task[object] | None) -> None:
+    """Make `job` findable by rid (duplicates, /abort_request, loads) until its flow ends."""
+    job.task = task
+    state.jobs[job.spec.rid] = job
 
 
 def launch(state: SimState, job: Job, endpoint: str) -> asyncio.Task[None]:
-    """Start serving `job`; it is findable by rid until it ends."""
+    """Serve `job` in a task of its own (streams and batches)."""
     task = asyncio.get_running_loop().create_task(run_job(state, job, endpoint))
-    rid = job.spec.rid
-    state.jobs[rid] = (job, task)
-
-    def _forget(_: asyncio.Task[None]) -> None:
-        if state.jobs.get(rid, (None,))[0] is job:
-            del state.jobs[rid]
-
-    task.add_done_callback(_forget)
+    register(state, job, task)
     return task
+
+
+def interrupt(job: Job, aborted: bool = False) -> None:
+    """End a running flow: /abort_request (`aborted`) or the client went away."""
+    if job.done or job.task is None:
+        return
+    if aborted:
+        job.aborted = True
+    job.task.cancel()
 
 
 def abort(state: SimState, rid: str | None, abort_all: bool) -> int:
     """POST /abort_request: end matching jobs with finish_reason abort."""
     targets = list(state.jobs.values()) if abort_all else [state.jobs[rid]] if rid in state.jobs else []
-    for job, task in targets:
-        if not job.done:
-            job.aborted = True
-            task.cancel()
+    for job in targets:
+        interrupt(job, aborted=True)
     return len(targets)
 
 
@@ -72,7 +84,7 @@ async def run_job(state: SimState, job: Job, endpoint: str) -> None:
     """Serve one item to its end; the outcome is left on the job."""
     leg = _Leg()
     outcome, reason = "completed", None
-    runner = {"prefill": _run_prefill, "decode": _run_decode}.get(state.config.mode, _run_null)
+    runner = _RUNNERS.get(state.config.mode, _run_null)
     try:
         await runner(state, job, leg)
     except SimError as exc:
@@ -80,18 +92,22 @@ async def run_job(state: SimState, job: Job, endpoint: str) -> None:
         outcome, reason = "failed", exc.message
         state.telemetry.observe_failure(exc.message)
     except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()  # handled here: the task goes on to answer (or not)
         if job.aborted:
             job.finish(dict(ABORT_REASON))
             outcome, reason = "aborted", ABORTED
-            state.telemetry.aborted += 1
         else:
             job.cancel()
             outcome, reason = "cancelled", "client disconnected"
-            state.telemetry.aborted += 1
+        state.telemetry.aborted += 1
     finally:
         if outcome != "completed":
             state.engine.drop(job)
         _release_leg(state, job, leg, outcome, reason)
+        if state.jobs.get(job.spec.rid) is job:
+            del state.jobs[job.spec.rid]
         room = job.spec.bootstrap_room if state.config.mode != "null" else None
         state.stats.record(endpoint, job.spec.rid, room, outcome, reason)
         if outcome == "completed":
@@ -107,8 +123,9 @@ def _release_leg(state: SimState, job: Job, leg: _Leg, outcome: str, reason: str
             state.registry.fail(leg.room.room, why)
     if leg.decode_room is not None:
         state.decode_rooms.discard(leg.decode_room)
-        if not ok and leg.joined and not leg.kv_received and state.client is not None:
-            state.client.abort_later(leg.joined, leg.decode_room, reason or ABORTED)
+        transfer = leg.transfer
+        if transfer is not None and not transfer.settled and not ok:
+            transfer.abort(reason or ABORTED)
 
 
 async def _first_token_delay(state: SimState) -> None:
@@ -117,10 +134,15 @@ async def _first_token_delay(state: SimState) -> None:
         await asyncio.sleep(delay)
 
 
+async def _until_done(job: Job) -> None:
+    while not job.done:
+        await job.wait()
+
+
 async def _run_null(state: SimState, job: Job, leg: _Leg) -> None:
     await _first_token_delay(state)
     state.engine.submit_prefill(job)
-    await job.ended.wait()
+    await _until_done(job)
 
 
 async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
@@ -134,26 +156,15 @@ async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
     if isinstance(got, str):
         raise SimError(500, prefill_failed(spec.rid, number, got))
     leg.room = room = got
+    room.listeners.append(job.wake)  # the decode joined, or the room failed
     job.phase = "bootstrap"
-    start = time.monotonic()
-    while room.decode_rid is None and room.state == "open":
-        remaining = start + cfg.bootstrap_timeout - time.monotonic()
-        if remaining <= 0:
-            elapsed = time.monotonic() - start
-            raise SimError(500, prefill_failed(
-                spec.rid, number, f"Request {number} timed out after {elapsed:.1f}s in KVPoll.Bootstrapping"))
-        await registry.wait_change(room, remaining)
+    if room.decode_rid is None and room.state == "open":
+        await _wait_for_decode(state, job, room)
     _check_room(room, spec.rid)
     await _first_token_delay(state)
     state.engine.submit_prefill(job)
-    while not job.prefilled.is_set():
-        waiter = asyncio.ensure_future(job.prefilled.wait())
-        changed = asyncio.ensure_future(room.changed.wait())
-        try:
-            await asyncio.wait((waiter, changed), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-            changed.cancel()
+    while not job.prefilled:
+        await job.wait()
         _check_room(room, spec.rid)
     if job.error is not None:
         raise job.error
@@ -170,6 +181,22 @@ async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
         _check_room(room, spec.rid)
     state.engine.release(job)
     job.finish({"type": "length", "length": 0})
+
+
+async def _wait_for_decode(state: SimState, job: Job, room: Room) -> None:
+    """Until a decode joins the room, the room fails, or --bootstrap-timeout passes."""
+    started = time.monotonic()
+    deadline = state.bootstrap_deadlines.add(job.wake)
+    try:
+        while room.decode_rid is None and room.state == "open":
+            if deadline.expired:
+                elapsed = time.monotonic() - started
+                raise SimError(500, prefill_failed(
+                    job.spec.rid, room.room,
+                    f"Request {room.room} timed out after {elapsed:.1f}s in KVPoll.Bootstrapping"))
+            await job.wait()
+    finally:
+        deadline.cancel()
 
 
 def _check_room(room: Room, rid: str) -> None:
@@ -199,11 +226,19 @@ async def _run_decode(state: SimState, job: Job, leg: _Leg) -> None:
     leg.decode_room = number
     addr = _bootstrap_addr(spec.bootstrap_host, spec.bootstrap_port)
     job.phase = "bootstrap"
-    await client.handshake(addr, number, spec.rid)
-    leg.joined = addr
-    job.phase = "transfer"
-    kv = await client.wait_kv(addr, number, spec.rid)
-    leg.kv_received = True
+    leg.transfer = transfer = await client.join(addr, number, job)
+    kind, payload = await transfer.future
+    if kind == "refused":
+        raise SimError(500, handshake_failed(spec.rid, number, str(payload)))
+    if kind == "timeout":
+        raise SimError(500, transfer_failed(
+            spec.rid, number, f"Request {number} timed out after {payload:.1f}s in KVPoll.WaitingForInput"))
+    if kind == "lost":
+        raise SimError(500, transfer_failed(
+            spec.rid, number, f"Lost connection with prefill instance (bootstrap_addr: {addr})"))
+    if kind != "kv":
+        raise SimError(500, transfer_failed(spec.rid, number, str(payload)))
+    kv = payload
     if int(kv["prompt_tokens"]) != job.prompt_tokens:
         raise SimError(500, transfer_failed(spec.rid, number, (
             f"KV size mismatch: prefill sent {kv['prompt_tokens']} tokens, "
@@ -216,4 +251,7 @@ async def _run_decode(state: SimState, job: Job, leg: _Leg) -> None:
     else:
         job.add_token(int(kv["first_token"]), float(kv["first_logprob"]))
     state.engine.submit_decode(job)
-    await job.ended.wait()
+    await _until_done(job)
+
+
+_RUNNERS = {"prefill": _run_prefill, "decode": _run_decode, "null": _run_null}

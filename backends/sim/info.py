@@ -105,7 +105,7 @@ def load_snapshot(state: SimState) -> dict[str, Any]:
     """One `LoadSnapshot.to_dict()` entry (managers/load_snapshot.py)."""
     cfg, eng = state.config, state.engine
     used = eng.num_used_tokens
-    phases = [j.phase for j, _ in state.jobs.values()]
+    phases = [j.phase for j in state.jobs.values()]
     in_mode = {"prefill": cfg.mode == "prefill", "decode": cfg.mode == "decode"}
     return {
         "timestamp": time.time(), "dp_rank": 0,

@@ -1,7 +1,15 @@
 """One generation unit (a single prompt, or one item of a batch) and its state.
 
 The engine appends tokens, the PD flow sets errors, and the HTTP layer reads
-snapshots; `changed` wakes the reader after every update.
+snapshots. Two wake-ups, both cheap when nobody listens:
+
+- `wait()`/`wake()`: the job's own flow sleeps until something it waits for
+  may have happened (prefill done, the job ended, its bootstrap room changed,
+  a deadline passed); it then rechecks its condition, like a condition variable.
+  One future per sleep, no asyncio.Event, no task.
+- `changed`: an Event shared by the jobs of one streaming or batch HTTP
+  request, set on every token; None on the single-item fast path, whose
+  answer is written once the flow returns.
 """
 
 from __future__ import annotations
@@ -60,16 +68,31 @@ class Job:
     cancelled: bool = False
     aborted: bool = False
     phase: str = "new"
+    prefilled: bool = False  # the first token exists (set by the engine)
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    prefilled: asyncio.Event = field(default_factory=asyncio.Event)
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event | None = None
+    task: asyncio.Task[Any] | None = None  # runs the flow; cancelled by abort or disconnect
+    _waiter: asyncio.Future[None] | None = None
 
     def __post_init__(self) -> None:
         if not self.seed:
             self.seed = tokenizer.prompt_seed(self.spec.input_ids)
+
+    async def wait(self) -> None:
+        """Sleep until the next `wake()`; the caller rechecks what it waits for."""
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def wake(self, *_: object) -> None:
+        """Resume the flow if it sleeps (arguments ignored: usable as a room listener)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     @property
     def prompt_tokens(self) -> int:
@@ -105,7 +128,8 @@ class Job:
         if len(self.output_ids) >= spec.max_new_tokens:
             self._finish({"type": "length", "length": spec.max_new_tokens})
             return
-        self.changed.set()
+        if self.changed is not None:
+            self.changed.set()
 
     def next_token(self) -> None:
         """Generate the token at the next output position."""
@@ -130,9 +154,10 @@ class Job:
     def _end(self) -> None:
         self.finished_at = time.perf_counter()
         self.phase = "done"
-        self.changed.set()
-        self.ended.set()
-        self.prefilled.set()
+        self.prefilled = True
+        if self.changed is not None:
+            self.changed.set()
+        self.wake()
 
     def finish(self, reason: dict[str, Any]) -> None:
         if not self.done:

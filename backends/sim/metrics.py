@@ -90,8 +90,8 @@ def render_metrics(state: SimState) -> str:
     cfg, eng = state.config, state.engine
     common = f'model_name="{cfg.model_name}",engine_type="{cfg.engine_type}"'
     sched = f'{common},tp_rank="0",pp_rank="0",moe_ep_rank="0"'
-    bootstrap_q = sum(1 for j, _ in state.jobs.values() if j.phase == "bootstrap")
-    transfer_q = sum(1 for j, _ in state.jobs.values() if j.phase == "transfer")
+    bootstrap_q = sum(1 for j in state.jobs.values() if j.phase == "bootstrap")
+    transfer_q = sum(1 for j in state.jobs.values() if j.phase == "transfer")
     used = eng.num_used_tokens
     gauges = [
         ("sglang:num_running_reqs", "The number of running requests.", eng.num_running),

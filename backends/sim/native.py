@@ -9,20 +9,21 @@ final chunk whose `finish_reason` is `{"type": "abort", "status_code": ...}`.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.sim import faults, flows
 from backends.sim.job import ItemSpec, Job
 from backends.sim.outputs import native_output
 from backends.sim.requests import BadRequest, parse_generate
-from backends.sim.responses import DONE, JobsResponse, first_error, sse
+from backends.sim.responses import DONE, first_error, respond, send_json, sse
 from backends.sim.state import SimState
+
+ENDPOINT = "/generate"
 
 
 def native_error(status: int, message: str) -> tuple[int, dict[str, Any]]:
@@ -75,7 +76,10 @@ class NativeFormatter:
 
 
 async def read_json(request: Request) -> Any:
-    body = await request.body()
+    return parse_json(await request.body())
+
+
+def parse_json(body: bytes) -> Any:
     if not body:
         return {}
     try:
@@ -85,30 +89,58 @@ async def read_json(request: Request) -> Any:
 
 
 def make_jobs(state: SimState, specs: list[ItemSpec]) -> list[Job]:
-    """Jobs of one HTTP request share one `changed` event (one reader)."""
-    shared = asyncio.Event()
+    """The jobs of one request; a rid still running is refused, as SGLang does."""
     live = [s.rid for s in specs if s.rid in state.jobs]
     if live:
         raise BadRequest(f"Duplicate request ID detected: {live[0]}")
-    return [Job(spec=s, changed=shared) for s in specs]
+    return [Job(spec=s) for s in specs]
+
+
+async def generate_asgi(state: SimState, scope: Scope, receive: Receive, send: Send) -> None:
+    """POST /generate without Starlette (app.py routes here unless a fault knob is on).
+
+    Starlette's Request, routing and middleware cost more than the rest of a
+    small request; this path reads the body and answers by hand.
+    """
+    state.stats.received(ENDPOINT)
+    state.generation_requests += 1
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return  # the client left before sending the body
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    await answer_generate(state, b"".join(chunks), receive, send)
 
 
 async def generate(request: Request) -> ASGIApp:
+    """POST /generate through Starlette: used while a fault knob may answer first."""
     state: SimState = request.app.state.sim
-    endpoint = "/generate"
-    state.stats.received(endpoint)
-    early = await faults.before_generation(state, request, endpoint)
+    state.stats.received(ENDPOINT)
+    early = await faults.before_generation(state, request, ENDPOINT)
     if early is not None:
         return early
+    body = await request.body()
+
+    async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+        await answer_generate(state, body, receive, send)
+    return answer
+
+
+async def answer_generate(state: SimState, body: bytes, receive: Receive, send: Send) -> None:
     try:
-        parsed = parse_generate(await read_json(request), state.config)
+        parsed = parse_generate(parse_json(body), state.config)
         jobs = make_jobs(state, parsed.items)
     except BadRequest as exc:
-        state.stats.record(endpoint, "", None, "failed", str(exc))
+        state.stats.record(ENDPOINT, "", None, "failed", str(exc))
         status, payload = native_error(400, str(exc))
-        return JSONResponse(payload, status_code=status)
+        await send_json(send, status, payload)
+        return
     formatter = NativeFormatter(state.config.mode, parsed.is_single)
-    return JobsResponse(state, jobs, formatter, parsed.stream, endpoint)
+    response = respond(state, jobs, formatter, parsed.stream, ENDPOINT)
+    await response({}, receive, send)
 
 
 async def abort_request(request: Request) -> Response:

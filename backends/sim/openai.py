@@ -20,7 +20,7 @@ from backends.sim.job import Job, SimError
 from backends.sim.native import make_jobs, read_json
 from backends.sim.outputs import input_logprobs, output_logprobs, output_top_logprobs, usage
 from backends.sim.requests import BadRequest, openai_to_generate, parse_generate
-from backends.sim.responses import DONE, JobsResponse, first_error, sse
+from backends.sim.responses import DONE, first_error, respond, sse
 from backends.sim.state import SimState
 
 
@@ -223,7 +223,7 @@ async def _serve(request: Request, endpoint: str, chat: bool) -> ASGIApp:
     except BadRequest as exc:
         state.stats.record(endpoint, "", None, "failed", str(exc))
         return JSONResponse(openai_error(400, str(exc)), status_code=400)
-    return JobsResponse(state, jobs, formatter, parsed.stream, endpoint)
+    return respond(state, jobs, formatter, parsed.stream, endpoint)
 
 
 def _completion(body: dict[str, Any], state: SimState) -> tuple[_OpenAIFormatter, dict[str, Any]]:

@@ -1,9 +1,14 @@
-"""One ASGI response for every generation endpoint.
+"""The ASGI responses of the generation endpoints.
 
-It starts the items' flows, watches the receive channel for `http.disconnect`
-(so a client that leaves cancels its items, streaming or not), and writes
-either one JSON body or an SSE stream through a formatter that knows the
-endpoint's JSON shapes. A non-streaming answer is the finished state.
+Both watch the receive channel for `http.disconnect` (so a client that leaves
+cancels its items, streaming or not) and write through a formatter that knows
+the endpoint's JSON shapes. A non-streaming answer is the finished state.
+
+- `SingleResponse`: one item, not streaming (every PD request of a router).
+  The item's flow runs inside the request's own task, so the only extra task
+  is the disconnect watcher.
+- `JobsResponse`: batches, `n > 1` and streams: one task per item, and a
+  shared Event that wakes the writer on every token.
 """
 
 from __future__ import annotations
@@ -14,13 +19,12 @@ from typing import Protocol
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from backends.sim.flows import launch
+from backends.sim.flows import interrupt, launch, register, run_job
 from backends.sim.job import Job
 from backends.sim.state import SimState
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-JSON_HEADERS = [(b"content-type", b"application/json")]
 DONE = b"data: [DONE]\n\n"
 
 
@@ -42,14 +46,50 @@ class Formatter(Protocol):
     def unary(self, jobs: list[Job]) -> tuple[int, object]: ...
 
 
+def respond(state: SimState, jobs: list[Job], formatter: Formatter, stream: bool,
+            endpoint: str) -> SingleResponse | JobsResponse:
+    if len(jobs) == 1 and not stream:
+        return SingleResponse(state, jobs[0], formatter, endpoint)
+    return JobsResponse(state, jobs, formatter, stream, endpoint)
+
+
+class SingleResponse:
+    """Serve one non-streaming item in this task and answer with its final state."""
+
+    def __init__(self, state: SimState, job: Job, formatter: Formatter, endpoint: str) -> None:
+        self.state, self.job, self.formatter, self.endpoint = state, job, formatter, endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        job = self.job
+        register(self.state, job, asyncio.current_task())
+        watcher = asyncio.get_running_loop().create_task(_watch(receive, job))
+        try:
+            await run_job(self.state, job, self.endpoint)
+        finally:
+            watcher.cancel()
+        if job.cancelled:
+            return  # the client is gone
+        status, payload = self.formatter.unary([job])
+        await send_json(send, status, payload)
+
+
+async def _watch(receive: Receive, job: Job) -> None:
+    """Cancel the item's flow when the client disconnects before the answer."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    interrupt(job)
+
+
 class JobsResponse:
-    """Serve `jobs` (all sharing one `changed` event) and answer the client."""
+    """Serve `jobs` (one task each, one shared `changed` event) and answer the client."""
 
     def __init__(self, state: SimState, jobs: list[Job], formatter: Formatter, stream: bool,
                  endpoint: str) -> None:
         self.state, self.jobs, self.formatter = state, jobs, formatter
         self.stream, self.endpoint = stream, endpoint
-        self.changed = jobs[0].changed
+        self.changed = asyncio.Event()
+        for job in jobs:
+            job.changed = self.changed
         self.disconnected = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -113,8 +153,12 @@ class JobsResponse:
 
 
 async def send_json(send: Send, status: int, payload: object) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
-    await send({"type": "http.response.body", "body": orjson.dumps(payload), "more_body": False})
+    """One JSON answer with a Content-Length (uvicorn would chunk it otherwise)."""
+    body = orjson.dumps(payload)
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def first_error(jobs: list[Job]) -> Job | None:

@@ -4,13 +4,17 @@ A room pairs one prefill request with one decode request. Either side may
 arrive first. A room that failed (timeout, cancel, abort) stays a tombstone,
 so a later prefill request with the same room fails at once, as SGLang's
 KV manager does; a room used once is never handed out again.
+
+Whoever waits on a room (the prefill leg holding it, the decode's KV channel
+that joined it) adds a listener; every change calls the listeners, and a
+room that ends (ready or failed) calls them one last time and drops them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +24,7 @@ _MAX_ROOMS = 100_000
 _TERMINAL_TTL = 600.0
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class Room:
     room: int
     prefill_rid: str | None = None
@@ -29,7 +33,7 @@ class Room:
     reason: str | None = None
     kv: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    listeners: list[Callable[[Room], None]] = field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
@@ -48,8 +52,15 @@ class RoomRegistry:
         self.open_ttl = open_ttl
 
     def _notify(self, room: Room) -> None:
-        event, room.changed = room.changed, asyncio.Event()
-        event.set()
+        listeners = room.listeners
+        if not listeners:
+            return
+        if room.terminal:
+            room.listeners = []  # the last change: nobody needs to hear from it again
+        else:
+            listeners = list(listeners)  # a listener may add or remove listeners
+        for listener in listeners:
+            listener(room)
 
     def _create(self, number: int) -> Room:
         self._sweep()
@@ -102,7 +113,8 @@ class RoomRegistry:
         if room.terminal:
             return False
         room.state, room.kv = "ready", kv
-        self._notify(room)
+        self._notify(room)  # the decode's channel pushes the KV now
+        room.kv = None  # tombstones stay for _TERMINAL_TTL: keep them small
         return True
 
     def fail(self, number: int, reason: str) -> None:
@@ -115,20 +127,3 @@ class RoomRegistry:
         room.state, room.reason = "failed", reason
         self._notify(room)
 
-    async def wait_change(self, room: Room, timeout: float) -> None:
-        """Return on the room's next change or after `timeout` seconds."""
-        event = room.changed
-        try:
-            await asyncio.wait_for(event.wait(), timeout=max(0.0, timeout))
-        except TimeoutError:
-            pass
-
-    def kv_answer(self, room: Room | None) -> dict[str, Any]:
-        """What a decode's long-poll gets back."""
-        if room is None:
-            return {"state": "pending"}
-        if room.state == "ready":
-            return {"state": "ready", **(room.kv or {})}
-        if room.state == "failed":
-            return {"state": "failed", "reason": room.reason}
-        return {"state": "pending"}

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
-from backends.sim.bootstrap import BootstrapClient
+from backends.sim.bootstrap import BootstrapServer
 from backends.sim.config import SimConfig
+from backends.sim.deadlines import DeadlineQueue
 from backends.sim.engine import Engine
 from backends.sim.job import Job
 from backends.sim.kv_events import KvEventPublisher
+from backends.sim.kvclient import BootstrapClient
 from backends.sim.metrics import Telemetry
 from backends.sim.radix import RadixCache
 from backends.sim.rooms import RoomRegistry
@@ -28,12 +27,13 @@ class SimState:
     stats: SimStats
     telemetry: Telemetry
     registry: RoomRegistry | None = None
+    bootstrap: BootstrapServer | None = None
+    bootstrap_deadlines: DeadlineQueue | None = None
     client: BootstrapClient | None = None
-    http: httpx.AsyncClient | None = None
     publisher: KvEventPublisher | None = None
     rng: random.Random = field(default_factory=random.Random)
     started: float = field(default_factory=time.monotonic)
-    jobs: dict[str, tuple[Job, asyncio.Task[None]]] = field(default_factory=dict)
+    jobs: dict[str, Job] = field(default_factory=dict)  # running items by rid
     decode_rooms: set[int] = field(default_factory=set)
     generation_requests: int = 0
 
@@ -53,26 +53,31 @@ class SimState:
         if config.mode == "prefill":
             state.registry = RoomRegistry(open_ttl=2 * max(config.bootstrap_timeout,
                                                            config.waiting_timeout) + 60)
+            state.bootstrap = BootstrapServer(config, state.registry)
+            state.bootstrap_deadlines = DeadlineQueue(config.bootstrap_timeout)
         return state
 
     async def start(self) -> None:
+        """Start the scheduler and bind the side sockets (before the HTTP port opens)."""
         self.engine.start()
         if self.publisher is not None:
             self.publisher.start_replay()
+        if self.bootstrap is not None:
+            await self.bootstrap.start()
         if self.config.mode == "decode":
-            self.http = httpx.AsyncClient(
-                timeout=httpx.Timeout(5.0, connect=2.0),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                trust_env=False,
-            )
-            self.client = BootstrapClient(self.config, self.http)
+            self.client = BootstrapClient(self.config)
 
     async def stop(self) -> None:
-        for _, task in list(self.jobs.values()):
-            task.cancel()
+        for job in list(self.jobs.values()):
+            if job.task is not None:
+                job.task.cancel()
         await self.engine.stop()
-        if self.http is not None:
-            await self.http.aclose()
+        if self.bootstrap is not None:
+            await self.bootstrap.stop()
+        if self.bootstrap_deadlines is not None:
+            self.bootstrap_deadlines.close()
+        if self.client is not None:
+            self.client.close()
         if self.publisher is not None:
             self.publisher.close()
 

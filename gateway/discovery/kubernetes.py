@@ -1,0 +1,245 @@
+"""Kubernetes pod discovery: keep the gateway's servers equal to the ready pods it selects.
+
+One `PodWatch` per role (prefill, decode) LISTs and WATCHes the pods of its label selector
+in one namespace. Whenever a watch's view changes, one reconcile task compares the servers
+the pods stand for (desired) with the servers discovery registered (members), by URL:
+
+    desired, not a member            on_add(url, role, bootstrap_port) -> Worker
+    member, no longer desired        drain: worker.draining = True (no new requests); once
+                                     worker.in_flight is 0, or after `drain_timeout`,
+                                     on_remove(url)
+    draining member desired again    the drain is cancelled and the worker takes work again
+    same URL, another pod            the old worker is drained and removed, then the new
+                                     pod is added (a reused IP is a new server)
+
+Reconciling is idempotent: it can run after every event, or twice, with the same result.
+Servers discovery did not add (static `--prefill`/`--decode`, the admin API) are never
+touched; a pod whose URL is already taken, or that the gateway refuses (its
+`disaggregation_mode` contradicts its selector), is logged and skipped until it changes.
+
+    discovery = KubernetesDiscovery.from_config(config, on_add=gateway.register,
+                                                on_remove=gateway.unregister)
+    await discovery.start()   # returns at once; servers arrive as the pods are listed
+    await discovery.stop()    # cancels every task, closes the API client
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gateway.discovery.backoff import Backoff
+from gateway.discovery.kubeapi import KubeAPI
+from gateway.discovery.pods import DEFAULT_RULES, PodRules, Target
+from gateway.discovery.watch import PodWatch
+
+if TYPE_CHECKING:
+    import httpx
+
+    from gateway.config import GatewayConfig
+    from gateway.workers import Worker
+
+log = logging.getLogger("gateway.discovery")
+
+AddServer = Callable[[str, str, "int | None"], Awaitable["Worker"]]
+RemoveServer = Callable[[str], Any]  # may return an awaitable
+DEFAULT_NAMESPACE = "default"
+DEFAULT_DRAIN_TIMEOUT = 60.0
+
+
+@dataclass(eq=False)
+class Member:
+    """A server discovery registered, and its drain while it is leaving."""
+
+    target: Target
+    worker: Worker
+    drain: asyncio.Task | None = None
+    removing: bool = False
+
+
+class KubernetesDiscovery:
+    def __init__(self, api: KubeAPI, *, namespace: str, selectors: dict[str, str],
+                 on_add: AddServer, on_remove: RemoveServer, rules: PodRules = DEFAULT_RULES,
+                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, drain_poll: float = 0.1,
+                 watch_timeout: float = 60.0, backoff_initial: float = 0.5,
+                 backoff_max: float = 30.0) -> None:
+        unknown = set(selectors) - {"prefill", "decode"}
+        if unknown or not selectors:
+            raise ValueError("selectors must map 'prefill' and/or 'decode' to a label selector")
+        self.api = api
+        self.namespace = namespace
+        self._on_add = on_add
+        self._on_remove = on_remove
+        self.drain_timeout = drain_timeout
+        self.drain_poll = drain_poll
+        self.watches = {
+            role: PodWatch(api, namespace, selector, role, self._mark_dirty, rules=rules,
+                           watch_timeout=watch_timeout,
+                           backoff=Backoff(backoff_initial, backoff_max))
+            for role, selector in selectors.items()
+        }
+        self.members: dict[str, Member] = {}  # url -> what discovery registered
+        self._refused: dict[str, tuple] = {}  # url -> identity of a target not to retry
+        self._conflicts: set[str] = set()
+        self._dirty = asyncio.Event()
+        self._idle = asyncio.Event()  # set while nothing is left to reconcile
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig, *, on_add: AddServer,
+                    on_remove: RemoveServer,
+                    transport: httpx.AsyncBaseTransport | None = None) -> KubernetesDiscovery:
+        selectors = {role: selector for role, selector in
+                     (("prefill", config.prefill_selector), ("decode", config.decode_selector))
+                     if selector}
+        api = KubeAPI(config.k8s_api_server, token_file=config.k8s_token_file,
+                      ca_file=config.k8s_ca_file, connect_timeout=config.connect_timeout,
+                      transport=transport)
+        rules = PodRules(default_port=config.k8s_worker_port, model_key=config.k8s_model_label)
+        return cls(api, namespace=config.namespace or DEFAULT_NAMESPACE, selectors=selectors,
+                   on_add=on_add, on_remove=on_remove, rules=rules,
+                   drain_timeout=config.k8s_drain_timeout)
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start watching; returns at once (readiness waits for usable servers anyway)."""
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        for role, watch in self.watches.items():
+            log.warning("discovering %s servers: pods in namespace %s matching %r",
+                        role, self.namespace, watch.selector)
+            self._tasks.append(loop.create_task(watch.run(), name=f"discovery-{role}"))
+        self._tasks.append(loop.create_task(self._reconcile_loop(), name="discovery-reconcile"))
+
+    async def stop(self) -> None:
+        """Cancel every task (watches, reconcile, drains); registered servers stay."""
+        tasks = self._tasks + [m.drain for m in self.members.values() if m.drain is not None]
+        self._tasks = []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for member in self.members.values():
+            member.drain = None
+        await self.api.aclose()
+
+    async def wait_synced(self) -> None:
+        """Until every role's first LIST has been applied to the gateway."""
+        await asyncio.gather(*(w.synced.wait() for w in self.watches.values()))
+        await self._idle.wait()
+
+    # -- reconcile --------------------------------------------------------------------------
+
+    def _mark_dirty(self) -> None:
+        self._idle.clear()
+        self._dirty.set()
+
+    async def _reconcile_loop(self) -> None:
+        # Begin once every role is listed, so a pod both selectors claim is never added.
+        await asyncio.gather(*(w.synced.wait() for w in self.watches.values()))
+        while True:
+            if not self._dirty.is_set():
+                self._idle.set()
+            await self._dirty.wait()
+            self._dirty.clear()
+            await self.reconcile()
+
+    def desired(self) -> dict[str, Target]:
+        """URL -> target over both roles; a URL both selectors claim is left out."""
+        by_url: dict[str, list[Target]] = {}
+        for watch in self.watches.values():
+            for target in watch.targets.values():
+                by_url.setdefault(target.url, []).append(target)
+        desired = {}
+        for url, targets in by_url.items():
+            if len({t.role for t in targets}) > 1:
+                if url not in self._conflicts:
+                    self._conflicts.add(url)
+                    log.error("%s is selected as both prefill and decode (pods %s); fix the "
+                              "selectors or labels", url, ", ".join(t.pod for t in targets))
+                continue
+            desired[url] = targets[-1]
+        self._conflicts &= set(by_url)
+        return desired
+
+    async def reconcile(self) -> None:
+        """Bring the members to the desired set: add, keep, drain. Idempotent."""
+        desired = self.desired()
+        to_add = []
+        for url, target in desired.items():
+            member = self.members.get(url)
+            if member is None:
+                if self._refused.get(url) != target.identity:
+                    to_add.append(target)
+            elif member.target.identity == target.identity:
+                self._keep(member, target)
+            else:
+                self._drain(member, f"pod {target.pod} now answers at this address")
+        for url, member in list(self.members.items()):
+            if url not in desired:
+                self._drain(member, f"pod {member.target.pod} is gone or not ready")
+        for url in list(self._refused):
+            if url not in desired:
+                del self._refused[url]
+        if to_add:
+            await asyncio.gather(*(self._add(target) for target in to_add))
+
+    async def _add(self, target: Target) -> None:
+        try:
+            worker = await self._on_add(target.url, target.role, target.bootstrap_port)
+        except Exception as exc:  # the gateway refused this server; the others go on
+            self._refused[target.url] = target.identity
+            log.error("pod %s (%s server %s) was not added: %s", target.pod, target.role,
+                      target.url, exc)
+            return
+        if target.model:
+            worker.model = target.model
+        self.members[target.url] = Member(target, worker)
+        log.warning("pod %s added as %s server %s%s", target.pod, target.role, target.url,
+                    f" (bootstrap port {target.bootstrap_port})" if target.bootstrap_port
+                    else "")
+
+    def _keep(self, member: Member, target: Target) -> None:
+        member.target = target
+        if target.model and member.worker.model != target.model:
+            member.worker.model = target.model
+        if member.drain is not None and not member.removing:
+            member.drain.cancel()
+            member.drain = None
+            member.worker.draining = False
+            log.warning("pod %s is ready again: %s server %s takes requests again",
+                        target.pod, target.role, target.url)
+
+    def _drain(self, member: Member, reason: str) -> None:
+        if member.drain is not None:
+            return
+        member.worker.draining = True
+        log.warning("%s; draining %s server %s (%d requests in flight)", reason,
+                    member.target.role, member.target.url, member.worker.in_flight)
+        member.drain = asyncio.get_running_loop().create_task(
+            self._finish_drain(member), name=f"discovery-drain {member.target.url}")
+
+    async def _finish_drain(self, member: Member) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        while member.worker.in_flight > 0 and loop.time() < deadline:
+            await asyncio.sleep(self.drain_poll)
+        member.removing = True
+        url = member.target.url
+        if member.worker.in_flight > 0:
+            log.warning("removing %s server %s with %d requests still in flight after %.0fs",
+                        member.target.role, url, member.worker.in_flight, self.drain_timeout)
+        try:
+            result = self._on_remove(url)
+            if inspect.isawaitable(result):
+                await result
+        finally:
+            if self.members.get(url) is member:
+                del self.members[url]
+            log.warning("%s server %s removed", member.target.role, url)
+            self._mark_dirty()  # a new pod may be waiting for this address

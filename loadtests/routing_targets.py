@@ -1,0 +1,87 @@
+"""The proxies compared on routing quality: our gateway per prefill policy, and the peers.
+
+A target name is `gateway:<prefill policy>` (decode: least_load), `sglang-router:<policy>`
+(sglang-router 0.3.2, Rust, `--policy` for both roles, as its users run it) or `mini-lb`
+(the same wheel's Python balancer, random pairs). Every proxy listens on 127.0.0.1; a peer
+runs from the peers' venv (`loadtests/peers.py`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from loadtests.launch import HOST, free_port
+from loadtests.routing_cluster import Cluster
+
+GATEWAY_POLICIES = ("cache_aware", "prefix_cache", "min_ttft", "least_load", "round_robin",
+                    "random")
+ROUTER_POLICIES = ("cache_aware", "power_of_two", "random")
+ALL = ([f"gateway:{p}" for p in GATEWAY_POLICIES]
+       + [f"sglang-router:{p}" for p in ROUTER_POLICIES] + ["mini-lb"])
+QUICK = ["gateway:cache_aware", "gateway:round_robin"]
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+
+    @property
+    def kind(self) -> str:
+        return self.name.split(":", 1)[0]
+
+    @property
+    def policy(self) -> str:
+        return self.name.split(":", 1)[1] if ":" in self.name else "random"
+
+    @property
+    def ours(self) -> bool:
+        return self.kind == "gateway"
+
+    @property
+    def peer(self) -> bool:
+        return not self.ours
+
+    @property
+    def ready_path(self) -> str:
+        return "/health" if self.kind == "mini-lb" else "/readiness"
+
+    def argv(self, cluster: Cluster, port: int, peer_python: Path | None) -> list[str]:
+        if self.ours:
+            return _gateway(cluster, port, self.policy)
+        extra = ["--mini-lb"] if self.kind == "mini-lb" else [
+            "--policy", self.policy, "--log-level", "warn",
+            # Prometheus would bind 0.0.0.0:29000: loopback and a free port instead.
+            "--prometheus-host", HOST, "--prometheus-port", str(free_port())]
+        args = [str(peer_python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                "--host", HOST, "--port", str(port), *extra]
+        for server in cluster.prefills:
+            args += ["--prefill", server.url, str(server.bootstrap_port)]
+        for server in cluster.decodes:
+            args += ["--decode", server.url]
+        return args
+
+
+def _gateway(cluster: Cluster, port: int, policy: str) -> list[str]:
+    args = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(port),
+            "--log-level", "warning", "--prefill-policy", policy, "--decode-policy", "least_load"]
+    for server in cluster.prefills:
+        args += ["--prefill", server.url, str(server.bootstrap_port)]
+    for server in cluster.decodes:
+        args += ["--decode", server.url]
+    if policy == "prefix_cache":
+        endpoints = {s.url: s.kv_events_endpoint for s in cluster.prefills}
+        args += ["--policy-options", orjson.dumps({"prefix_cache": {"endpoints": endpoints}})
+                 .decode()]
+    return args
+
+
+def parse_targets(text: str) -> list[Target]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        raise ValueError(f"unknown targets {unknown}; choose from {', '.join(ALL)}")
+    return [Target(n) for n in names]

@@ -1,0 +1,249 @@
+"""A fault-injection rig: simulated SGLang servers and the gateway as real loopback processes.
+
+Everything a fault test needs and nothing more: start the cluster (servers in parallel), break
+one server (kill -9, SIGSTOP, live fault knobs), bring it back on the same port, and read what
+the gateway says about it (admin API, Prometheus text, /proc figures of its process).
+Every wait is a poll with a deadline (`wait_until`); nothing sleeps and hopes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.procs import HOST, Proc, free_port, python
+
+NO_FAULTS = {"error_rate": 0.0, "hang": False, "crash_after": 0, "slow_start": 0.0,
+             "health_fail": False, "first_token_delay": 0.0}
+# Short PD timeouts so a leg whose partner vanished fails in seconds, not minutes.
+SIM_ARGS = ("--bootstrap-timeout", "5", "--waiting-timeout", "5",
+            "--bootstrap-retries", "3", "--bootstrap-retry-interval", "0.2")
+# Detection settings the fault tests run with (defaults are 5 s / 5 s / 10 s).
+FAST_DETECTION = ("--health-interval", "0.5", "--health-timeout", "0.5",
+                  "--health-failures", "2", "--health-successes", "1",
+                  "--breaker-cooldown", "2", "--loads-interval", "0.5")
+START_TIMEOUT = 60.0  # generous: the machine has 2 cores and other work runs beside us
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str,
+               interval: float = 0.05) -> float:
+    """Poll `predicate` until it is truthy; return the seconds it took, or fail naming `what`."""
+    started = time.monotonic()
+    deadline = started + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if predicate():
+                return time.monotonic() - started
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Server:
+    """One simulated SGLang server; `proc` is replaced when it is restarted."""
+
+    name: str
+    role: str
+    port: int
+    argv: list[str]
+    bootstrap_port: int | None = None
+    proc: Proc | None = None
+    generation: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.popen.pid
+
+
+@dataclass
+class Rig:
+    log_dir: Path
+    gateway_args: Sequence[str] = ()
+    n_prefill: int = 2
+    n_decode: int = 2
+    sim_args: Sequence[str] = ()
+    servers: list[Server] = field(default_factory=list)
+    gateway_proc: Proc | None = None
+    gateway: str = ""
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10.0))
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def start(self) -> Rig:
+        for role, count in (("prefill", self.n_prefill), ("decode", self.n_decode)):
+            for i in range(count):
+                port = free_port()
+                boot = free_port() if role == "prefill" else None
+                argv = python("-m", "backends.sim", "--mode", role, "--host", HOST,
+                              "--port", str(port), *SIM_ARGS, *self.sim_args)
+                if boot is not None:
+                    argv += ["--bootstrap-port", str(boot)]
+                self.servers.append(Server(f"{role}{i}", role, port, argv, boot))
+        for server in self.servers:  # all at once: startup is mostly imports
+            server.proc = Proc(server.name, server.argv, self.log_dir)
+        for server in self.servers:
+            server.proc.wait_http(server.url + "/health", START_TIMEOUT)
+        port = free_port()
+        argv = python("-m", "gateway", "--host", HOST, "--port", str(port))
+        for server in self.prefill:
+            argv += ["--prefill", server.url, str(server.bootstrap_port)]
+        for server in self.decode:
+            argv += ["--decode", server.url]
+        self.gateway = f"http://{HOST}:{port}"
+        self.gateway_proc = Proc("gateway", argv + list(self.gateway_args), self.log_dir)
+        self.gateway_proc.wait_http(self.gateway + "/readiness", START_TIMEOUT)
+        return self
+
+    def close(self) -> None:
+        for server in self.servers:  # a stopped process would sit out SIGTERM's grace
+            if server.proc is not None and server.proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.pid, signal.SIGCONT)
+        procs = [self.gateway_proc] + [s.proc for s in self.servers]
+        for proc in procs:
+            if proc is not None and proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+        for proc in procs:
+            if proc is not None:
+                proc.stop()
+        self.http.close()
+
+    @property
+    def prefill(self) -> list[Server]:
+        return [s for s in self.servers if s.role == "prefill"]
+
+    @property
+    def decode(self) -> list[Server]:
+        return [s for s in self.servers if s.role == "decode"]
+
+    @property
+    def gateway_pid(self) -> int:
+        return self.gateway_proc.popen.pid
+
+    # -- faults ------------------------------------------------------------------------------
+
+    def kill(self, server: Server) -> float:
+        """kill -9 the server; returns the monotonic time of the kill."""
+        at = time.monotonic()
+        os.kill(server.pid, signal.SIGKILL)
+        server.proc.popen.wait(10)
+        return at
+
+    def restart(self, server: Server) -> None:
+        """Start the server again on the same ports (its log gets a new name)."""
+        server.proc.stop()
+        server.generation += 1
+        server.proc = Proc(f"{server.name}-{server.generation}", server.argv, self.log_dir)
+        server.proc.wait_http(server.url + "/health", START_TIMEOUT)
+
+    def freeze(self, server: Server) -> float:
+        """SIGSTOP: the kernel still accepts connections, nothing is ever answered."""
+        at = time.monotonic()
+        os.kill(server.pid, signal.SIGSTOP)
+        return at
+
+    def thaw(self, server: Server) -> float:
+        at = time.monotonic()
+        os.kill(server.pid, signal.SIGCONT)
+        return at
+
+    def fault(self, server: Server, **knobs: object) -> float:
+        self.http.post(server.url + "/sim/faults", json=knobs).raise_for_status()
+        return time.monotonic()
+
+    def stats(self, server: Server) -> dict:
+        return self.http.get(server.url + "/sim/stats").json()
+
+    # -- what the gateway says ----------------------------------------------------------------
+
+    def snapshots(self, headers: dict | None = None) -> dict[str, dict]:
+        response = self.http.get(self.gateway + "/admin/servers", headers=headers)
+        response.raise_for_status()
+        return {s["url"]: s for s in response.json()["servers"]}
+
+    def snapshot(self, server: Server) -> dict:
+        return self.snapshots()[server.url]
+
+    def usable(self, server: Server) -> bool:
+        return self.snapshot(server)["usable"]
+
+    def metrics(self) -> Metrics:
+        response = self.http.get(self.gateway + "/metrics")
+        response.raise_for_status()
+        return Metrics.parse(response.text)
+
+    def in_flight(self) -> int:
+        """Requests the gateway still counts on any server."""
+        return sum(s["in_flight"] for s in self.snapshots().values())
+
+    # -- the gateway process, from /proc --------------------------------------------------------
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.gateway_pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS in /proc status")
+
+    def sockets(self) -> int:
+        return socket_count(self.gateway_pid)
+
+
+def socket_count(pid: int) -> int:
+    """Open sockets of a process (its /proc fd links that name a socket)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).startswith("socket:"):
+                count += 1
+    return count
+
+
+class Metrics:
+    """Samples of one /metrics scrape, looked up by name and a subset of labels."""
+
+    def __init__(self, samples: list[tuple[str, dict[str, str], float]]) -> None:
+        self.samples = samples
+
+    @classmethod
+    def parse(cls, text: str) -> Metrics:
+        samples = []
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples.append((sample.name, dict(sample.labels), sample.value))
+        return cls(samples)
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels` (0 if none)."""
+        return sum(value for sample, have, value in self.samples
+                   if sample == name and all(have.get(k) == v for k, v in labels.items()))
+
+    def value(self, name: str, **labels: str) -> float:
+        found = [value for sample, have, value in self.samples
+                 if sample == name and all(have.get(k) == v for k, v in labels.items())]
+        if len(found) != 1:
+            raise AssertionError(f"{len(found)} samples of {name} {labels}")
+        return found[0]
+
+
+@contextlib.contextmanager
+def running_rig(log_dir: Path, gateway_args: Sequence[str] = (), n_prefill: int = 2,
+                n_decode: int = 2, sim_args: Sequence[str] = ()) -> Iterator[Rig]:
+    rig = Rig(log_dir, tuple(gateway_args), n_prefill, n_decode, tuple(sim_args))
+    try:
+        yield rig.start()
+    finally:
+        rig.close()
