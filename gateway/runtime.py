@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway.admission import Admission, KeyChecker
 from gateway.bootstrap import RoomAllocator
+from gateway.breaker import CircuitBreaker
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
+from gateway.errors import BadRequest, GatewayError
 from gateway.health import HealthChecker
 from gateway.metrics import Metrics
 from gateway.pd import PDDispatcher, Timeouts
@@ -92,8 +93,6 @@ class Gateway:
 
     def _new_worker(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
         c = self.config
-        from gateway.breaker import CircuitBreaker  # noqa: PLC0415
-
         return Worker(url, role, bootstrap_port,
                       breaker=CircuitBreaker(c.breaker_failures, c.breaker_cooldown))
 
@@ -156,8 +155,6 @@ class Gateway:
         try:
             worker.apply_facts(await probe(self.client, url, role, self.config.probe_timeout))
         except RoleMismatch as exc:
-            from gateway.errors import BadRequest  # noqa: PLC0415
-
             raise BadRequest(str(exc)) from None
         except ConnectionError:
             worker.healthy = False

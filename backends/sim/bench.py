@@ -93,6 +93,16 @@ def wait_ready(sim: SimProcess, timeout: float = 20.0) -> None:
     raise TimeoutError(f"{sim.name} sim not ready after {timeout}s")
 
 
+def core_jiffies(cpu: int | None) -> tuple[int, int]:
+    """(idle, total) jiffies of one core (all cores when not pinned), from /proc/stat."""
+    name = f"cpu{cpu} " if cpu is not None else "cpu "
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith(name):
+            values = [int(v) for v in line.split()[1:]]
+            return values[3] + values[4], sum(values)
+    return 0, 0
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return float("nan")
@@ -100,7 +110,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 async def drive(spec: PairSpec, pairs: int, warmup: float, duration: float,
-                pids: dict[str, int]) -> dict[str, Any]:
+                pids: dict[str, int], cpu: int | None) -> dict[str, Any]:
     """Run the workers; measure throughput, latency and CPU over the window."""
     results = Results()
     room_ids = rooms()
@@ -110,12 +120,15 @@ async def drive(spec: PairSpec, pairs: int, warmup: float, duration: float,
         if task.done():
             task.result()  # a worker that could not connect: raise its error
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    idle0, total0 = core_jiffies(cpu)
     wall0 = time.perf_counter()
     results.recording = True
     await asyncio.sleep(duration)
     results.recording = False
     wall = time.perf_counter() - wall0
-    cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+    idle1, total1 = core_jiffies(cpu)
+    used = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+    core_idle = (idle1 - idle0) / max(1, total1 - total0)
     results.stopping = True
     await asyncio.gather(*tasks)
     lat = sorted(results.latencies)
@@ -126,9 +139,10 @@ async def drive(spec: PairSpec, pairs: int, warmup: float, duration: float,
         "latency_ms": {"p50": round(percentile(lat, 0.50) * 1e3, 3),
                        "p99": round(percentile(lat, 0.99) * 1e3, 3),
                        "max": round((lat[-1] if lat else float("nan")) * 1e3, 3)},
-        "cpu_s": {k: round(v, 3) for k, v in cpu.items()},
-        "cpu_us_per_pair": {k: round(v / done * 1e6, 1) if done else None for k, v in cpu.items()},
-        "core_busy": round(sum(cpu.values()) / wall, 3),
+        "cpu_s": {k: round(v, 3) for k, v in used.items()},
+        "cpu_us_per_pair": {k: round(v / done * 1e6, 1) if done else None for k, v in used.items()},
+        "core_busy": round(sum(used.values()) / wall, 3),
+        "core_idle": round(core_idle, 3) if cpu is not None else None,
         "errors": results.errors, "error_samples": results.error_samples,
         "checked_pairs": results.checked,
     }
@@ -142,7 +156,9 @@ def report(result: dict[str, Any], cpu: int | None) -> str:
         f"  throughput  {result['pairs_per_s']:.0f} pairs/s ({result['completed']} pairs)",
         f"  latency     p50 {lat['p50']:.2f} ms   p99 {lat['p99']:.2f} ms   max {lat['max']:.2f} ms",
         "  cpu         " + "   ".join(f"{k} {cpu_s[k]:.2f} s ({per[k]} us/pair)" for k in cpu_s),
-        f"  core busy   {result['core_busy'] * 100:.0f}% of one core (sum of the three processes)",
+        f"  core busy   {result['core_busy'] * 100:.0f}% of one core by the three processes"
+        + (f", {result['core_idle'] * 100:.0f}% idle (the rest: other processes)"
+           if result["core_idle"] is not None else ""),
         f"  errors      {result['errors']} ({result['checked_pairs']} pairs fully checked)",
     ]
     lines += [f"    {s}" for s in result["error_samples"]]
@@ -184,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             runner = uvloop.run
         except ImportError:  # pragma: no cover - uvicorn[standard] brings uvloop
             runner = asyncio.run
-        result = runner(drive(spec, args.pairs, args.warmup, args.duration, pids))
+        result = runner(drive(spec, args.pairs, args.warmup, args.duration, pids, cpu))
     finally:
         for sim in sims:
             sim.stop()

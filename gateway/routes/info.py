@@ -6,10 +6,11 @@ import asyncio
 
 import httpx
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.errors import BadRequest, GatewayError, ServiceUnavailable, UpstreamError
+from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
 from gateway.request import parse_request
 from gateway.routes.errors import json_error
 from gateway.upstream import upstream_message
@@ -140,10 +141,6 @@ async def abort_request(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: PLC0415
-
     return Response(generate_latest(request.app.state.gateway.registry),
                     media_type=CONTENT_TYPE_LATEST)
 
-
-__all__ = ["UpstreamError"]
