@@ -24,7 +24,7 @@ from gateway.bootstrap import RoomAllocator
 from gateway.errors import UpstreamError
 from gateway.logprobs import StreamMerger, merge_body, prefill_parts
 from gateway.request import RequestView
-from gateway.sse import DONE, EventSplitter, event_data, frame
+from gateway.sse import DONE, EventSplitter, event_data, frame, leading_failure
 from gateway.upstream import Upstream, UpstreamResponse, status_error, translate_errors
 from gateway.workers import Worker
 
@@ -232,6 +232,11 @@ class PDDispatcher:
                     self._leg_done(attempt, "decode", True)
                     return None, Answer(200, content_type, body)
                 first = await response.next_chunk()
+            failure = leading_failure(first) if first else None
+            if failure is not None:
+                status, message = failure
+                raise status_error("decode", attempt.decode, status,
+                                   orjson.dumps({"error": {"message": message}}))
             if not first:
                 raise UpstreamError(f"decode server {attempt.decode.url} closed the stream "
                                     "before sending anything", leg="decode",

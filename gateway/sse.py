@@ -51,3 +51,38 @@ def data_objects(body: bytes) -> list[dict]:
         if isinstance(obj, dict):
             objects.append(obj)
     return objects
+
+
+def leading_failure(chunk: bytes) -> tuple[int, str] | None:
+    """(status, message) when a stream's FIRST event reports a failure instead of tokens.
+
+    SGLang answers a failed stream with HTTP 200 and then an error event: `{"error": {...}}`
+    (OpenAI routes, and native validation errors) or a native chunk whose finish_reason is
+    `abort` with a `status_code` (e.g. a PD transfer that failed). Spotting it before anything
+    reached the client lets the gateway retry on another pair. A graceful abort (no status
+    code) is not a failure.
+    """
+    if b'"error"' not in chunk and b'"abort"' not in chunk:
+        return None
+    event = chunk.split(b"\n\n", 1)[0]
+    payload = event_data(event)
+    if payload is None:
+        return None
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    error = obj.get("error")
+    if isinstance(error, dict):
+        code = error.get("code")
+        status = code if isinstance(code, int) and 400 <= code < 600 else 400
+        return status, str(error.get("message", "stream failed"))
+    meta = obj.get("meta_info")
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        status = reason.get("status_code")
+        if isinstance(status, int) and 400 <= status < 600:
+            return status, str(reason.get("message", "generation aborted"))
+    return None

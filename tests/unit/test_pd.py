@@ -221,3 +221,57 @@ def test_counters_return_to_zero():
             return [(w.in_flight, w.in_flight_tokens) for w in app.state.gateway.pool]
 
     assert run(go()) == [(0, 0), (0, 0)]
+
+
+@pytest.mark.parametrize(
+    "first_event",
+    [
+        b'data: {"text":"","meta_info":{"finish_reason":{"type":"abort","message":"Decode '
+        b'transfer failed","status_code":500}}}\n\n',
+        b'data: {"error":{"object":"error","message":"KV transfer failed","type":'
+        b'"InternalServerError","param":null,"code":500}}\n\n',
+    ],
+    ids=["native-abort-500", "openai-error-500"],
+)
+def test_stream_whose_first_event_is_a_server_failure_is_retried(first_event):
+    good = [b'data: {"text":"ok"}\n\n', b"data: [DONE]\n\n"]
+    cluster = FakeCluster({P1: FakeServer("prefill"),
+                           D1: FakeServer("decode", chunks=[first_event, b"data: [DONE]\n\n"]),
+                           D2: FakeServer("decode", chunks=good)})
+
+    async def go():
+        async with gateway(cluster) as (client, _):
+            r = await client.post("/generate", json={"text": "x", "stream": True})
+            return r.status_code, r.content
+
+    status, body = run(go())
+    assert status == 200 and body == b"".join(good)
+
+
+def test_stream_graceful_abort_is_relayed_not_retried():
+    abort = (b'data: {"text":"","meta_info":{"finish_reason":{"type":"abort",'
+             b'"message":"Abort"}}}\n\n')
+    cluster = FakeCluster({P1: FakeServer("prefill"),
+                           D1: FakeServer("decode", chunks=[abort, b"data: [DONE]\n\n"]),
+                           D2: FakeServer("decode", chunks=[b"data: [DONE]\n\n"])})
+
+    async def go():
+        async with gateway(cluster) as (client, _):
+            r = await client.post("/generate", json={"text": "x", "stream": True})
+            return r.content
+
+    assert run(go()) == abort + b"data: [DONE]\n\n"
+
+
+def test_stream_client_error_event_becomes_4xx():
+    bad = b'data: {"error":{"message":"max_tokens too large","code":400}}\n\n'
+    cluster = FakeCluster({P1: FakeServer("prefill"),
+                           D1: FakeServer("decode", chunks=[bad, b"data: [DONE]\n\n"])})
+
+    async def go():
+        async with gateway(cluster) as (client, _):
+            return await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+
+    r = run(go())
+    assert r.status_code == 400
+    assert "max_tokens too large" in r.json()["error"]["message"]
