@@ -1,6 +1,7 @@
 """Assembles the sim: the ASGI app, its lifespan, and the uvicorn server.
 
-uvicorn runs with uvloop and httptools. POST /generate skips Starlette (see
+uvicorn runs with uvloop and httptools (a subclass of its protocol that sends
+each response in one write: httpproto.py). POST /generate skips Starlette (see
 `SimApp`); every other route is a Starlette route. A prefill sim also serves
 its bootstrap port (bootstrap.py) from the same event loop, bound by the
 lifespan before the HTTP port opens (one process per simulated server, so 16
@@ -20,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from backends.sim import info, native, openai
 from backends.sim.config import SimConfig
+from backends.sim.httpproto import CoalescingHttpToolsProtocol
 from backends.sim.state import SimState
 
 _ROUTES = [
@@ -88,9 +90,9 @@ def build_app(state: SimState) -> SimApp:
 
 def uvicorn_config(app: SimApp, config: SimConfig) -> uvicorn.Config:
     return uvicorn.Config(
-        app, host=config.host, port=config.port, loop="uvloop", http="httptools",
-        lifespan="on", log_level=config.log_level, access_log=False, timeout_keep_alive=30,
-        backlog=4096, timeout_graceful_shutdown=1,
+        app, host=config.host, port=config.port, loop="uvloop", http=CoalescingHttpToolsProtocol,
+        lifespan="on", log_level=config.log_level, access_log=False, proxy_headers=False,
+        timeout_keep_alive=30, backlog=4096, timeout_graceful_shutdown=1,
     )
 
 

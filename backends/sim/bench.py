@@ -93,6 +93,13 @@ def wait_ready(sim: SimProcess, timeout: float = 20.0) -> None:
     raise TimeoutError(f"{sim.name} sim not ready after {timeout}s")
 
 
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def core_jiffies(cpu: int | None) -> tuple[int, int]:
     """(idle, total) jiffies of one core (all cores when not pinned), from /proc/stat."""
     name = f"cpu{cpu} " if cpu is not None else "cpu "
@@ -129,6 +136,7 @@ async def drive(spec: PairSpec, pairs: int, warmup: float, duration: float,
     idle1, total1 = core_jiffies(cpu)
     used = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
     core_idle = (idle1 - idle0) / max(1, total1 - total0)
+    rss = {name: round(rss_mb(pid), 1) for name, pid in pids.items() if name != "loadgen"}
     results.stopping = True
     await asyncio.gather(*tasks)
     lat = sorted(results.latencies)
@@ -143,6 +151,8 @@ async def drive(spec: PairSpec, pairs: int, warmup: float, duration: float,
         "cpu_us_per_pair": {k: round(v / done * 1e6, 1) if done else None for k, v in used.items()},
         "core_busy": round(sum(used.values()) / wall, 3),
         "core_idle": round(core_idle, 3) if cpu is not None else None,
+        "capacity_pairs_per_s": round(done / sum(used.values()), 1) if done else None,
+        "rss_mb": rss,
         "errors": results.errors, "error_samples": results.error_samples,
         "checked_pairs": results.checked,
     }
@@ -159,6 +169,9 @@ def report(result: dict[str, Any], cpu: int | None) -> str:
         f"  core busy   {result['core_busy'] * 100:.0f}% of one core by the three processes"
         + (f", {result['core_idle'] * 100:.0f}% idle (the rest: other processes)"
            if result["core_idle"] is not None else ""),
+        f"  capacity    {result['capacity_pairs_per_s'] or 0:.0f} pairs/s if the three had the core"
+        " to themselves (pairs / their CPU seconds)",
+        "  memory      " + "   ".join(f"{k} {v:.0f} MB RSS" for k, v in result["rss_mb"].items()),
         f"  errors      {result['errors']} ({result['checked_pairs']} pairs fully checked)",
     ]
     lines += [f"    {s}" for s in result["error_samples"]]
@@ -182,8 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     cpu = None if args.cpu == "none" else int(args.cpu)
+    if cpu is not None and cpu not in os.sched_getaffinity(0):
+        parser.error(f"--cpu {cpu}: not one of this machine's cores "
+                     f"{sorted(os.sched_getaffinity(0))} (or 'none')")
     ports = {"prefill": free_port(), "bootstrap": free_port(), "decode": free_port()}
     sims = [start_sim("prefill", ports["prefill"], cpu, args.sim_arg, ports["bootstrap"]),
             start_sim("decode", ports["decode"], cpu, args.sim_arg)]

@@ -168,7 +168,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._upgrade is not None:
+        if self.parser.should_upgrade():
             return  # answered by _switch(), once the parser stops at the upgrade
         url = httptools.parse_url(self._url)
         method = self.parser.get_method().decode()
@@ -224,7 +224,6 @@ class DecodeLink:
             if isinstance(got, str):
                 self.writer.send(["refused", tag, got])
                 return
-            self.writer.send(["joined", tag])
             self.joined[tag] = got
             got.listeners.append(lambda room: self._room_changed(tag, room))
         elif op == "abort":

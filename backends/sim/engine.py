@@ -90,8 +90,9 @@ class Engine:
 
     def release(self, job: Job) -> None:
         """Prefill mode: the KV of `job` left the server; free its slot."""
-        self.inflight.discard(job)
-        self._kick()
+        if job in self.inflight:
+            self.inflight.discard(job)
+            self._kick()
 
     def drop(self, job: Job) -> None:
         """Forget a cancelled, aborted or failed job wherever it is."""
@@ -100,8 +101,7 @@ class Engine:
                 queue.remove(job)
         if job in self.waiting:
             self.waiting.remove(job)
-        self.inflight.discard(job)
-        self._kick()
+        self.release(job)
 
     # ---- load figures ----------------------------------------------------
     @property

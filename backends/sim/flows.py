@@ -128,19 +128,14 @@ def _release_leg(state: SimState, job: Job, leg: _Leg, outcome: str, reason: str
             transfer.abort(reason or ABORTED)
 
 
-async def _first_token_delay(state: SimState) -> None:
-    delay = state.config.faults.first_token_delay
-    if delay > 0:
-        await asyncio.sleep(delay)
-
-
 async def _until_done(job: Job) -> None:
     while not job.done:
         await job.wait()
 
 
 async def _run_null(state: SimState, job: Job, leg: _Leg) -> None:
-    await _first_token_delay(state)
+    if state.config.faults.first_token_delay > 0:  # --first-token-delay
+        await asyncio.sleep(state.config.faults.first_token_delay)
     state.engine.submit_prefill(job)
     await _until_done(job)
 
@@ -161,7 +156,8 @@ async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
     if room.decode_rid is None and room.state == "open":
         await _wait_for_decode(state, job, room)
     _check_room(room, spec.rid)
-    await _first_token_delay(state)
+    if state.config.faults.first_token_delay > 0:  # --first-token-delay
+        await asyncio.sleep(state.config.faults.first_token_delay)
     state.engine.submit_prefill(job)
     while not job.prefilled:
         await job.wait()
@@ -245,7 +241,8 @@ async def _run_decode(state: SimState, job: Job, leg: _Leg) -> None:
             f"decode expects {job.prompt_tokens}")))
     job.seed = bytes.fromhex(str(kv["seed"]))
     job.cached_tokens = int(kv["cached_tokens"])
-    await _first_token_delay(state)
+    if state.config.faults.first_token_delay > 0:  # --first-token-delay
+        await asyncio.sleep(state.config.faults.first_token_delay)
     if spec.max_new_tokens <= 0:
         job.finish({"type": "length", "length": 0})
     else:

@@ -49,10 +49,10 @@ class KvTransfer:
     prefill's reason), "lost" (the connection dropped) or "timeout".
     """
 
-    __slots__ = ("link", "tag", "job", "future", "deadline", "started", "settled")
+    __slots__ = ("link", "tag", "future", "deadline", "started", "settled")
 
-    def __init__(self, link: KvLink, tag: int, job: Job, deadlines: DeadlineQueue) -> None:
-        self.link, self.tag, self.job = link, tag, job
+    def __init__(self, link: KvLink, tag: int, deadlines: DeadlineQueue) -> None:
+        self.link, self.tag = link, tag
         self.future: asyncio.Future[tuple[str, Any]] = asyncio.get_running_loop().create_future()
         self.started = time.monotonic()
         self.settled = False  # the prefill said its last word (or the link is gone)
@@ -150,10 +150,12 @@ class KvLink(asyncio.Protocol):
 
     # ---- the channel -----------------------------------------------------
     def join(self, job: Job, room: int, deadlines: DeadlineQueue) -> KvTransfer:
+        """Send the join; from here on the job waits for the KV (phase "transfer")."""
         assert self._writer is not None
-        transfer = KvTransfer(self, next(self._tags), job, deadlines)
+        transfer = KvTransfer(self, next(self._tags), deadlines)
         self.transfers[transfer.tag] = transfer
         self._writer.send(["join", transfer.tag, room, job.spec.rid])
+        job.phase = "transfer"
         return transfer
 
     def abort(self, tag: int, reason: str) -> None:
@@ -169,14 +171,9 @@ class KvLink(asyncio.Protocol):
             return
         for message in messages:
             op, tag = message[0], message[1]
-            transfer = self.transfers.get(tag)
-            if transfer is None:
-                continue  # that request gave up (and sent its abort)
-            if op == "joined":
-                transfer.job.phase = "transfer"
-                continue
-            del self.transfers[tag]
-            transfer.resolve(op, message[2])
+            transfer = self.transfers.pop(tag, None)
+            if transfer is not None:  # else that request gave up (and sent its abort)
+                transfer.resolve(op, message[2])
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

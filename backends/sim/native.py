@@ -112,7 +112,7 @@ async def generate_asgi(state: SimState, scope: Scope, receive: Receive, send: S
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             break
-    await answer_generate(state, b"".join(chunks), receive, send)
+    await answer_generate(state, b"".join(chunks), scope, receive, send)
 
 
 async def generate(request: Request) -> ASGIApp:
@@ -125,11 +125,12 @@ async def generate(request: Request) -> ASGIApp:
     body = await request.body()
 
     async def answer(scope: Scope, receive: Receive, send: Send) -> None:
-        await answer_generate(state, body, receive, send)
+        await answer_generate(state, body, scope, receive, send)
     return answer
 
 
-async def answer_generate(state: SimState, body: bytes, receive: Receive, send: Send) -> None:
+async def answer_generate(state: SimState, body: bytes, scope: Scope, receive: Receive,
+                          send: Send) -> None:
     try:
         parsed = parse_generate(parse_json(body), state.config)
         jobs = make_jobs(state, parsed.items)
@@ -140,7 +141,7 @@ async def answer_generate(state: SimState, body: bytes, receive: Receive, send: 
         return
     formatter = NativeFormatter(state.config.mode, parsed.is_single)
     response = respond(state, jobs, formatter, parsed.stream, ENDPOINT)
-    await response({}, receive, send)
+    await response(scope, receive, send)
 
 
 async def abort_request(request: Request) -> Response:

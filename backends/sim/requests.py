@@ -8,7 +8,7 @@ exactly like `_normalize_bootstrap_params`.
 
 from __future__ import annotations
 
-import uuid
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +67,14 @@ def _prompts(body: dict[str, Any]) -> tuple[list[list[int]], list[str | None], b
     return [list(s) for s in batch], [None] * len(batch), single
 
 
+def new_rid() -> str:
+    """A random 32-hex-digit rid like SGLang's uuid4().hex, without uuid4's getrandom syscall."""
+    return f"{random.getrandbits(128):032x}"
+
+
 def _rids(rid: Any, count: int, single: bool) -> list[str]:
     if rid is None:
-        return [uuid.uuid4().hex for _ in range(count)]
+        return [new_rid() for _ in range(count)]
     if isinstance(rid, str):
         return [rid] if single and count == 1 else [f"{rid}_{i}" for i in range(count)]
     if isinstance(rid, list) and len(rid) == count and all(isinstance(r, str) for r in rid):

@@ -5,8 +5,8 @@ cancels its items, streaming or not) and write through a formatter that knows
 the endpoint's JSON shapes. A non-streaming answer is the finished state.
 
 - `SingleResponse`: one item, not streaming (every PD request of a router).
-  The item's flow runs inside the request's own task, so the only extra task
-  is the disconnect watcher.
+  The item's flow runs inside the request's own task, and the disconnect
+  comes as a callback from our uvicorn protocol (httpproto.py): no extra task.
 - `JobsResponse`: batches, `n > 1` and streams: one task per item, and a
   shared Event that wakes the writer on every token.
 """
@@ -14,12 +14,14 @@ the endpoint's JSON shapes. A non-streaming answer is the finished state.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Protocol
 
 import orjson
 from starlette.types import Receive, Scope, Send
 
 from backends.sim.flows import interrupt, launch, register, run_job
+from backends.sim.httpproto import DISCONNECT_SCOPE_KEY
 from backends.sim.job import Job
 from backends.sim.state import SimState
 
@@ -62,11 +64,20 @@ class SingleResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         job = self.job
         register(self.state, job, asyncio.current_task())
-        watcher = asyncio.get_running_loop().create_task(_watch(receive, job))
+        connection = scope.get(DISCONNECT_SCOPE_KEY)
+        on_disconnect = functools.partial(interrupt, job)
+        watcher = None
+        if connection is not None:  # our uvicorn protocol calls back: no watcher task
+            connection.on_disconnect.add(on_disconnect)
+        else:
+            watcher = asyncio.get_running_loop().create_task(_watch(receive, job))
         try:
             await run_job(self.state, job, self.endpoint)
         finally:
-            watcher.cancel()
+            if connection is not None:
+                connection.on_disconnect.discard(on_disconnect)
+            if watcher is not None:
+                watcher.cancel()
         if job.cancelled:
             return  # the client is gone
         status, payload = self.formatter.unary([job])

@@ -14,6 +14,7 @@ pair and a plain server produce the same text for the same prompt.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,11 +28,10 @@ MAX_TOKEN_ID = 2**32 - 1
 
 
 def encode(text: str) -> list[int]:
-    """Text to token ids: 4 UTF-8 bytes per token."""
+    """Text to token ids: 4 UTF-8 bytes per token (struct: one C call, not a loop)."""
     data = text.encode("utf-8")
-    pad = (-len(data)) % 4
-    data += b"\x00" * pad
-    return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
+    data += b"\x00" * ((-len(data)) % 4)
+    return list(struct.unpack(f"<{len(data) // 4}I", data))
 
 
 def token_bytes(token_id: int) -> bytes:
@@ -53,8 +53,8 @@ def prompt_seed(token_ids: list[int]) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(len(token_ids).to_bytes(8, "little"))
     for start in range(0, len(token_ids), 4096):
-        chunk = token_ids[start : start + 4096]
-        h.update(b"".join((t & MAX_TOKEN_ID).to_bytes(4, "little") for t in chunk))
+        chunk = [t & MAX_TOKEN_ID for t in token_ids[start : start + 4096]]
+        h.update(struct.pack(f"<{len(chunk)}I", *chunk))
     return h.digest()
 
 

@@ -8,20 +8,23 @@ JSON arrays, one per line, in both directions:
 
     decode -> prefill   ["join", tag, room, rid]   take the decode half of `room`
                         ["abort", tag, reason]     the decode gave up on that join
-    prefill -> decode   ["joined", tag]            handshake done, the KV will follow
-                        ["refused", tag, reason]   handshake failed (duplicate room, ...)
+    prefill -> decode   ["refused", tag, reason]   handshake failed (duplicate room, ...)
                         ["kv", tag, {...}]         the KV arrived: prompt_tokens, seed,
                                                    cached_tokens, first_token, first_logprob
                         ["failed", tag, reason]    the prefill side failed the room
 
 `tag` numbers the joins of one connection, so a late answer to a request that
-gave up can never reach a later request for the same room.
+gave up can never reach a later request for the same room, and an abort only
+ever fails a room its own join took. A join that is not refused is accepted
+(there is no "joined" answer: it would cost a message per pair and tell the
+decode nothing it needs; the stream is ordered, so an abort always arrives
+after its join).
 
 Why not HTTP requests per pair: that was 2-3 requests per PD pair through an
 HTTP client and a second web app (plus a long-poll), which cost more CPU than
 the rest of the pair and made the decode wait on its client's connection pool.
-Here a pair costs three small lines, and the lines of one loop iteration
-leave in one write.
+Here a pair costs two small lines, and the lines of one loop iteration leave
+in one write.
 """
 
 from __future__ import annotations

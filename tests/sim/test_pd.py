@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
 import time
 from typing import Any
 
@@ -246,3 +249,66 @@ def test_prefill_bootstrap_server_routes(pd_pair):
                                              "target_tp_rank": -1, "target_pp_rank": -1}).json()
     assert info["dp_size"] == 1 and info["page_size"] == 1
     assert httpx.get(base + "/route").status_code == 400
+
+
+def test_prefill_death_fails_waiting_decode_promptly(sim_factory, room):
+    prefill = sim_factory("prefill", "--bootstrap-timeout", "20")
+    decode = sim_factory("decode", "--waiting-timeout", "20")
+    number = room()
+
+    async def run() -> tuple[float, httpx.Response]:
+        async with httpx.AsyncClient(timeout=15) as client:
+            task = asyncio.create_task(client.post(decode.url + "/generate", json=body(prefill, number)))
+            assert await asyncio.to_thread(wait_until, lambda: prefill.room_state(number) == "open")
+            os.killpg(prefill.popen.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            r = await task
+            return time.monotonic() - killed, r
+    elapsed, r = asyncio.run(run())
+    assert r.status_code == 500 and elapsed < 2
+    assert r.json()["message"].startswith("Decode transfer failed")
+    assert "Lost connection with prefill instance" in r.json()["message"]
+
+
+def test_second_decode_server_cannot_join_a_taken_room(pd_pair, sim_factory, room):
+    prefill, decode = pd_pair
+    other = sim_factory("decode")
+    payload = body(prefill, room())
+
+    async def run() -> tuple[httpx.Response, float, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=15) as client:
+            first = asyncio.create_task(client.post(decode.url + "/generate", json=payload))
+            room_number = payload["bootstrap_room"]
+            assert await asyncio.to_thread(
+                wait_until, lambda: prefill.room_state(room_number) == "open")
+            start = time.monotonic()
+            second = await client.post(other.url + "/generate", json=payload)
+            elapsed = time.monotonic() - start
+            p = await client.post(prefill.url + "/generate", json=payload)
+            return second, elapsed, p, await first
+    second, elapsed, p, first = asyncio.run(run())
+    assert second.status_code == 500 and elapsed < 0.5
+    assert second.json()["message"].startswith("Decode handshake failed")
+    assert "Duplicate decode bootstrap room" in second.json()["message"]
+    assert p.status_code == 200 and first.status_code == 200
+
+
+def test_bootstrap_port_speaks_plain_http_and_refuses_foreign_upgrades(pd_pair, room):
+    prefill, _ = pd_pair
+    base = f"http://{HOST}:{prefill.bootstrap_port}"
+    with httpx.Client(timeout=5) as client:  # keep-alive: several requests on one connection
+        assert client.get(base + "/health").text == "OK"
+        ranks = {"prefill_dp_rank": 0, "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0}
+        assert client.get(base + "/route", params=ranks).json() == {
+            "rank_ip": HOST, "rank_port": prefill.bootstrap_port}
+        assert client.get(base + "/route", params={**ranks, "prefill_dp_rank": 3}).status_code == 404
+        assert client.put(base + "/route").text == "OK"
+        assert client.post(base + "/register_dp_rank", json={}).text == "OK"
+        unknown = room()
+        assert client.post(base + "/query_dp_ranks",
+                           json={"bootstrap_rooms": [unknown]}).json() == {}
+        assert client.get(base + f"/sim/rooms/{unknown}").status_code == 404
+        assert client.get(base + "/nowhere").status_code == 404
+    with socket.create_connection((HOST, prefill.bootstrap_port), timeout=5) as s:
+        s.sendall(b"GET /sim/kv HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 400")
