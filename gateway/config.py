@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from gateway.discovery.incluster import in_cluster_settings
+
 EXIT_CONFIG_ERROR = 2
 EXIT_STARTUP_FAILURE = 3
 ENV_PREFIX = "GATEWAY_"
@@ -114,6 +116,17 @@ class GatewayConfig:
     launch_config: str | None = _opt(None, "launcher topology file (YAML/TOML)")
     num_prefill: int = _opt(1, "prefill servers to launch")
     num_decode: int = _opt(2, "decode servers to launch")
+
+    # Kubernetes discovery (gateway/discovery/, docs/DEPLOY.md): a selector turns it on
+    prefill_selector: str | None = _opt(None, "label selector of prefill pods (Kubernetes)")
+    decode_selector: str | None = _opt(None, "label selector of decode pods (Kubernetes)")
+    namespace: str | None = _opt(None, "namespace of the SGLang pods (default: the gateway's)")
+    k8s_api_server: str | None = _opt(None, "Kubernetes API URL (default: in-cluster)")
+    k8s_token_file: str | None = _opt(None, "file with the API bearer token (re-read)")
+    k8s_ca_file: str | None = _opt(None, "CA bundle of the Kubernetes API")
+    k8s_worker_port: int = _opt(30000, "port of pods without sglang.ai/port or an http port")
+    k8s_model_label: str = _opt("sglang.ai/model", "pod label (or annotation) naming the model")
+    k8s_drain_timeout: float = _opt(60.0, "seconds a leaving pod's requests may take")
 
 
 def split_url_list(value: str) -> list[str]:
@@ -274,11 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _validate(cfg: GatewayConfig) -> None:
     from gateway.policies import REGISTRY  # noqa: PLC0415  (registry imports no config)
 
-    if not cfg.launch and (not cfg.prefill or not cfg.decode):
+    if not cfg.launch and (not (cfg.prefill or cfg.prefill_selector)
+                           or not (cfg.decode or cfg.decode_selector)):
         raise ConfigError(
             "at least one prefill and one decode server are needed: "
-            "--prefill URL [BOOTSTRAP_PORT] --decode URL (or --launch)"
+            "--prefill URL [BOOTSTRAP_PORT] --decode URL, --prefill-selector and "
+            "--decode-selector (Kubernetes), or --launch"
         )
+    if (cfg.prefill_selector or cfg.decode_selector) and not cfg.k8s_api_server:
+        raise ConfigError("Kubernetes discovery needs --k8s-api-server outside a pod")
     for name in ("policy", "prefill_policy", "decode_policy"):
         value = getattr(cfg, name)
         if value is not None and value not in REGISTRY:
@@ -336,6 +353,10 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             values[name] = _coerce(name, flag_value)
     prefill = parse_prefill_tokens(args.prefill) or file_prefill
     decode = parse_decode_tokens(args.decode) or file_decode
+    if (values.get("prefill_selector") or values.get("decode_selector")) \
+            and not values.get("k8s_api_server"):
+        for key, value in in_cluster_settings(environ).items():
+            values[key] = values.get(key) or value
     if values.get("replica_id") is None:
         values["replica_id"] = replica_id_from_pod_name(environ.get("POD_NAME"))
     if values.get("api_key_file"):

@@ -21,6 +21,7 @@ from gateway.admission import Admission, KeyChecker
 from gateway.bootstrap import RoomAllocator
 from gateway.breaker import CircuitBreaker
 from gateway.config import GatewayConfig
+from gateway.discovery import KubernetesDiscovery
 from gateway.errors import BadRequest, GatewayError
 from gateway.health import HealthChecker
 from gateway.metrics import Metrics
@@ -79,6 +80,7 @@ class Gateway:
         self.proxy: Proxy | None = None
         self.health: HealthChecker | None = None
         self.cluster = None
+        self.discovery: KubernetesDiscovery | None = None
         if config.launch:
             from gateway.launch import LocalCluster  # noqa: PLC0415 - only with --launch
 
@@ -122,6 +124,10 @@ class Gateway:
         self.health.start()
         for policy in self.scheduler.policies.values():
             await policy.start()
+        if c.prefill_selector or c.decode_selector:
+            self.discovery = KubernetesDiscovery.from_config(
+                c, on_add=self.register, on_remove=self.unregister)
+            await self.discovery.start()
 
     async def _probe_all(self) -> None:
         """Verify roles and learn bootstrap ports. A wrong role is fatal; an unreachable
@@ -171,6 +177,8 @@ class Gateway:
 
     async def stop(self) -> None:
         self.shutting_down = True
+        if self.discovery is not None:
+            await self.discovery.stop()
         for policy in self.scheduler.policies.values():
             await policy.stop()
         if self.health is not None:

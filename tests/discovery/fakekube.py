@@ -109,6 +109,7 @@ class FakeKube:
         self.seen: list[Seen] = []
         self.failures: list[tuple[str, int]] = []  # (verb, status) for the next requests
         self._watches: set[_Watch] = set()
+        self._connections: set[asyncio.Task] = set()
         self._server: asyncio.AbstractServer | None = None
         self.port = 0
 
@@ -121,9 +122,12 @@ class FakeKube:
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
-        self.close_watches()
         if self._server is not None:
             self._server.close()
+        for task in self._connections:
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
             await self._server.wait_closed()
 
     # -- changing the cluster ---------------------------------------------------------------
@@ -228,6 +232,8 @@ class FakeKube:
     # -- HTTP --------------------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             await self._answer(head.decode("latin-1"), writer)
@@ -235,6 +241,7 @@ class FakeKube:
             pass
         finally:
             writer.close()
+            self._connections.discard(task)
 
     async def _answer(self, head: str, writer: asyncio.StreamWriter) -> None:
         lines = head.split("\r\n")

@@ -18,7 +18,19 @@ def worker(url: str, role: str = "prefill", *, in_flight: int = 0, tokens: int =
     w.load = ServerLoad(**(load or {}))
     if age is not None:
         w.load.updated_at = time.monotonic() - age
+        AGES[id(w)] = (w, age)
     return w
+
+
+# Workers built in `parametrize` are made at collection time; a long test run would age their
+# snapshots past the freshness limit. conftest.py re-stamps them just before each test.
+AGES: dict[int, tuple[Worker, float]] = {}
+
+
+def restamp() -> None:
+    now = time.monotonic()
+    for w, age in AGES.values():
+        w.load.updated_at = now - age
 
 
 def chat(*messages: tuple[str, str]) -> RequestView:

@@ -1,0 +1,10 @@
+"""Keep the load snapshots of pre-built workers as fresh as each test means them to be."""
+
+import pytest
+
+from tests.unit.policies.util import restamp
+
+
+@pytest.fixture(autouse=True)
+def _fresh_snapshots():
+    restamp()
