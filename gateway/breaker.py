@@ -51,9 +51,23 @@ class CircuitBreaker:
                 return False
         return not self.probe_in_flight
 
+    def peek(self) -> bool:
+        """What `allows()` would answer, without moving an open breaker to half-open."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN:
+            return self._clock() - self.opened_at >= self.cooldown
+        return not self.probe_in_flight
+
     def on_dispatch(self) -> None:
         if self.state is BreakerState.HALF_OPEN:
             self.probe_in_flight = True
+
+    def release_probe(self) -> None:
+        """The half-open probe ended without a verdict (cancelled, or the other leg failed
+        first): let the next request probe instead of refusing traffic for good."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.probe_in_flight = False
 
     def record(self, success: bool) -> None:
         self._recent.append(success)

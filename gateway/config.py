@@ -93,10 +93,13 @@ class GatewayConfig:
 
     # Admission and limits
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest accepted request body")
+    max_items: int = _opt(1024, "largest batch size x n of one request (each item is a room)")
     max_concurrency: int = _opt(0, "requests served at once (0 = unlimited)")
     max_queue: int = _opt(256, "requests waiting for a slot before 429")
     queue_timeout: float = _opt(30.0, "seconds a request may wait for a slot before 503")
-    api_keys: tuple[str, ...] = _opt((), "API keys accepted on inference routes", kind="list")
+    api_keys: tuple[str, ...] = _opt(
+        (), "API keys accepted on inference routes (comma-separated)", kind="list",
+        aliases=("--api-key",))
     api_key_file: str | None = _opt(None, "file with one API key per line")
     admin_api_keys: tuple[str, ...] = _opt((), "API keys accepted on admin routes", kind="list")
     rate_limit: float = _opt(0.0, "requests/s allowed per API key (0 = unlimited)")
@@ -259,7 +262,7 @@ def _coerce(name: str, value: Any) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m gateway",
+        prog="python -m gateway", allow_abbrev=False,
         description="PD-disaggregation gateway for SGLang prefill and decode servers.",
     )
     parser.add_argument(
@@ -275,12 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(GatewayConfig):
         if not f.metadata.get("cli", True):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         if isinstance(f.default, bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=f.metadata["help"])
         else:
-            parser.add_argument(flag, dest=f.name, default=None, help=f.metadata["help"])
+            parser.add_argument(*flags, dest=f.name, default=None, help=f.metadata["help"])
     return parser
 
 
@@ -307,6 +310,8 @@ def _validate(cfg: GatewayConfig) -> None:
         raise ConfigError(f"port {cfg.port} is out of range")
     if cfg.replica_id is not None and not 0 <= cfg.replica_id < 4096:
         raise ConfigError("replica_id must be in 0..4095")
+    if cfg.max_items < 1:
+        raise ConfigError("max_items must be at least 1")
     if cfg.max_attempts < 1:
         raise ConfigError("max_attempts must be at least 1")
     if cfg.upstream_client not in ("fast", "httpx"):

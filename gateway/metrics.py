@@ -101,7 +101,7 @@ class PoolCollector(Collector):
             in_flight.add_metric(key, w.in_flight)
             tokens.add_metric(key, w.in_flight_tokens)
             healthy.add_metric(key, 1 if w.healthy else 0)
-            is_usable = w.healthy and not w.draining and w.breaker.state.value != "open"
+            is_usable = w.usable_now
             usable.add_metric(key, 1 if is_usable else 0)
             counts[w.role] += 1 if is_usable else 0
             breaker.add_metric(key, breaker_state_code(w.breaker.state))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from gateway.bootstrap import RoomAllocator
-from gateway.errors import UpstreamError
+from gateway.errors import BadRequest, UpstreamError
 from gateway.logprobs import StreamMerger, merge_body, prefill_parts
 from gateway.request import RequestView
 from gateway.sse import DONE, EventSplitter, event_data, frame, leading_failure
@@ -73,8 +73,9 @@ class _PrefillWatch:
         self.error: BaseException | None = None
 
     def __call__(self, prefill: asyncio.Task) -> None:
-        if self.armed and not prefill.cancelled() and prefill.exception() is not None:
-            self.error = prefill.exception()
+        error = None if prefill.cancelled() else prefill.exception()  # always retrieved
+        if self.armed and error is not None:
+            self.error = error
             self.armed = False
             self.task.cancel()
 
@@ -108,11 +109,14 @@ class PDDispatcher:
             body["bootstrap_host"] = [prefill.bootstrap_host] * count
             body["bootstrap_port"] = [prefill.bootstrap_port] * count
         body["bootstrap_room"] = rooms
-        rid = body.get("rid")
-        if rid is None and count is None:
-            rid = body["rid"] = f"{rooms:016x}"  # rooms never repeat, so neither do these
-        return Attempt(view, prefill, decode, rooms, rid if isinstance(rid, str) else None,
-                       orjson.dumps(body), request_id)
+        own_rid = None  # abort by rid only for ids the gateway made: a client's may be shared
+        if body.get("rid") is None and count is None:
+            own_rid = body["rid"] = f"{rooms:016x}"  # rooms never repeat, so neither do these
+        try:
+            payload = orjson.dumps(body)
+        except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
+            raise BadRequest(f"request body cannot be forwarded: {exc}") from None
+        return Attempt(view, prefill, decode, rooms, own_rid, payload, request_id)
 
     # -- one attempt -----------------------------------------------------------------------
 
@@ -145,15 +149,28 @@ class PDDispatcher:
                 raise watch.error from None
             raise
         except TimeoutError:
-            leg = "decode" if p_task.done() else "prefill"
-            worker = attempt.decode if leg == "decode" else attempt.prefill
-            raise UpstreamError(
-                f"{leg} server {worker.url} gave no answer within {self.timeouts.response:g}s",
-                leg=leg, worker_url=worker.url, retryable=True, status=504) from None
+            raise self._timed_out(attempt, p_task) from None
         finally:
             watch.armed = False
             if not handed_over:
                 self._settle(attempt, p_task, response)
+
+    def _timed_out(self, attempt: Attempt, p_task: asyncio.Task) -> UpstreamError:
+        """No answer in time. Each leg still waiting is a suspect (a hung decode keeps its
+        prefill waiting too, and the reverse): both feed their breakers and both are avoided
+        by the retry."""
+        late = [leg for leg in ("prefill", "decode") if leg not in attempt.outcome]
+        if "decode" in late and p_task.done():
+            late = ["decode"]
+        for leg in late:
+            self._leg_done(attempt, leg, False)
+        workers = " and ".join(
+            f"{leg} server {(attempt.prefill if leg == 'prefill' else attempt.decode).url}"
+            for leg in late) or "the pair"
+        leg = late[0] if len(late) == 1 else "both"
+        url = attempt.decode.url if leg == "decode" else attempt.prefill.url
+        return UpstreamError(f"{workers} gave no answer within {self.timeouts.response:g}s",
+                             leg=leg, worker_url=url, retryable=True, status=504)
 
     def _settle(self, attempt: Attempt, p_task: asyncio.Task,
                 response: UpstreamResponse | None) -> None:
@@ -289,8 +306,8 @@ class PDDispatcher:
     async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse) -> bytes | None:
         """The next raw chunk within the idle timeout; None at the end of the stream."""
         try:
-            with translate_errors("decode", attempt.decode):
-                async with asyncio.timeout(self.timeouts.stream_idle):
+            async with asyncio.timeout(self.timeouts.stream_idle):
+                with translate_errors("decode", attempt.decode):
                     return await response.next_chunk()
         except TimeoutError:
             raise UpstreamError(

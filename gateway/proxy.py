@@ -49,8 +49,10 @@ class Proxy:
                         last_error = exc
                         if not exc.retryable or number == self.max_attempts:
                             raise
-                        failed = prefill if exc.leg == "prefill" else decode
-                        avoid.append(failed)
+                        if exc.leg in ("prefill", "both"):
+                            avoid.append(prefill)
+                        if exc.leg in ("decode", "both"):
+                            avoid.append(decode)
                         self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
                         delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
                         await asyncio.sleep(delay * (0.5 + random.random() / 2))

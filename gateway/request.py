@@ -156,9 +156,7 @@ def render_messages(messages: list[dict]) -> str:
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
-            content = "".join(
-                p.get("text", "") for p in content if isinstance(p, dict)
-            )
+            content = "".join(p.get("text", "") for p in content)
         parts.append(f"<|{message.get('role', '')}|>{content or ''}")
     return "\n".join(parts)
 
@@ -173,6 +171,11 @@ def _chat_view(body: dict, stream: bool, model: str | None) -> RequestView:
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise BadRequest(f"'messages[{i}].content' must be a string or a list of parts")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
+                    raise BadRequest(f"'messages[{i}].content[{j}]' must be an object whose "
+                                     "'text', if any, is a string")
     text = render_messages(messages)
     return RequestView(
         endpoint=CHAT, body=body, stream=stream, batch_size=None, n=_n(body.get("n"), "n"),

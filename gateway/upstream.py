@@ -133,6 +133,8 @@ def translate_errors(leg: str, worker: Worker) -> Iterator[None]:
     """Turn client and transport errors into an UpstreamError naming the leg and server."""
     try:
         yield
+    except TimeoutError:
+        raise  # the caller's own deadline: it knows which timeout and answers 504
     except (httpx.ConnectError, ConnectFailed) as exc:
         raise UpstreamError(f"{leg} server {worker.url} refused or dropped the connection: {exc}",
                             leg=leg, worker_url=worker.url, retryable=True) from exc

@@ -69,8 +69,19 @@ class Worker:
 
     @property
     def usable(self) -> bool:
+        """May the scheduler pick this worker now? (May move an open breaker to half-open.)"""
+        return self.serving and self.breaker.allows()
+
+    @property
+    def serving(self) -> bool:
+        """Healthy, verified, not draining, not misconfigured: in rotation but for the breaker."""
         return (self.healthy and self.verified and not self.draining
-                and self.misconfigured is None and self.breaker.allows())
+                and self.misconfigured is None)
+
+    @property
+    def usable_now(self) -> bool:
+        """`usable` without side effects, for metrics and the admin API."""
+        return self.serving and self.breaker.peek()
 
     def apply_facts(self, facts: ServerFacts) -> None:
         """Adopt what the server says of itself; a port given by the operator wins."""
@@ -111,7 +122,9 @@ class Worker:
         """Release counters; success None means the outcome says nothing about the server."""
         self.in_flight -= 1
         self.in_flight_tokens -= tokens
-        if success is not None:
+        if success is None:
+            self.breaker.release_probe()
+        else:
             self.breaker.record(success)
             if success:
                 self.last_success = time.monotonic()
@@ -129,7 +142,7 @@ class Worker:
             "misconfigured": self.misconfigured,
             "draining": self.draining,
             "breaker": self.breaker.state.value,
-            "usable": self.usable,
+            "usable": self.usable_now,
             "in_flight": self.in_flight,
             "in_flight_tokens": self.in_flight_tokens,
             "total_requests": self.total_requests,

@@ -13,10 +13,11 @@ import time
 
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError
+from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
 from gateway.pd import Answer
 from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
+from gateway.sse import DONE, frame
 
 log = logging.getLogger("gateway.inference")
 
@@ -60,6 +61,10 @@ class InferenceEndpoint:
             gw.inference_keys.check(header(scope, b"authorization"), header(scope, b"x-api-key"))
             raw = await read_body(scope, receive, gw.config.max_body_bytes)
             view = parse_request(self.endpoint, raw)
+            items = view.room_count
+            if items is not None and items > gw.config.max_items:
+                raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
+                                 f"{gw.config.max_items} per request")
             async with gw.admission.slot():
                 status = await self._serve(view, request_id, receive, send, started)
         except GatewayError as err:
@@ -126,16 +131,31 @@ class InferenceEndpoint:
         itl = self._itl
         sent = 0
         last = 0.0
-        async for chunk in answer.stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            now = time.perf_counter()
-            if last:
-                itl.observe(now - last)
-            else:
-                self._ttft[True].observe(now - started)
-            last = now
-            sent += len(chunk)
+        try:
+            async for chunk in answer.stream:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                now = time.perf_counter()
+                if last:
+                    itl.observe(now - last)
+                else:
+                    self._ttft[True].observe(now - started)
+                last = now
+                sent += len(chunk)
+        except asyncio.CancelledError:
+            if not watch.gone:  # the server is shutting down: end the stream properly
+                await _end_stream_early(send, request_id)
+            raise
         watch.done = True
         await send({"type": "http.response.body", "body": b""})
         self._bytes.inc(sent)
         return answer.status
+
+
+async def _end_stream_early(send: Send, request_id: str) -> None:
+    """Close a stream cut by shutdown with an error event and [DONE], not a truncated body."""
+    err = ServiceUnavailable("the gateway is shutting down; the stream was cut")
+    body = b"\n\n" + frame(err.body()) + DONE
+    try:
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        log.debug("could not end stream of request %s", request_id)

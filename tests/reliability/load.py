@@ -2,12 +2,12 @@
 
 Every request is classified by what its client saw, so a test can say exactly which failures
 it tolerates: a non-2xx answer (with its JSON error), a stream that started and then carried an
-error event, a stream cut without `[DONE]`, a transport error, or a request slower than its
-deadline.
+error event, a stream cut without `[DONE]`, or a transport error; each with its duration.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter
@@ -117,7 +117,8 @@ class Load:
             n = 0
             while not self._stop.is_set():
                 n += 1
-                prompt = f"loop {number} request {n}: tell me about fault tolerance"
+                # no shared prefix: cache_aware spreads these by load, not by cache affinity
+                prompt = f"{os.urandom(6).hex()} loop {number} request {n}: fault tolerance"
                 result = send(client, self.url, path, stream, prompt, self.max_new_tokens)
                 with self._lock:
                     self.outcomes.append(result)
@@ -131,6 +132,42 @@ class Load:
         while self.count(since) < n:
             assert time.monotonic() < deadline, f"fewer than {n} requests in {timeout:g}s"
             time.sleep(0.02)
+
+
+class Stream(threading.Thread):
+    """One streaming request in its own thread; `started` is set at its first chunk,
+    `ended_at` (monotonic) when its last byte came."""
+
+    def __init__(self, url: str, number: int, tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.number, self.tokens = url, number, tokens
+        self.started = threading.Event()
+        self.outcome: Outcome | None = None
+        self.ended_at = 0.0
+
+    def run(self) -> None:
+        path = "/generate" if self.number % 2 else "/v1/chat/completions"
+        body = request_body(path, True, f"stream {self.number}", self.tokens)
+        begun = time.monotonic()
+        raw = b""
+
+        def outcome(kind, status, detail=""):
+            return Outcome(kind, path, True, status, begun, time.monotonic() - begun, detail)
+
+        try:
+            with httpx.stream("POST", self.url + path, json=body, timeout=30) as response:
+                for chunk in response.iter_raw():
+                    raw += chunk
+                    self.started.set()
+            if response.status_code != 200:
+                self.outcome = outcome(HTTP_ERROR, response.status_code, raw[:300].decode())
+            else:
+                self.outcome = classify_stream(raw, outcome)
+        except httpx.HTTPError as exc:
+            self.outcome = outcome(TRANSPORT, None, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
 
 
 def summary(outcomes: list[Outcome]) -> Counter:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import HOST, Proc, free_port, python
 
-NO_FAULTS = {"error_rate": 0.0, "hang": False, "crash_after": 0, "slow_start": 0.0,
-             "health_fail": False, "first_token_delay": 0.0}
 # Short PD timeouts so a leg whose partner vanished fails in seconds, not minutes.
 SIM_ARGS = ("--bootstrap-timeout", "5", "--waiting-timeout", "5",
             "--bootstrap-retries", "3", "--bootstrap-retry-interval", "0.2")
@@ -34,8 +33,9 @@ START_TIMEOUT = 60.0  # generous: the machine has 2 cores and other work runs be
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str,
-               interval: float = 0.05) -> float:
-    """Poll `predicate` until it is truthy; return the seconds it took, or fail naming `what`."""
+               interval: float = 0.05, detail: Callable[[], object] | None = None) -> float:
+    """Poll `predicate` until it is truthy; return the seconds it took, or fail naming `what`
+    (and `detail()`, the state worth seeing when it did not happen)."""
     started = time.monotonic()
     deadline = started + timeout
     while True:
@@ -43,7 +43,8 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str,
             if predicate():
                 return time.monotonic() - started
         if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout:g}s: {what}")
+            seen = f"; {detail()}" if detail is not None else ""
+            raise AssertionError(f"not within {timeout:g}s: {what}{seen}")
         time.sleep(interval)
 
 
@@ -78,6 +79,7 @@ class Rig:
     servers: list[Server] = field(default_factory=list)
     gateway_proc: Proc | None = None
     gateway: str = ""
+    admin_headers: dict = field(default_factory=dict)  # e.g. a Bearer admin key
     http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10.0))
 
     # -- life cycle --------------------------------------------------------------------------
@@ -170,8 +172,8 @@ class Rig:
 
     # -- what the gateway says ----------------------------------------------------------------
 
-    def snapshots(self, headers: dict | None = None) -> dict[str, dict]:
-        response = self.http.get(self.gateway + "/admin/servers", headers=headers)
+    def snapshots(self) -> dict[str, dict]:
+        response = self.http.get(self.gateway + "/admin/servers", headers=self.admin_headers)
         response.raise_for_status()
         return {s["url"]: s for s in response.json()["servers"]}
 
@@ -201,15 +203,48 @@ class Rig:
     def sockets(self) -> int:
         return socket_count(self.gateway_pid)
 
+    def connections(self) -> Counter:
+        """The gateway's TCP connections by (peer, state): peer is a server name, `client`
+        for connections clients opened to it, or `other` (listening sockets are left out)."""
+        gateway_port = int(self.gateway.rsplit(":", 1)[1])
+        names = {s.port: s.name for s in self.servers}
+        tally: Counter = Counter()
+        for local, remote, state in tcp_sockets(self.gateway_pid):
+            if state == "LISTEN":
+                continue
+            peer = "client" if local == gateway_port else names.get(remote, "other")
+            tally[peer, state] += 1
+        return tally
 
-def socket_count(pid: int) -> int:
-    """Open sockets of a process (its /proc fd links that name a socket)."""
-    count = 0
+
+def socket_inodes(pid: int) -> set[str]:
+    """Inodes of the sockets a process holds open (its /proc fd links `socket:[N]`)."""
+    inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         with contextlib.suppress(OSError):
-            if os.readlink(fd).startswith("socket:"):
-                count += 1
-    return count
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    return inodes
+
+
+def socket_count(pid: int) -> int:
+    return len(socket_inodes(pid))
+
+
+TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT", "0A": "LISTEN"}
+
+
+def tcp_sockets(pid: int) -> list[tuple[int, int, str]]:
+    """(local port, remote port, state) of each IPv4 TCP socket the process holds open."""
+    mine = socket_inodes(pid)
+    found = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[9] in mine:
+            local, remote = (int(a.split(":")[1], 16) for a in fields[1:3])
+            found.append((local, remote, TCP_STATES.get(fields[3], fields[3])))
+    return found
 
 
 class Metrics:

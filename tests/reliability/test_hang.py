@@ -1,0 +1,112 @@
+"""Servers that stop answering: the `hang` fault (generation requests are read and never
+answered, /health still fine) and SIGSTOP (the process answers nothing, the kernel still
+accepts connections).
+
+The gateway runs with a 2 s response timeout and a 2 s stream idle timeout, so a request on a
+hung server is cancelled after 2 s and retried on another pair; health checks every 0.5 s with
+a 0.5 s timeout take a frozen server out.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.reliability.load import HTTP_ERROR, STREAM_ERROR, Load, failures
+from tests.reliability.rig import FAST_DETECTION, wait_until
+
+RESPONSE_TIMEOUT = 2.0
+GATEWAY_ARGS = (*FAST_DETECTION, "--response-timeout", str(RESPONSE_TIMEOUT),
+                "--stream-idle-timeout", str(RESPONSE_TIMEOUT), "--request-timeout", "15",
+                "--breaker-failures", "2")
+# three attempts of one response timeout each, plus backoff and a loaded machine's slack
+WORST_CASE = 3 * RESPONSE_TIMEOUT + 3.0
+
+
+def assert_clear_failures(outcomes) -> None:
+    """Failures allowed while a server hangs: a 504 once every attempt timed out, or a started
+    stream ended by an error event; each a JSON error, and none past the deadline."""
+    for o in failures(outcomes):
+        assert o.kind in (HTTP_ERROR, STREAM_ERROR), o
+        assert '{"error":{"message":' in o.detail, o
+        assert '"code":"504"' in o.detail or (o.kind == STREAM_ERROR and '"code":"502"' in o.detail), o
+    assert max(o.elapsed for o in outcomes) < WORST_CASE, "a request outlived its deadline"
+
+
+@pytest.mark.timeout(90)
+def test_hung_generation_is_cancelled_and_retried(make_rig, timing):
+    rig = make_rig(*GATEWAY_ARGS)
+    victim = rig.decode[0]
+    hung_at = rig.fault(victim, hang=True)
+    with Load(rig.gateway, loops=4, max_new_tokens=8, timeout=20) as load:
+        first = wait_until(lambda: rig.stats(victim)["cancelled"] >= 1, 30,
+                           "a request on the hung decode is cancelled by the gateway")
+        wait_until(lambda: rig.stats(victim)["cancelled"] >= 3, 30, "three cancelled")
+        load.wait_count(30, since=hung_at, timeout=30)
+    timing("hang (fault knob)", "first hung request cancelled after", first)
+    assert_clear_failures(load.outcomes)
+    timing("hang (fault knob)", "504s seen by clients", len(failures(load.outcomes)))
+    assert rig.metrics().total("gateway_retries_total", reason="timeout") >= 3
+    wait_until(lambda: rig.in_flight() == 0, 10, "gateway in-flight counters drain")
+
+    before = rig.stats(victim)["completed"]
+    rig.fault(victim, hang=False)
+    with Load(rig.gateway, loops=4, max_new_tokens=8, timeout=20) as load:
+        back = wait_until(lambda: rig.stats(victim)["completed"] > before, 15,
+                          "the decode serves again once the fault is cleared")
+    timing("hang (fault knob)", "serving again after the fault is cleared", back)
+    assert not failures(load.outcomes)
+
+
+@pytest.mark.timeout(90)
+def test_hung_decode_is_blamed_and_opens_its_breaker(make_rig):
+    rig = make_rig(*GATEWAY_ARGS)
+    victim = rig.decode[0]
+    rig.fault(victim, hang=True)
+    with Load(rig.gateway, loops=4, max_new_tokens=8, timeout=20):
+        wait_until(lambda: rig.stats(victim)["cancelled"] >= 3, 30,
+                   "three requests timed out on the hung decode (breaker threshold: 2)")
+        assert rig.metrics().total("gateway_upstream_failures_total", worker=victim.url) >= 3, \
+            "timeouts on the hung decode are not counted against it"
+        wait_until(lambda: not rig.usable(victim), 5, "the hung decode leaves rotation")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_frozen_server_is_taken_out_by_health_checks(make_rig, timing, role):
+    rig = make_rig(*GATEWAY_ARGS)
+    victim = getattr(rig, role)[0]
+    with Load(rig.gateway, loops=4, max_new_tokens=8, timeout=20) as load:
+        load.wait_count(8, since=0, timeout=30)
+        frozen_at = rig.freeze(victim)
+        out = wait_until(lambda: not rig.snapshot(victim)["healthy"], 10,
+                         f"health checks mark the frozen {role} down")
+        load.wait_count(20, since=frozen_at + out, timeout=30)  # the healthy pair serves
+        thawed_at = rig.thaw(victim)
+        back = wait_until(lambda: rig.usable(victim), 10, f"the thawed {role} rejoins")
+        load.wait_count(10, since=thawed_at + back, timeout=30)
+    timing(f"SIGSTOP {role}", "marked down after", out)
+    timing(f"SIGSTOP {role}", "back in rotation after SIGCONT", back)
+    assert_clear_failures(load.outcomes)
+    # only requests already on the frozen server when it stopped may fail
+    assert len(failures(load.outcomes)) <= 4, failures(load.outcomes)
+    timing(f"SIGSTOP {role}", "client-visible failures", len(failures(load.outcomes)))
+    wait_until(lambda: rig.in_flight() == 0, 10, "gateway in-flight counters drain")
+
+
+@pytest.mark.timeout(60)
+def test_stalled_stream_ends_with_a_timeout_event(make_rig, timing):
+    rig = make_rig(*GATEWAY_ARGS, n_prefill=1, n_decode=1, sim_args=("--token-delay", "0.05"))
+    body = {"text": "stall", "stream": True, "sampling_params": {"max_new_tokens": 200}}
+    with httpx.stream("POST", rig.gateway + "/generate", json=body, timeout=20) as response:
+        chunks = response.iter_raw()
+        assert next(chunks)
+        stalled_at = rig.freeze(rig.decode[0])
+        rest = b"".join(chunks)
+    ended = time.monotonic() - stalled_at
+    timing("stream stalls (SIGSTOP decode)", "stream ended after", ended)
+    assert ended < RESPONSE_TIMEOUT + 3
+    assert rest.endswith(b"data: [DONE]\n\n")
+    assert b'"type":"timeout_error"' in rest and b"sent nothing for" in rest, rest[-300:]

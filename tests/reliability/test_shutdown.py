@@ -1,0 +1,123 @@
+"""SIGTERM to a gateway that launched its own servers (`--launch`), with streams in flight.
+
+Expected: the listening socket closes at once (new connections are refused), streams in
+flight run to [DONE], the process exits when they are done and at the latest after
+--shutdown-grace, and the servers it launched are stopped with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.procs import HOST, Proc, free_port, python
+from tests.reliability.load import Stream
+from tests.reliability.rig import wait_until
+
+STREAMS = 6
+TOKEN_DELAY = 0.05
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def launched(tmp_path):
+    """Start `python -m gateway --launch` with a topology of slow-token sims."""
+    procs = []
+
+    def start(grace: float) -> tuple[Proc, str]:
+        topology = tmp_path / "topology.yaml"
+        topology.write_text(
+            f"backend: sim\nprefill: 1\ndecode: 1\nlog_dir: {tmp_path}/servers\n"
+            f"defaults:\n  all:\n    args: [--token-delay, '{TOKEN_DELAY}']\n")
+        port = free_port()
+        proc = Proc("gateway", python("-m", "gateway", "--launch", "--launch-config",
+                                      str(topology), "--host", HOST, "--port", str(port),
+                                      "--shutdown-grace", str(grace)), tmp_path)
+        procs.append(proc)
+        url = f"http://{HOST}:{port}"
+        proc.wait_http(url + "/readiness", 60)
+        return proc, url
+
+    yield start
+    for proc in procs:
+        proc.stop()
+
+
+def sigterm_during_streams(proc: Proc, url: str, tokens: int):
+    servers = children(proc.popen.pid)
+    assert len(servers) == 2, f"the launched servers: {servers}"
+    streams = [Stream(url, n, tokens) for n in range(STREAMS)]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.started.wait(20), "a stream never started"
+    signalled = time.monotonic()
+    os.kill(proc.popen.pid, signal.SIGTERM)
+
+    def refused() -> bool:
+        try:
+            httpx.get(url + "/health", timeout=1)
+        except httpx.ConnectError:
+            return True
+        return False
+
+    closed = wait_until(refused, 5, "new connections are refused after SIGTERM")
+    return servers, streams, signalled, closed
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_lets_streams_finish(launched, timing):
+    grace = 10.0
+    proc, url = launched(grace)
+    tokens = 40  # 2 s of streaming
+    servers, streams, signalled, closed = sigterm_during_streams(proc, url, tokens)
+    code = proc.popen.wait(grace + 10)
+    exited = time.monotonic() - signalled
+    for stream in streams:
+        stream.join(10)
+    assert [s.outcome.kind for s in streams] == ["ok"] * STREAMS, [s.outcome for s in streams]
+    assert code in (0, -signal.SIGTERM), code  # uvicorn re-raises the signal it handled
+    assert exited < grace, "exit waited for the grace period, not for the streams"
+    assert not [pid for pid in servers if alive(pid)], "a launched server outlived the gateway"
+    timing("SIGTERM with streams in flight", "listener closed after", closed)
+    timing("SIGTERM with streams in flight", "process exited after", exited)
+
+
+@pytest.mark.timeout(60)
+def test_streams_outliving_the_grace_end_with_an_error_event(launched, timing):
+    grace = 1.0
+    proc, url = launched(grace)
+    servers, streams, signalled, _ = sigterm_during_streams(proc, url, 200)  # 10 s each
+    proc.popen.wait(grace + 10)
+    exited = time.monotonic() - signalled
+    for stream in streams:
+        stream.join(10)
+    timing("SIGTERM, streams longer than the grace", "process exited after", exited)
+    assert exited < grace + 3
+    assert not [pid for pid in servers if alive(pid)], "a launched server outlived the gateway"
+    assert all(s.outcome.kind == "stream_error" for s in streams), [s.outcome for s in streams]
