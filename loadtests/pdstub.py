@@ -281,7 +281,10 @@ class Connection(asyncio.Protocol):
             reply = Reply(self)
             if method == b"POST" and path in ("/generate", "/v1/completions",
                                               "/v1/chat/completions"):
-                await self.server.generate(path, body, reply)
+                try:
+                    await self.server.generate(path, body, reply)
+                except (ValueError, TypeError) as exc:  # e.g. a max_tokens that is no number
+                    reply.full(400, orjson.dumps({"error": {"message": str(exc)}}))
             elif method == b"GET":
                 reply.full(*self.server.get(path))
             elif method == b"POST" and path in ("/flush_cache", "/abort_request"):

@@ -64,18 +64,25 @@ def peak_rss_mb(root: int) -> float:
     return total_kb / 1024
 
 
-def busy_per_cpu() -> dict[str, float]:
-    """CPU seconds each core (and "all") spent on anything but idle and I/O wait since boot."""
+def busy_per_cpu() -> dict[str, tuple[float, float]]:
+    """Per core (and "all"): CPU seconds since boot (busy, spent in processes).
+
+    Busy is everything but idle and I/O wait; "in processes" leaves out interrupts and
+    softirqs too (loopback networking of our own traffic runs there, and no process is
+    charged for it).
+    """
     out = {}
     with open(PROC / "stat") as f:
         for line in f:
             if not line.startswith("cpu"):
                 break
             name, *values = line.split()
-            fields = [int(v) for v in values]
             # user nice system idle iowait irq softirq steal (guest time is already in user)
-            out["all" if name == "cpu" else name] = (sum(fields[:8]) - fields[3]
-                                                     - fields[4]) / TICKS
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (
+                int(v) for v in values[:8])
+            tasks = user + nice + system + steal
+            out["all" if name == "cpu" else name] = ((tasks + irq + softirq) / TICKS,
+                                                     tasks / TICKS)
     return out
 
 
@@ -86,7 +93,7 @@ class Usage:
     proxy: float
     backends: float
     loadgen: float
-    other: float  # everything else on the machine: other users' processes, the kernel
+    other: float  # CPU of all other processes: other people's work on the machine
     cores: dict[str, float]  # busy seconds per core ("cpu0", "cpu1", ...)
 
 
@@ -96,9 +103,9 @@ class WindowMeter:
     def __init__(self, proxy_pid: int | None, backend_pids: list[int]) -> None:
         self.proxy_pid = proxy_pid
         self.backend_pids = backend_pids
-        self._start: tuple[float, float, float, dict[str, float]] = (0.0, 0.0, 0.0, {})
+        self._start: tuple[float, float, float, dict] = (0.0, 0.0, 0.0, {})
 
-    def _now(self) -> tuple[float, float, float, dict[str, float]]:
+    def _now(self) -> tuple[float, float, float, dict]:
         proxy = cpu_seconds(self.proxy_pid) if self.proxy_pid is not None else 0.0
         backends = sum(cpu_seconds(pid) for pid in self.backend_pids)
         # The load generator is this process alone (its children are the proxy and servers).
@@ -112,9 +119,12 @@ class WindowMeter:
         proxy -= self._start[0]
         backends -= self._start[1]
         loadgen -= self._start[2]
-        cores = {name: busy - self._start[3].get(name, 0.0) for name, busy in cores.items()}
-        other = max(0.0, cores.pop("all") - proxy - backends - loadgen)
-        return Usage(proxy, backends, loadgen, other, cores)
+        before = self._start[3]
+        tasks = cores["all"][1] - before["all"][1]
+        busy = {name: now[0] - before[name][0] for name, now in cores.items()
+                if name != "all" and name in before}
+        other = max(0.0, tasks - proxy - backends - loadgen)
+        return Usage(proxy, backends, loadgen, other, busy)
 
 
 def wait_quiet(max_cores: float, patience: float, sample: float = 1.0) -> float:
@@ -125,8 +135,8 @@ def wait_quiet(max_cores: float, patience: float, sample: float = 1.0) -> float:
     """
     deadline = time.monotonic() + patience
     while True:
-        before = busy_per_cpu()["all"]
+        before = busy_per_cpu()["all"][1]
         time.sleep(sample)
-        busy = (busy_per_cpu()["all"] - before) / sample
+        busy = (busy_per_cpu()["all"][1] - before) / sample
         if busy <= max_cores or time.monotonic() >= deadline:
             return busy

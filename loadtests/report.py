@@ -19,7 +19,7 @@ class Run:
     proxy_busy: float | None  # proxy CPU-seconds per second in the closed loop (1.0 = a core)
     backend_busy: float
     loadgen_busy: float
-    other_busy: float
+    other_busy: float  # cores used by other processes during the whole measurement
     open_loop: dict[str, dict] = field(default_factory=dict)  # rate -> p50_ms, p99_ms, errors
     events_per_s: float = 0.0
     stream_errors: int = 0
@@ -28,6 +28,7 @@ class Run:
     rss_mb: float | None = None
     cores: dict[str, float] = field(default_factory=dict)  # busy fraction per core, closed loop
     stream_cores: dict[str, float] = field(default_factory=dict)  # the same, streams
+    attempts: int = 1  # measurements made; more than 1 when other work disturbed the first
 
 
 def _median(values):
@@ -167,7 +168,7 @@ def goals_table(summary: dict[str, dict]) -> str:
 def noise_table(summary: dict[str, dict]) -> str:
     """Where the CPU went, in cores (1.0 = one core fully busy), and how busy each core was."""
     cores = sorted({c for row in summary.values() for c in row["cores"]})
-    head = ["target", "proxy", "servers", "load generator", "everything else"]
+    head = ["target", "proxy", "servers", "load generator", "other processes"]
     head += [f"{c} busy (closed / streams)" for c in cores]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in summary.items():
