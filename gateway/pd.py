@@ -80,6 +80,40 @@ class _PrefillWatch:
             self.task.cancel()
 
 
+class _IdleWatchdog:
+    """The idle timeout of one stream with ONE timer, not one per chunk (a timer per chunk was
+    a fifth of the relay's CPU). Waiting for a chunk only moves a deadline; the timer re-arms
+    itself until the deadline really passed while a chunk was awaited, then cancels the
+    waiting task (cancel + uncancel, as asyncio.timeout does)."""
+
+    __slots__ = ("idle", "loop", "deadline", "task", "fired", "handle")
+
+    def __init__(self, idle: float) -> None:
+        self.idle = idle
+        self.loop = asyncio.get_running_loop()
+        self.deadline = self.loop.time() + idle
+        self.task: asyncio.Task | None = None
+        self.fired = False
+        self.handle = self.loop.call_at(self.deadline, self._check)
+
+    def waiting(self) -> None:
+        self.deadline = self.loop.time() + self.idle
+        self.task = asyncio.current_task()
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if self.task is None:  # not reading: the client is slow, not the server
+            self.handle = self.loop.call_at(now + self.idle, self._check)
+        elif now < self.deadline:
+            self.handle = self.loop.call_at(self.deadline, self._check)
+        else:
+            self.fired = True
+            self.task.cancel()
+
+    def close(self) -> None:
+        self.handle.cancel()
+
+
 class PDDispatcher:
     def __init__(self, upstream: Upstream, control: Upstream, rooms: RoomAllocator,
                  timeouts: Timeouts) -> None:
@@ -281,6 +315,7 @@ class PDDispatcher:
         ok: bool | None = None
         splitter = EventSplitter() if merger else None
         tail = b""
+        watchdog = _IdleWatchdog(self.timeouts.stream_idle)
         try:
             chunk: bytes | None = first
             while chunk is not None:
@@ -288,7 +323,7 @@ class PDDispatcher:
                 if out:
                     tail = (tail + out)[-16:]
                     yield out
-                chunk = await self._next_chunk(attempt, response)
+                chunk = await self._next_chunk(attempt, response, watchdog)
             if splitter and splitter.rest().strip():
                 yield _merge_events(splitter, merger, b"\n\n")
             if not tail.endswith(DONE):
@@ -301,19 +336,25 @@ class PDDispatcher:
             prefix = b"" if tail.endswith(b"\n\n") or not tail else b"\n\n"
             yield prefix + frame(exc.body()) + DONE
         finally:
+            watchdog.close()
             self._end_stream(attempt, response, p_task, ok)
 
-    async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse) -> bytes | None:
+    async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse,
+                          watchdog: _IdleWatchdog) -> bytes | None:
         """The next raw chunk within the idle timeout; None at the end of the stream."""
+        watchdog.waiting()
         try:
-            async with asyncio.timeout(self.timeouts.stream_idle):
-                with translate_errors("decode", attempt.decode):
-                    return await response.next_chunk()
-        except TimeoutError:
-            raise UpstreamError(
-                f"decode server {attempt.decode.url} sent nothing for "
-                f"{self.timeouts.stream_idle:g}s", leg="decode",
-                worker_url=attempt.decode.url, retryable=True, status=504) from None
+            with translate_errors("decode", attempt.decode):
+                return await response.next_chunk()
+        except asyncio.CancelledError:
+            if watchdog.fired and watchdog.task.uncancel() == 0:
+                raise UpstreamError(
+                    f"decode server {attempt.decode.url} sent nothing for "
+                    f"{self.timeouts.stream_idle:g}s", leg="decode",
+                    worker_url=attempt.decode.url, retryable=True, status=504) from None
+            raise
+        finally:
+            watchdog.task = None
 
     def _end_stream(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
                     ok: bool | None) -> None:

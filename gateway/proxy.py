@@ -19,6 +19,7 @@ from gateway.pd import Answer, Attempt, PDDispatcher
 from gateway.request import RequestView
 from gateway.scheduler import Scheduler
 from gateway.sse import data_objects
+from gateway.workers import Worker
 
 
 class Proxy:
@@ -70,10 +71,10 @@ class Proxy:
         self.scheduler.dispatched(attempt.prefill, attempt.decode, attempt.view)
         predicted = self.scheduler.policies["prefill"].predicted_hit(attempt.prefill, attempt.view)
         if predicted:
-            self.metrics.predicted_tokens.labels(attempt.prefill.url).inc(predicted * tokens)
-        m = self.metrics.decisions
-        m.labels("prefill", self._policy_names["prefill"], attempt.prefill.url).inc()
-        m.labels("decode", self._policy_names["decode"], attempt.decode.url).inc()
+            _child(attempt.prefill, self.metrics.predicted_tokens).inc(predicted * tokens)
+        decisions = self.metrics.decisions
+        _child(attempt.prefill, decisions, "prefill", self._policy_names["prefill"]).inc()
+        _child(attempt.decode, decisions, "decode", self._policy_names["decode"]).inc()
 
     def leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
         """Called once per leg by the dispatcher: release counters, feed breaker and policy."""
@@ -81,15 +82,26 @@ class Proxy:
         worker.finish(attempt.view.prompt_tokens, ok)
         self.scheduler.completed(leg, worker, attempt.view, ok is True)
         if ok is False:
-            self.metrics.leg_failures.labels(worker.url, leg, "error").inc()
+            _child(worker, self.metrics.leg_failures, leg, "error", url_first=True).inc()
 
     def prefill_answered(self, attempt: Attempt, body: bytes) -> None:
         """Count prompt and cached tokens the prefill reports (its cache is the one that
         matters for time to first token)."""
         prompt, cached = usage_of(body)
         if prompt:
-            self.metrics.prompt_tokens.labels(attempt.prefill.url).inc(prompt)
-            self.metrics.cached_tokens.labels(attempt.prefill.url).inc(cached)
+            _child(attempt.prefill, self.metrics.prompt_tokens).inc(prompt)
+            _child(attempt.prefill, self.metrics.cached_tokens).inc(cached)
+
+
+def _child(worker: Worker, metric, *labels: str, url_first: bool = False):
+    """The metric's child for this worker (and labels), looked up once per worker: `labels()`
+    costs a lock and a dict lookup per call, several times per request otherwise."""
+    key = (id(metric), labels)
+    child = worker.metric_children.get(key)
+    if child is None:
+        values = (worker.url, *labels) if url_first or not labels else (*labels, worker.url)
+        child = worker.metric_children[key] = metric.labels(*values)
+    return child
 
 
 def _reason(exc: UpstreamError) -> str:

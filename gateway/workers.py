@@ -63,6 +63,7 @@ class Worker:
     misconfigured: str | None = None  # why the server can never be used (role mismatch)
     last_success: float = 0.0  # monotonic time of the last successful request
     kv_events: dict | None = None  # the server's KV event publisher (/server_info kv_events)
+    metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
 
     def __post_init__(self) -> None:
         self.bootstrap_host = bootstrap_host_of(self.url)

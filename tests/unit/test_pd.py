@@ -275,3 +275,21 @@ def test_stream_client_error_event_becomes_4xx():
     r = run(go())
     assert r.status_code == 400
     assert "max_tokens too large" in r.json()["error"]["message"]
+
+
+def test_stream_that_stalls_ends_with_a_timeout_event():
+    chunks = [b'data: {"text":"a"}\n\n', b"<hang>"]
+    cluster = FakeCluster({P1: FakeServer("prefill"), D1: FakeServer("decode", chunks=chunks)})
+
+    async def go():
+        async with gateway(cluster, "--stream-idle-timeout", "0.3") as (client, _):
+            t0 = time.perf_counter()
+            r = await client.post("/generate", json={"text": "x", "stream": True})
+            return r.content, time.perf_counter() - t0
+
+    body, elapsed = run(go())
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    error = orjson.loads(events[-2][len(b"data: "):])["error"]
+    assert "sent nothing for 0.3s" in error["message"] and error["code"] == "504"
+    assert 0.25 < elapsed < 5
