@@ -199,6 +199,13 @@ class Response:
         if chunk is None:
             self.release()
             return None
+        if self._chunks and self._chunks[0] is not None:
+            # several reads arrived while the consumer was busy: hand them over in one piece,
+            # so the relay writes once to the client instead of once per read
+            parts = [chunk]
+            while self._chunks and self._chunks[0] is not None:
+                parts.append(self._chunks.popleft())
+            chunk = b"".join(parts)
         self._buffered -= len(chunk)
         if self._paused and self._buffered < HIGH_WATER // 2:
             self._paused = False
