@@ -2,7 +2,8 @@
 
     python -m loadtests.routing                      # full run: 4 prefill + 4 decode, all targets
     python -m loadtests.routing --quick              # CI-sized: 2 + 1 servers, two of our policies
-    python -m loadtests.routing --workload chat --targets gateway:cache_aware,sglang-router:cache_aware
+    python -m loadtests.routing --workload chat \
+        --targets gateway:cache_aware,sglang-router:cache_aware --duration 20
 
 Workloads (`loadtests/routing_workloads.py`): multi-turn chat with a few shared long system
 prompts and growing per-conversation histories, and few-shot prompts with short questions.
@@ -82,8 +83,8 @@ FULL = Setup(
     targets=tuple(ALL),
 )
 QUICK_SETUP = Setup(
-    sims=SimOptions(prefills=2, decodes=1, cache_tokens=3000),
-    chat=ChatShape(system_prompts=2, system_tokens=300, turns=(5, 8), user_tokens=(60, 120),
+    sims=SimOptions(prefills=2, decodes=1, cache_tokens=2500),
+    chat=ChatShape(system_prompts=2, system_tokens=200, turns=(5, 8), user_tokens=(80, 160),
                    max_tokens=16, think_s=0.2),
     fewshot=FewshotShape(prefixes=4, prefix_tokens=400, max_tokens=8),
     durations={"chat": 6.0, "fewshot": 3.0},
@@ -110,7 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefills", type=int, help="prefill servers (default 4; quick 2)")
     parser.add_argument("--decodes", type=int, help="decode servers (default 4; quick 1)")
     parser.add_argument("--cache-tokens", type=int,
-                        help="prefix cache per prefill server, tokens (default 16384; quick 3000)")
+                        help="prefix cache per prefill server, tokens (default 16384; quick 2500)")
+    parser.add_argument("--system-prompts", type=int,
+                        help="shared system prompts of the chat workload (default 4; quick 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -122,13 +125,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_setup(args: argparse.Namespace) -> Setup:
     setup = QUICK_SETUP if args.quick else FULL
+    for name in ("prefills", "decodes", "cache_tokens", "system_prompts", "duration", "rate"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     sims = replace(setup.sims, **{k: v for k, v in (
         ("prefills", args.prefills), ("decodes", args.decodes),
         ("cache_tokens", args.cache_tokens)) if v is not None})
+    chat = setup.chat if args.system_prompts is None else replace(
+        setup.chat, system_prompts=args.system_prompts)
     durations = {w: args.duration or d for w, d in setup.durations.items()}
     rates = {w: args.rate or r for w, r in setup.rates.items()}
     targets = tuple(t.name for t in parse_targets(args.targets)) if args.targets else setup.targets
-    return replace(setup, sims=sims, durations=durations, rates=rates, targets=targets)
+    return replace(setup, sims=sims, chat=chat, durations=durations, rates=rates,
+                   targets=targets)
 
 
 def _gateway_view(port: int) -> dict:
@@ -178,8 +188,7 @@ def measure(target: Target, cluster: Cluster, workload: str, plan, setup: Setup,
         window = time.monotonic() - started
         after = snapshot(cluster)
         policy = _gateway_view(port) if target.ours else {}
-    row = make_row(target.name, drive, difference(before, after), usage.proxy,
-                   sum(usage.cores.values()) / window, policy)
+    row = make_row(target.name, drive, difference(before, after), usage, window, policy)
     extra = {"argv": argv, "load1_before": load_before, "load1_after": os.getloadavg()[0],
              "cpu_s": {"proxy": usage.proxy, "servers": usage.backends,
                        "loadgen": usage.loadgen, "other": usage.other}}
@@ -226,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 extras[target.name] = extra
                 print(f"   {target.name}: {row.requests} requests, {row.errors} errors, hit "
                       f"{100 * row.hit_rate:.1f}%, TTFT p50 {row.ttft_p50_ms:.1f} ms, "
-                      f"busy {row.busy_cores:.2f} cores, load {extra['load1_after']:.2f}",
+                      f"cores busy {row.own_cores:.2f} ours, {row.busy_cores:.2f} all, load "
+                      f"{extra['load1_after']:.2f}",
                       flush=True)
                 results["workloads"][workload] = {
                     "rows": [r.to_dict() for r in rows], "runs": extras}

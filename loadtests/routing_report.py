@@ -9,8 +9,10 @@ count successful requests over the time from the start to the last answer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
+from loadtests.procstat import Usage
 from loadtests.routing_cluster import ServerFigures
 from loadtests.routing_drive import Drive
 
@@ -20,7 +22,7 @@ REFERENCE = "sglang-router:cache_aware"
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
     ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
     return ordered[rank - 1]
 
 
@@ -33,11 +35,13 @@ class Row:
     client_hit_rate: float  # the same from the answers' usage figures
     ttft_p50_ms: float
     ttft_p99_ms: float
-    late_ttft_p50_ms: float  # turns >= 2 of a conversation (chat), else = ttft_p50_ms
+    ttft_mean_ms: float  # robust where p50 sits between a hit mode and a miss mode
+    late_ttft_p50_ms: float  # third turn on of a conversation (chat); NaN without such turns
     requests_per_s: float
     output_tokens_per_s: float
     proxy_cpu_s: float
-    busy_cores: float  # whole machine, mean over the window
+    own_cores: float  # proxy + servers + load generator, mean over the window
+    busy_cores: float  # whole machine (other people's work included), mean over the window
     per_server: list[int]  # requests each prefill server received
     error_samples: list[str]
     policy: dict  # the gateway's view (routing decisions, predicted hits); {} for peers
@@ -46,8 +50,8 @@ class Row:
         return asdict(self)
 
 
-def make_row(target: str, drive: Drive, servers: ServerFigures, proxy_cpu: float,
-             busy_cores: float, policy: dict) -> Row:
+def make_row(target: str, drive: Drive, servers: ServerFigures, usage: Usage, window: float,
+             policy: dict) -> Row:
     good = [s for s in drive.samples if s.reply.ok]
     errors = [s.reply.error or "?" for s in drive.samples if not s.reply.ok]
     ttfts = [s.reply.ttft * 1000 for s in good if s.reply.ttft is not None]
@@ -60,17 +64,23 @@ def make_row(target: str, drive: Drive, servers: ServerFigures, proxy_cpu: float
         target=target, requests=len(drive.samples), errors=len(errors),
         hit_rate=servers.hit_rate, client_hit_rate=cached / prompt if prompt else 0.0,
         ttft_p50_ms=p50, ttft_p99_ms=percentile(ttfts, 99) if ttfts else float("nan"),
-        late_ttft_p50_ms=percentile(late, 50) if late else p50,
+        ttft_mean_ms=sum(ttfts) / len(ttfts) if ttfts else float("nan"),
+        late_ttft_p50_ms=percentile(late, 50) if late else float("nan"),
         requests_per_s=len(good) / elapsed,
         output_tokens_per_s=sum(s.reply.output_tokens for s in good) / elapsed,
-        proxy_cpu_s=proxy_cpu, busy_cores=busy_cores,
+        proxy_cpu_s=usage.proxy, own_cores=(usage.proxy + usage.backends + usage.loadgen) / window,
+        busy_cores=sum(usage.cores.values()) / window,
         per_server=list(servers.requests.values()), error_samples=sorted(set(errors))[:5],
         policy=policy)
 
 
 HEADER = ("target", "reqs", "errors", "hit rate", "client hit", "TTFT p50 ms", "TTFT p99 ms",
-          "p50 turn>=3 ms", "req/s", "out tok/s", "proxy CPU s", "busy cores",
+          "TTFT mean ms", "p50 turn>=3 ms", "req/s", "out tok/s", "proxy CPU s", "cores ours/all",
           "prefill share %")
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1f}"
 
 
 def _share(counts: list[int]) -> str:
@@ -80,10 +90,11 @@ def _share(counts: list[int]) -> str:
 
 def cells(row: Row) -> list[str]:
     return [row.target, str(row.requests), str(row.errors), f"{100 * row.hit_rate:.1f}%",
-            f"{100 * row.client_hit_rate:.1f}%", f"{row.ttft_p50_ms:.1f}",
-            f"{row.ttft_p99_ms:.1f}", f"{row.late_ttft_p50_ms:.1f}",
+            f"{100 * row.client_hit_rate:.1f}%", _ms(row.ttft_p50_ms), _ms(row.ttft_p99_ms),
+            _ms(row.ttft_mean_ms), _ms(row.late_ttft_p50_ms),
             f"{row.requests_per_s:.2f}", f"{row.output_tokens_per_s:.0f}",
-            f"{row.proxy_cpu_s:.2f}", f"{row.busy_cores:.2f}", _share(row.per_server)]
+            f"{row.proxy_cpu_s:.2f}", f"{row.own_cores:.2f}/{row.busy_cores:.2f}",
+            _share(row.per_server)]
 
 
 def text_table(rows: list[Row]) -> str:
