@@ -59,6 +59,7 @@ def build_routes(endpoints: dict[str, InferenceEndpoint]) -> list[Route]:
         Route("/admin/servers", admin.remove_server, methods=["DELETE"]),
         Route("/admin/servers/drain", admin.drain_server, methods=["POST"]),
         Route("/admin/servers/undrain", admin.undrain_server, methods=["POST"]),
+        Route("/admin/policies", admin.list_policies, methods=["GET"]),
         *dashboard.ROUTES,
     ]
 

@@ -39,8 +39,18 @@ class MinTtftOptions:
     load_max_age: float = 6.0  # seconds a /v1/loads snapshot counts as fresh
     max_tree_size: int = 1 << 24  # characters/tokens over all workers
     eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound
+    # A match shorter than this fraction of the prompt (role markers, a greeting) is noise,
+    # not a cache hit worth following.
+    min_match: float = 0.1
+    # Estimates closer than this many seconds are ties, broken in turn: without it a few
+    # characters of common prefix made one server always "cheaper" (docs/BENCHMARKS.md).
+    tie_seconds: float = 0.005
 
     def validate(self) -> None:
+        if not 0.0 <= self.min_match <= 1.0:
+            raise ValueError(f"option 'min_match' must be in [0, 1], got {self.min_match}")
+        if self.tie_seconds < 0:
+            raise ValueError(f"option 'tie_seconds' must be >= 0, got {self.tie_seconds}")
         if self.prefill_tokens_per_second <= 0:
             raise ValueError("option 'prefill_tokens_per_second' must be > 0, "
                              f"got {self.prefill_tokens_per_second}")
@@ -77,6 +87,9 @@ class MinTtftPolicy(Policy):
             costs = [self._headroom_cost(w, fresh) for w in candidates]
         else:
             costs = self.ttft_estimates(candidates, view, fresh)
+            tie = self.options.tie_seconds
+            if tie > 0:
+                costs = [round(cost / tie) for cost in costs]
         return candidates[rotating_argmin(costs, turn)]
 
     def ttft_estimates(self, candidates: Sequence[Worker], view: RequestView,
@@ -110,7 +123,10 @@ class MinTtftPolicy(Policy):
         if seen is not view:
             matched = self.tree.match(key)
             self._last = (view, matched)
-        return view.prompt_tokens * (1.0 - matched.get(url, 0) / len(key))
+        share = matched.get(url, 0) / len(key)
+        if share < self.options.min_match:
+            share = 0.0
+        return view.prompt_tokens * (1.0 - share)
 
     def _headroom_cost(self, worker: Worker, fresh: bool) -> float:
         if not fresh:

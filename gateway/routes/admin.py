@@ -5,11 +5,13 @@
     DELETE /admin/servers    {url}             removes at once; in-flight requests finish
     POST   /admin/servers/drain {url, timeout?} no new work; answers when it is idle
     POST   /admin/servers/undrain {url}
+    GET    /admin/policies                     each role's policy, options and own figures
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import orjson
@@ -43,6 +45,17 @@ async def list_servers(request: Request) -> Response:
     except GatewayError as err:
         return json_error(err)
     return JSONResponse({"servers": [w.snapshot() for w in gw.pool]})
+
+
+async def list_policies(request: Request) -> Response:
+    try:
+        gw = _guard(request)
+    except GatewayError as err:
+        return json_error(err)
+    body = {role: {"name": policy.name, "options": dataclasses.asdict(policy.options),
+                   "stats": policy.stats()}
+            for role, policy in gw.scheduler.policies.items()}
+    return JSONResponse(body)
 
 
 async def add_server(request: Request) -> Response:

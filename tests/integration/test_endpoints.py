@@ -86,3 +86,12 @@ def test_admin_lists_servers(fresh):
     servers = get(fresh, "/admin/servers").json()["servers"]
     assert {s["role"] for s in servers} == {"prefill", "decode"}
     assert all(s["usable"] for s in servers)
+
+
+def test_admin_policies_show_names_options_and_figures(fresh):
+    httpx.post(fresh.gateway + "/generate", json={"text": "route me"}, timeout=30)
+    policies = get(fresh, "/admin/policies").json()
+    assert policies["prefill"]["name"] == "cache_aware"
+    assert policies["decode"]["name"] == "least_load"
+    assert "match_threshold" in policies["prefill"]["options"]
+    assert policies["prefill"]["stats"]["tree_size"] > 0  # it remembered where the prompt went

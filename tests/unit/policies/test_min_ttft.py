@@ -108,3 +108,28 @@ def test_removed_worker_is_forgotten() -> None:
     policy.on_dispatch(a, generate_ids(PROMPT))
     policy.on_workers_changed([b])
     assert policy.stats() == {"tree_size": 0, "tree_nodes": 0, "queued_uncached_tokens": {}}
+
+
+def test_short_common_prefix_does_not_pin_every_request_to_one_server() -> None:
+    """The bug the routing benchmark found: chats that share only their first few tokens all
+    went to the server that had seen those tokens, because it looked a hair cheaper."""
+    policy = MinTtftPolicy("prefill")
+    workers = [worker("a"), worker("b"), worker("c")]
+    seen = Counter()
+    for i in range(30):
+        view = generate_ids([1, 2, 3] + [100 + i] * 60)
+        chosen = policy.pick(workers, view)
+        policy.on_dispatch(chosen, view)
+        policy.on_complete(chosen, view, True)
+        seen[chosen.url] += 1
+    assert set(seen) == {"a", "b", "c"}
+    assert max(seen.values()) <= 15, seen
+
+
+def test_long_shared_prefix_is_still_followed() -> None:
+    policy = MinTtftPolicy("prefill")
+    workers = [worker("a"), worker("b")]
+    first = generate_ids(list(range(500)) + [7])
+    policy.on_dispatch(workers[1], first)
+    policy.on_complete(workers[1], first, True)
+    assert policy.pick(workers, generate_ids(list(range(500)) + [8])).url == "b"
