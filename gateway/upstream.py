@@ -11,6 +11,7 @@ Two clients behind one small interface (`Upstream.post` -> `UpstreamResponse`):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from typing import Protocol
@@ -88,8 +89,6 @@ class _HttpxResponse:
         stream = self._response.stream
         close = getattr(stream, "aclose", None)
         if close is not None:
-            import asyncio  # noqa: PLC0415
-
             with contextlib.suppress(RuntimeError):
                 asyncio.get_running_loop().create_task(close())
 

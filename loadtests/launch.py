@@ -69,19 +69,7 @@ class Proc:
         raise TimeoutError(f"{self.name} not ready at {url} after {timeout}s:\n{self.tail()}")
 
     def stop(self, grace: float = 5.0) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(5)
-        else:
-            # The leader is gone; its group may not be.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
+        stop_group(self.popen, grace)
         self._log.close()
 
 
@@ -95,3 +83,20 @@ def running(name: str, argv: list[str], log_dir: Path, ready_url: str | None,
         yield proc
     finally:
         proc.stop()
+
+
+def stop_group(popen: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM a child's process group, SIGKILL it after `grace`; a dead leader's group may
+    still hold children, so it is killed too."""
+    if popen.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGTERM)
+        try:
+            popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait(5)
+    else:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(popen.pid, signal.SIGKILL)

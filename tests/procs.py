@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from loadtests.launch import stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -52,15 +53,7 @@ class Proc:
         raise TimeoutError(f"{self.name} not ready at {url} after {timeout}s:\n{self.log()}")
 
     def stop(self, grace: float = 5.0) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(5)
+        stop_group(self.popen, grace)
         self._log.close()
 
 
