@@ -1,9 +1,16 @@
 """One typed, frozen configuration built from flags, a YAML/TOML file and GATEWAY_* env.
 
-Precedence: defaults < config file < environment < command-line flags. Every field is
-declared once in `GatewayConfig` with its help text in the field metadata; the CLI parser is
-generated from the fields so flags cannot drift from the config. This is the only module that
-reads `os.environ`.
+Precedence: defaults < config file < environment < command-line flags. Every setting is
+declared once in `GatewayConfig`: its type carries its range or choice set (pydantic checks
+them, and turns the strings of flags and env into ints, floats and booleans), its field
+metadata carries the help text, and the CLI parser is generated from the fields so flags
+cannot drift from the config. A bad value exits 2 naming the setting and what it allows,
+before the port is bound. This is the only module that reads `os.environ`.
+
+Why pydantic and not pydantic-settings: the typed checks are what we need from a library;
+the sources (file, env, flags) and their precedence are a few lines here, and the server
+lists use a syntax of their own (`--prefill URL [PORT]`) that a settings library would not
+parse for us anyway.
 """
 
 from __future__ import annotations
@@ -13,47 +20,61 @@ import dataclasses
 import ipaddress
 import json
 import os
-import tomllib
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
+import typing
+import zlib
+from dataclasses import field
+from typing import Annotated, Any, Literal
 
-import yaml
+import pydantic
+from pydantic import Field
+from pydantic.dataclasses import dataclass
 
+from gateway.config_servers import (
+    ConfigError,
+    ServerSpec,
+    load_file,
+    parse_decode_tokens,
+    parse_prefill_tokens,
+    read_lines,
+    servers_from_file,
+    split_list,
+)
 from gateway.discovery.incluster import in_cluster_settings
+
+__all__ = ["ConfigError", "GatewayConfig", "ServerSpec", "load_config"]
 
 EXIT_CONFIG_ERROR = 2
 EXIT_STARTUP_FAILURE = 3
 ENV_PREFIX = "GATEWAY_"
 
-
-class ConfigError(ValueError):
-    """A configuration problem, reported before the port is bound (exit code 2)."""
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """A backend server given on the command line, file or discovery."""
-
-    url: str
-    role: str  # "prefill" | "decode"
-    bootstrap_port: int | None = None  # prefill only; None = read from /server_info
+Seconds = Annotated[float, Field(gt=0, le=86400)]
+OptionalSeconds = Annotated[float, Field(ge=0, le=86400)]  # 0 turns the feature off
+Port = Annotated[int, Field(gt=0, lt=65536)]
+Count = Annotated[int, Field(ge=1, le=1_000_000)]
+OptionalCount = Annotated[int, Field(ge=0, le=1_000_000)]  # 0: unlimited / off
+Bytes = Annotated[int, Field(ge=1024, le=1 << 34)]
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=pydantic.ConfigDict(extra="forbid"))
 class GatewayConfig:
     """Every setting of the gateway. Field metadata `help` becomes the flag's help."""
 
     prefill: tuple[ServerSpec, ...] = _opt((), "prefill servers", cli=False)
     decode: tuple[ServerSpec, ...] = _opt((), "decode servers", cli=False)
     host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8000, "port to listen on")
-    log_level: str = _opt("warning", "log level (debug, info, warning, error)")
+    port: Port = _opt(8000, "port to listen on")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = _opt(
+        "warning", "log level")
+
+    # TLS for clients (docs/SECURITY.md)
+    ssl_certfile: str | None = _opt(None, "serve HTTPS with this certificate (PEM)")
+    ssl_keyfile: str | None = _opt(None, "private key of --ssl-certfile (PEM)")
+    ssl_ca_certs: str | None = _opt(
+        None, "CA bundle of client certificates; when set, clients must present one (mTLS)")
 
     # Scheduling
     policy: str | None = _opt(
@@ -61,64 +82,77 @@ class GatewayConfig:
     prefill_policy: str | None = _opt(None, "policy for choosing the prefill server")
     decode_policy: str | None = _opt(None, "policy for choosing the decode server")
     policy_options: dict | None = _opt(
-        None, "JSON object of per-policy options, keyed by policy name", kind="json"
-    )
+        None, "JSON object of per-policy options, keyed by policy name", kind="json")
 
     # Upstream HTTP
-    connect_timeout: float = _opt(5.0, "seconds to connect to a backend server")
-    response_timeout: float = _opt(
-        600.0, "seconds to wait for a non-streaming answer or a stream's first byte"
-    )
-    stream_idle_timeout: float = _opt(120.0, "seconds allowed between two streamed chunks")
-    request_timeout: float = _opt(1800.0, "total deadline of one request, retries included")
-    max_connections: int = _opt(1024, "control-path (httpx) connection pool size")
-    upstream_client: str = _opt("fast", "data-path HTTP client: fast (built-in) or httpx")
-    probe_timeout: float = _opt(10.0, "seconds for startup probes of /server_info")
+    connect_timeout: Seconds = _opt(5.0, "seconds to connect to a backend server")
+    response_timeout: Seconds = _opt(
+        600.0, "seconds to wait for a non-streaming answer or a stream's first byte")
+    stream_idle_timeout: Seconds = _opt(120.0, "seconds allowed between two streamed chunks")
+    request_timeout: Seconds = _opt(1800.0, "total deadline of one request, retries included")
+    max_connections: Count = _opt(1024, "control-path (httpx) connection pool size")
+    upstream_client: Literal["fast", "httpx"] = _opt(
+        "fast", "data-path HTTP client: fast (built-in) or httpx")
+    probe_timeout: Seconds = _opt(10.0, "seconds for startup probes of /server_info")
     skip_probe: bool = _opt(False, "do not probe servers at startup (bootstrap port 8998)")
 
     # Retries
-    max_attempts: int = _opt(3, "attempts per request (1 = no retry), each with a new pair")
-    retry_backoff: float = _opt(0.05, "first retry delay in seconds (doubles, with jitter)")
-    retry_backoff_max: float = _opt(1.0, "cap of the retry delay in seconds")
+    max_attempts: Annotated[int, Field(ge=1, le=20)] = _opt(
+        3, "attempts per request (1 = no retry), each with a new pair")
+    retry_backoff: Annotated[float, Field(ge=0, le=60)] = _opt(
+        0.05, "first retry delay in seconds (doubles, with jitter)")
+    retry_backoff_max: Annotated[float, Field(ge=0, le=600)] = _opt(
+        1.0, "cap of the retry delay in seconds")
 
     # Health and circuit breaking
-    health_interval: float = _opt(5.0, "seconds between health checks of each server")
-    health_timeout: float = _opt(5.0, "seconds before a health check counts as failed")
-    health_endpoint: str = _opt("/health", "path probed on each server")
-    health_failures: int = _opt(2, "consecutive failed checks that mark a server down")
-    health_successes: int = _opt(1, "consecutive good checks that mark a server up")
-    breaker_failures: int = _opt(5, "consecutive request failures that open a server's breaker")
-    breaker_cooldown: float = _opt(10.0, "seconds an open breaker waits before a probe")
-    loads_interval: float = _opt(2.0, "seconds between /v1/loads polls (0 = off)")
+    health_interval: Seconds = _opt(5.0, "seconds between health checks of each server")
+    health_timeout: Seconds = _opt(5.0, "seconds before a health check counts as failed")
+    health_endpoint: Literal["/health", "/health_generate", "/ready", "/ping"] = _opt(
+        "/health", "path probed on each server")
+    health_failures: Annotated[int, Field(ge=1, le=100)] = _opt(
+        2, "consecutive failed checks that mark a server down")
+    health_successes: Annotated[int, Field(ge=1, le=100)] = _opt(
+        1, "consecutive good checks that mark a server up")
+    breaker_failures: Annotated[int, Field(ge=1, le=1000)] = _opt(
+        5, "consecutive request failures that open a server's breaker")
+    breaker_cooldown: Seconds = _opt(10.0, "seconds an open breaker waits before a probe")
+    loads_interval: OptionalSeconds = _opt(2.0, "seconds between /v1/loads polls (0 = off)")
 
     # Admission and limits
-    max_body_bytes: int = _opt(32 * 1024 * 1024, "largest accepted request body")
-    max_items: int = _opt(1024, "largest batch size x n of one request (each item is a room)")
-    max_concurrency: int = _opt(0, "requests served at once (0 = unlimited)")
-    max_queue: int = _opt(256, "requests waiting for a slot before 429")
-    queue_timeout: float = _opt(30.0, "seconds a request may wait for a slot before 503")
+    max_body_bytes: Bytes = _opt(32 * 1024 * 1024, "largest accepted request body")
+    max_items: Annotated[int, Field(ge=1, le=65536)] = _opt(
+        1024, "largest batch size x n of one request (each item is a room)")
+    max_concurrency: OptionalCount = _opt(0, "requests served at once (0 = unlimited)")
+    max_queue: Annotated[int, Field(ge=0, le=1_000_000)] = _opt(
+        256, "requests waiting for a slot before 429")
+    queue_timeout: Seconds = _opt(30.0, "seconds a request may wait for a slot before 503")
     api_keys: tuple[str, ...] = _opt(
-        (), "API keys accepted on inference routes (comma-separated)", kind="list",
+        (), "API keys accepted on inference routes (comma-separated; prefer "
+        "--api-key-file or GATEWAY_API_KEYS: flags show in the process list)", kind="list",
         aliases=("--api-key",))
-    api_key_file: str | None = _opt(None, "file with one API key per line")
-    admin_api_keys: tuple[str, ...] = _opt((), "API keys accepted on admin routes", kind="list")
-    rate_limit: float = _opt(0.0, "requests/s allowed per API key (0 = unlimited)")
-    rate_burst: int = _opt(20, "requests a key may send at once above its rate")
-    shutdown_grace: float = _opt(30.0, "seconds to finish in-flight requests on SIGTERM")
+    api_key_file: str | None = _opt(None, "file with one inference API key per line")
+    admin_api_keys: tuple[str, ...] = _opt(
+        (), "API keys for the admin API (server changes, flush, abort of any request, "
+        "status data); without any, those routes answer only loopback clients", kind="list")
+    admin_api_key_file: str | None = _opt(None, "file with one admin API key per line")
+    rate_limit: Annotated[float, Field(ge=0, le=1e6)] = _opt(
+        0.0, "requests/s allowed per API key (0 = unlimited)")
+    rate_burst: Annotated[int, Field(ge=1, le=1_000_000)] = _opt(
+        20, "requests a key may send at once above its rate")
+    shutdown_grace: OptionalSeconds = _opt(30.0, "seconds to finish in-flight requests on SIGTERM")
 
     # Identity
-    replica_id: int | None = _opt(
+    replica_id: Annotated[int, Field(ge=0, le=4095)] | None = _opt(
         None, "gateway replica id (0..4095) in every bootstrap room; default: POD_NAME's "
-        "ordinal or hash, else random at start"
-    )
+        "ordinal or hash, else random at start")
     model: str | None = _opt(None, "served model name reported when servers do not say")
 
     # Launching a local cluster
     launch: bool = _opt(False, "launch a local cluster (simulated by default) and serve it")
-    backend: str = _opt("sim", "backend to launch: sim or sglang")
+    backend: Literal["sim", "sglang"] = _opt("sim", "backend to launch: sim or sglang")
     launch_config: str | None = _opt(None, "launcher topology file (YAML/TOML)")
-    num_prefill: int = _opt(1, "prefill servers to launch")
-    num_decode: int = _opt(2, "decode servers to launch")
+    num_prefill: Annotated[int, Field(ge=1, le=64)] = _opt(1, "prefill servers to launch")
+    num_decode: Annotated[int, Field(ge=1, le=64)] = _opt(2, "decode servers to launch")
 
     # Kubernetes discovery (gateway/discovery/, docs/DEPLOY.md): a selector turns it on
     prefill_selector: str | None = _opt(None, "label selector of prefill pods (Kubernetes)")
@@ -127,137 +161,58 @@ class GatewayConfig:
     k8s_api_server: str | None = _opt(None, "Kubernetes API URL (default: in-cluster)")
     k8s_token_file: str | None = _opt(None, "file with the API bearer token (re-read)")
     k8s_ca_file: str | None = _opt(None, "CA bundle of the Kubernetes API")
-    k8s_worker_port: int = _opt(30000, "port of pods without sglang.ai/port or an http port")
+    k8s_worker_port: Port = _opt(30000, "port of pods without sglang.ai/port or an http port")
     k8s_model_label: str = _opt("sglang.ai/model", "pod label (or annotation) naming the model")
-    k8s_drain_timeout: float = _opt(60.0, "seconds a leaving pod's requests may take")
-
-
-def split_url_list(value: str) -> list[str]:
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
-def validate_url(url: str) -> str:
-    """Check a backend URL and return it without a trailing slash."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"bad server URL {url!r}: expected http(s)://host:port")
-    try:
-        _ = parts.port
-    except ValueError as exc:
-        raise ConfigError(f"bad server URL {url!r}: {exc}") from exc
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ConfigError(f"bad server URL {url!r}: no path, query or fragment allowed")
-    return url.rstrip("/")
-
-
-def _parse_port(token: str, url: str) -> int | None:
-    if token.lower() in ("none", "null", "auto"):
-        return None
-    try:
-        port = int(token)
-    except ValueError:
-        raise ConfigError(f"bad bootstrap port {token!r} after {url}") from None
-    if not 0 < port < 65536:
-        raise ConfigError(f"bootstrap port {port} after {url} is out of range")
-    return port
-
-
-def parse_prefill_tokens(groups: list[list[str]]) -> list[ServerSpec]:
-    """`--prefill URL[,URL...] [PORT]` groups -> specs; a port applies to the URL before it."""
-    specs: list[ServerSpec] = []
-    for group in groups:
-        pending: list[str] = []
-        for token in group:
-            if "://" in token:
-                for url in split_url_list(token):
-                    specs.append(ServerSpec(validate_url(url), "prefill"))
-                    pending = [url]
-            elif pending:
-                last = specs[-1]
-                specs[-1] = dataclasses.replace(last, bootstrap_port=_parse_port(token, last.url))
-                pending = []
-            else:
-                raise ConfigError(f"--prefill: {token!r} is not a URL")
-    return specs
-
-
-def parse_decode_tokens(groups: list[list[str]]) -> list[ServerSpec]:
-    specs = []
-    for group in groups:
-        for token in group:
-            if "://" not in token:
-                raise ConfigError(f"--decode: {token!r} is not a URL")
-            specs.extend(ServerSpec(validate_url(u), "decode") for u in split_url_list(token))
-    return specs
-
-
-def _servers_from_file(items: Any, role: str) -> list[ServerSpec]:
-    """File form: a list of URLs, or of {url, bootstrap_port} maps."""
-    specs = []
-    for item in items or []:
-        if isinstance(item, str):
-            specs.append(ServerSpec(validate_url(item), role))
-        elif isinstance(item, dict) and "url" in item:
-            port = item.get("bootstrap_port")
-            port = _parse_port(str(port), item["url"]) if port is not None else None
-            specs.append(ServerSpec(validate_url(item["url"]), role, port if role == "prefill" else None))
-        else:
-            raise ConfigError(f"{role}: each entry must be a URL or a map with 'url'")
-    return specs
-
-
-def load_file(path: str) -> dict:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-    try:
-        data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {path} is not valid: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of settings")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    k8s_drain_timeout: OptionalSeconds = _opt(60.0, "seconds a leaving pod's requests may take")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GatewayConfig)}
+_HINTS = typing.get_type_hints(GatewayConfig, include_extras=True)
+_CLI_FIELDS = [f for f in dataclasses.fields(GatewayConfig) if f.metadata.get("cli", True)]
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """Turn a file/env/flag value into the field's type, naming the key on failure."""
-    f = _FIELDS[name]
-    kind = f.metadata.get("kind")
-    default = f.default
-    try:
-        if kind == "json":
-            value = json.loads(value) if isinstance(value, str) else value
-            if not isinstance(value, dict):
-                raise ValueError("expected a JSON object")
-            return value
-        if kind == "list":
-            if isinstance(value, str):
-                return tuple(split_url_list(value))
-            return tuple(str(v) for v in value)
-        if isinstance(default, bool):
-            if isinstance(value, str):
-                if value.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if value.lower() in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError("expected a boolean")
-            return bool(value)
-        if value is None:
-            return None
-        if isinstance(default, int) or name in ("replica_id",):
-            return int(value)
-        if isinstance(default, float):
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"setting {name!r}: bad value {value!r} ({exc})") from None
+def _raw(name: str, value: Any) -> Any:
+    """Pre-shape the values a string cannot carry as is: lists and JSON objects. Everything
+    else (ints, floats, booleans, choices) is converted and checked by pydantic."""
+    kind = _FIELDS[name].metadata.get("kind")
+    if kind == "json" and isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(f"setting {name!r}: not valid JSON ({exc})") from None
+    if kind == "list" and isinstance(value, str):
+        return tuple(split_list(value))
+    if isinstance(value, str) and value.lower() in ("none", "null") and _FIELDS[name].default is None:
+        return None
+    return value
+
+
+def allowed(name: str) -> str:
+    """What a setting accepts, read from its type: a choice set or a numeric range."""
+    hint = _HINTS[name]
+    if typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(hint)))
+    if typing.get_origin(hint) is Annotated:
+        base = typing.get_args(hint)[0]
+        bounds = {}
+        for meta in hint.__metadata__:
+            for bound in getattr(meta, "metadata", [meta]):
+                for key in ("gt", "ge", "lt", "le"):
+                    if getattr(bound, key, None) is not None:
+                        bounds[key] = getattr(bound, key)
+        if base is int:  # integers: exclusive bounds become inclusive ones
+            if "gt" in bounds:
+                bounds["ge"] = bounds.pop("gt") + 1
+            if "lt" in bounds:
+                bounds["le"] = bounds.pop("lt") - 1
+        low = f"{bounds['ge']}" if "ge" in bounds else f"> {bounds['gt']}" if "gt" in bounds else ""
+        high = f"{bounds['le']}" if "le" in bounds else f"< {bounds['lt']}" if "lt" in bounds else ""
+        if low.startswith(">"):
+            return f"{low} and <= {high}" if high else low
+        return f"{low}..{high}"
+    return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,19 +230,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode server URL(s), comma-separated or repeated",
     )
     parser.add_argument("--config", help="YAML or TOML file with the same settings")
-    for f in dataclasses.fields(GatewayConfig):
-        if not f.metadata.get("cli", True):
-            continue
+    for f in _CLI_FIELDS:
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-        if isinstance(f.default, bool):
+        accepts = allowed(f.name)
+        help_text = f.metadata["help"] + (f" [{accepts}]" if accepts else "")
+        if f.type == "bool":
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=f.metadata["help"])
+                                default=None, help=help_text)
         else:
-            parser.add_argument(*flags, dest=f.name, default=None, help=f.metadata["help"])
+            parser.add_argument(*flags, dest=f.name, default=None, help=help_text)
     return parser
 
 
+def _describe(error: dict) -> str:
+    """One pydantic error as 'setting X: what is allowed (got V)'."""
+    name = str(error["loc"][0]) if error.get("loc") else "?"
+    message = error.get("msg", "invalid value")
+    context = error.get("ctx") or {}
+    if "expected" in context:
+        message = f"must be one of {context['expected']}"
+    got = error.get("input")
+    accepts = allowed(name) if name in _HINTS else ""
+    suffix = f"; allowed: {accepts}" if accepts and "one of" not in message else ""
+    return f"setting {name!r}: {message} (got {got!r}){suffix}"
+
+
+def _construct(values: dict[str, Any], prefill: list[ServerSpec],
+               decode: list[ServerSpec]) -> GatewayConfig:
+    try:
+        return GatewayConfig(prefill=tuple(prefill), decode=tuple(decode), **values)
+    except pydantic.ValidationError as exc:
+        raise ConfigError("; ".join(_describe(e) for e in exc.errors())) from None
+
+
 def _validate(cfg: GatewayConfig) -> None:
+    """Rules that span settings (single values are checked by their types)."""
     from gateway.policies import REGISTRY  # noqa: PLC0415  (registry imports no config)
 
     if not cfg.launch and (not (cfg.prefill or cfg.prefill_selector)
@@ -302,38 +279,39 @@ def _validate(cfg: GatewayConfig) -> None:
     for name in ("policy", "prefill_policy", "decode_policy"):
         value = getattr(cfg, name)
         if value is not None and value not in REGISTRY:
-            raise ConfigError(f"{name} {value!r} is unknown; choose one of {sorted(REGISTRY)}")
+            raise ConfigError(f"setting {name!r}: {value!r} is unknown; "
+                              f"must be one of {sorted(REGISTRY)}")
     for key in cfg.policy_options or {}:
         if key not in REGISTRY:
-            raise ConfigError(f"policy_options: no policy named {key!r}")
-    if not 0 < cfg.port < 65536:
-        raise ConfigError(f"port {cfg.port} is out of range")
-    if cfg.replica_id is not None and not 0 <= cfg.replica_id < 4096:
-        raise ConfigError("replica_id must be in 0..4095")
-    if cfg.max_items < 1:
-        raise ConfigError("max_items must be at least 1")
-    if cfg.max_attempts < 1:
-        raise ConfigError("max_attempts must be at least 1")
-    if cfg.upstream_client not in ("fast", "httpx"):
-        raise ConfigError("upstream_client must be 'fast' or 'httpx'")
-    if cfg.backend not in ("sim", "sglang"):
-        raise ConfigError("backend must be 'sim' or 'sglang'")
-    for name in ("connect_timeout", "response_timeout", "stream_idle_timeout",
-                 "request_timeout", "health_interval", "health_timeout"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{name} must be positive")
+            raise ConfigError(f"setting 'policy_options': no policy named {key!r}")
+    if cfg.retry_backoff_max < cfg.retry_backoff:
+        raise ConfigError("setting 'retry_backoff_max' must be >= 'retry_backoff'")
+    if bool(cfg.ssl_certfile) != bool(cfg.ssl_keyfile):
+        raise ConfigError("settings 'ssl_certfile' and 'ssl_keyfile' go together")
+    if cfg.ssl_ca_certs and not cfg.ssl_certfile:
+        raise ConfigError("setting 'ssl_ca_certs' (client certificates) needs 'ssl_certfile'")
+    for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+        path = getattr(cfg, name)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"setting {name!r}: no file {path!r}")
     urls = [s.url for s in cfg.prefill + cfg.decode]
     dupes = {u for u in urls if urls.count(u) > 1}
     if dupes:
         raise ConfigError(f"server listed twice: {', '.join(sorted(dupes))}")
+    for key in cfg.api_keys + cfg.admin_api_keys:
+        if not key or any(c.isspace() or not c.isprintable() for c in key):
+            raise ConfigError("API keys must be printable and without spaces")
+    if set(cfg.api_keys) & set(cfg.admin_api_keys):
+        raise ConfigError("a key may not be both an inference and an admin key")
     try:
         ipaddress.ip_address(cfg.host.strip("[]"))
     except ValueError:
         if not cfg.host or " " in cfg.host:
-            raise ConfigError(f"bad listen host {cfg.host!r}") from None
+            raise ConfigError(f"setting 'host': bad listen address {cfg.host!r}") from None
 
 
-def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> GatewayConfig:
+def load_config(argv: list[str] | None = None,
+                environ: dict[str, str] | None = None) -> GatewayConfig:
     """Build and validate the config; raises ConfigError (argparse exits 2 on bad flags)."""
     environ = os.environ if environ is None else environ
     args = build_parser().parse_args(argv)
@@ -342,20 +320,20 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     file_decode: list[ServerSpec] = []
     if args.config:
         data = load_file(args.config)
-        file_prefill = _servers_from_file(data.pop("prefill", None), "prefill")
-        file_decode = _servers_from_file(data.pop("decode", None), "decode")
+        file_prefill = servers_from_file(data.pop("prefill", None), "prefill")
+        file_decode = servers_from_file(data.pop("decode", None), "decode")
         for key, value in data.items():
             if key not in _FIELDS or not _FIELDS[key].metadata.get("cli", True):
                 raise ConfigError(f"config file {args.config}: unknown setting {key!r}")
-            values[key] = _coerce(key, value)
-    for name in _FIELDS:
-        env_value = environ.get(ENV_PREFIX + name.upper())
-        if env_value is not None and _FIELDS[name].metadata.get("cli", True):
-            values[name] = _coerce(name, env_value)
-    for name in _FIELDS:
-        flag_value = getattr(args, name, None)
-        if flag_value is not None and _FIELDS[name].metadata.get("cli", True):
-            values[name] = _coerce(name, flag_value)
+            values[key] = _raw(key, value)
+    for f in _CLI_FIELDS:
+        env_value = environ.get(ENV_PREFIX + f.name.upper())
+        if env_value is not None:
+            values[f.name] = _raw(f.name, env_value)
+    for f in _CLI_FIELDS:
+        flag_value = getattr(args, f.name, None)
+        if flag_value is not None:
+            values[f.name] = _raw(f.name, flag_value)
     prefill = parse_prefill_tokens(args.prefill) or file_prefill
     decode = parse_decode_tokens(args.decode) or file_decode
     if (values.get("prefill_selector") or values.get("decode_selector")) \
@@ -364,19 +342,12 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             values[key] = values.get(key) or value
     if values.get("replica_id") is None:
         values["replica_id"] = replica_id_from_pod_name(environ.get("POD_NAME"))
-    if values.get("api_key_file"):
-        values["api_keys"] = tuple(values.get("api_keys", ())) + read_key_file(values["api_key_file"])
-    cfg = GatewayConfig(prefill=tuple(prefill), decode=tuple(decode), **values)
+    for keys, path in (("api_keys", "api_key_file"), ("admin_api_keys", "admin_api_key_file")):
+        if values.get(path):
+            values[keys] = tuple(values.get(keys, ())) + read_lines(values[path], "API key")
+    cfg = _construct(values, prefill, decode)
     _validate(cfg)
     return cfg
-
-
-def read_key_file(path: str) -> tuple[str, ...]:
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read api key file {path}: {exc}") from exc
-    return tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
 
 
 def replica_id_from_pod_name(name: str | None) -> int | None:
@@ -390,6 +361,4 @@ def replica_id_from_pod_name(name: str | None) -> int | None:
     tail = name.rsplit("-", 1)[-1]
     if tail.isdigit() and int(tail) < 4096:
         return int(tail)
-    import zlib  # noqa: PLC0415
-
     return zlib.crc32(name.encode()) % 4096

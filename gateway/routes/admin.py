@@ -18,7 +18,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.config import ConfigError, validate_url
+from gateway.config_servers import ConfigError, validate_url
 from gateway.errors import BadRequest, GatewayError, NotFound
 from gateway.routes.errors import json_error
 

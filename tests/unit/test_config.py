@@ -96,3 +96,70 @@ def test_replica_id_from_pod_name(name, expected):
         assert 0 <= got < 4096
     else:
         assert got == expected
+
+
+@pytest.mark.parametrize(
+    "flags, setting, allowed",
+    [
+        (["--max-body-bytes", "-1"], "max_body_bytes", "1024.."),
+        (["--max-concurrency", "-1"], "max_concurrency", "0.."),
+        (["--max-queue", "-5"], "max_queue", "0.."),
+        (["--health-failures", "0"], "health_failures", "1..100"),
+        (["--log-level", "foo"], "log_level", "one of 'debug'"),
+        (["--upstream-client", "curl"], "upstream_client", "one of"),
+        (["--connect-timeout", "0"], "connect_timeout", "> 0"),
+        (["--port", "70000"], "port", "1..65535"),
+        (["--replica-id", "5000"], "replica_id", "0..4095"),
+        (["--rate-limit", "-2"], "rate_limit", "0.."),
+        (["--max-items", "x"], "max_items", "valid integer"),
+        (["--health-endpoint", "/admin"], "health_endpoint", "one of"),
+    ],
+    ids=["body-negative", "concurrency-negative", "queue-negative", "health-failures-zero",
+         "log-level", "client-choice", "timeout-zero", "port-high", "replica-high",
+         "rate-negative", "items-not-int", "health-endpoint"],
+)
+def test_bad_values_name_the_setting_and_what_it_allows(flags, setting, allowed):
+    with pytest.raises(ConfigError) as info:
+        load_config(BASE + flags, environ={})
+    assert f"'{setting}'" in str(info.value)
+    assert allowed in str(info.value)
+
+
+def test_env_values_are_checked_like_flags():
+    with pytest.raises(ConfigError, match="'max_queue'"):
+        load_config(BASE, environ={"GATEWAY_MAX_QUEUE": "-1"})
+    cfg = load_config(BASE, environ={"GATEWAY_SKIP_PROBE": "yes", "GATEWAY_MAX_QUEUE": "7"})
+    assert cfg.skip_probe is True and cfg.max_queue == 7
+
+
+def test_help_shows_ranges_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        load_config(["--help"], environ={})
+    out = capsys.readouterr().out
+    assert "[1..65535]" in out and "one of debug, info" in out
+
+
+def test_keys_from_files_and_env(tmp_path):
+    inference = tmp_path / "keys"
+    inference.write_text("# inference keys\nk-one-1234\n\nk-two-5678\n")
+    admin = tmp_path / "admin"
+    admin.write_text("a-admin-999\n")
+    cfg = load_config(BASE + ["--api-key-file", str(inference), "--admin-api-key-file", str(admin)],
+                      environ={"GATEWAY_API_KEYS": "k-env-0000"})
+    assert cfg.api_keys == ("k-env-0000", "k-one-1234", "k-two-5678")
+    assert cfg.admin_api_keys == ("a-admin-999",)
+
+
+def test_a_key_cannot_be_both_inference_and_admin():
+    with pytest.raises(ConfigError, match="both"):
+        load_config(BASE + ["--api-keys", "same-key", "--admin-api-keys", "same-key"], environ={})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ssl-certfile", "/nonexistent.pem"], "go together"),
+    (["--ssl-certfile", "/nonexistent.pem", "--ssl-keyfile", "/nonexistent.key"], "no file"),
+    (["--ssl-ca-certs", "/etc/hostname"], "needs 'ssl_certfile'"),
+], ids=["cert-without-key", "missing-files", "client-ca-without-cert"])
+def test_tls_settings_are_checked(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(BASE + flags, environ={})
