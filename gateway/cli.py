@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import gc
 import logging
+import resource
+import ssl
 import sys
 
 import uvicorn
 
 from gateway.app import build_app
 from gateway.config import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILURE, ConfigError, load_config
+from gateway.server_protocol import ServerLimits, guarded_protocol
+
+FD_RESERVE = 128  # descriptors kept for logs, probes, KV-event sockets and the like
+MAX_OPEN_FILES = 1 << 20
 
 
 def tune_gc() -> None:
@@ -21,13 +27,40 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
+def connection_limit(configured: int) -> int:
+    """Client connections served at once: as configured, or a third of the open-file limit
+    (raised to its hard maximum first), since a request may hold two upstream connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else MAX_OPEN_FILES
+    target = min(target, MAX_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if configured:
+        return configured
+    return max(64, (soft - FD_RESERVE) // 3)
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, saying once what it serves when the port is bound."""
+
+    def __init__(self, config: uvicorn.Config, gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(f"gateway: {self.gateway.announcement()}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
-    except ConfigError as exc:
-        print(f"gateway: configuration error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    except ValueError as exc:  # bad policy options
+    except (ConfigError, ValueError) as exc:  # ValueError: bad policy options
         print(f"gateway: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     logging.basicConfig(level=config.log_level.upper(),
@@ -37,11 +70,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"gateway: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    limits = ServerLimits(head_timeout=config.head_timeout, body_timeout=config.body_timeout,
+                          max_header_count=config.max_header_count,
+                          max_head_bytes=config.max_header_bytes)
+    connections = connection_limit(config.max_client_connections)
+    app.state.gateway.serving = {"connections": connections, "tls": bool(config.ssl_certfile),
+                                 "mtls": bool(config.ssl_ca_certs)}
     tune_gc()
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host.strip("[]"), port=config.port, loop="uvloop", http="httptools",
-        lifespan="on", log_level=config.log_level, access_log=False, proxy_headers=False,
-        timeout_graceful_shutdown=config.shutdown_grace, backlog=2048))
+    server = GatewayServer(uvicorn.Config(
+        app, host=config.host.strip("[]"), port=config.port, loop="uvloop",
+        http=guarded_protocol(limits), lifespan="on", log_level=config.log_level,
+        access_log=False, proxy_headers=False, server_header=False,
+        timeout_graceful_shutdown=config.shutdown_grace, backlog=2048,
+        limit_concurrency=connections, ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if config.ssl_ca_certs else ssl.CERT_NONE),
+        app.state.gateway)
     server.run()
     if not server.started:
         print("gateway: startup failed (see the error above)", file=sys.stderr)

@@ -76,6 +76,19 @@ class GatewayConfig:
     ssl_ca_certs: str | None = _opt(
         None, "CA bundle of client certificates; when set, clients must present one (mTLS)")
 
+    # Client connections (gateway/server_protocol.py)
+    max_client_connections: OptionalCount = _opt(
+        0, "client connections and requests served at once before new ones get 503 "
+        "(0 = from the open-file limit: a third of it, each request may hold two upstream "
+        "connections)")
+    head_timeout: Seconds = _opt(
+        10.0, "seconds a client has to send a request's headers (slowloris)")
+    body_timeout: Seconds = _opt(60.0, "seconds a client has to send a request's body")
+    max_header_count: Annotated[int, Field(ge=8, le=1000)] = _opt(
+        100, "most headers a request may carry (more: 431)")
+    max_header_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = _opt(
+        32 * 1024, "most bytes of URL and headers a request may carry (more: 431)")
+
     # Scheduling
     policy: str | None = _opt(
         None, "policy for both roles (default: cache_aware for prefill, least_load for decode)")
@@ -89,6 +102,9 @@ class GatewayConfig:
     response_timeout: Seconds = _opt(
         600.0, "seconds to wait for a non-streaming answer or a stream's first byte")
     stream_idle_timeout: Seconds = _opt(120.0, "seconds allowed between two streamed chunks")
+    send_timeout: Seconds = _opt(
+        30.0, "seconds a client may take to accept one streamed chunk; a client that stops "
+        "reading longer loses its stream and both legs are aborted")
     request_timeout: Seconds = _opt(1800.0, "total deadline of one request, retries included")
     max_connections: Count = _opt(1024, "control-path (httpx) connection pool size")
     upstream_client: Literal["fast", "httpx"] = _opt(
@@ -139,6 +155,10 @@ class GatewayConfig:
         0.0, "requests/s allowed per API key (0 = unlimited)")
     rate_burst: Annotated[int, Field(ge=1, le=1_000_000)] = _opt(
         20, "requests a key may send at once above its rate")
+    info_cache_ttl: OptionalSeconds = _opt(
+        5.0, "seconds an answer of /health_generate, /server_info, /v1/models or /model_info "
+        "is reused, so callers cannot make the servers work per call (0 = shared only while "
+        "one is being computed)")
     shutdown_grace: OptionalSeconds = _opt(30.0, "seconds to finish in-flight requests on SIGTERM")
 
     # Identity

@@ -6,6 +6,7 @@ Hierarchy (one place to map every failure to a client-visible answer):
     ├── BadRequest            400 invalid_request_error
     │   └── PayloadTooLarge   413
     ├── Unauthorized          401 authentication_error
+    ├── Forbidden             403 permission_error (a key without the role a route needs)
     ├── NotFound              404
     ├── TooManyRequests       429 rate_limit_error (admission full)
     ├── ServiceUnavailable    503 (no usable prefill/decode pair, draining, queue timeout)
@@ -55,6 +56,11 @@ class PayloadTooLarge(BadRequest):
 class Unauthorized(GatewayError):
     status = 401
     error_type = "authentication_error"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    error_type = "permission_error"
 
 
 class NotFound(GatewayError):

@@ -63,6 +63,9 @@ class Metrics:
         self.stream_bytes = Counter(
             "gateway_streamed_bytes", "Response body bytes sent to clients",
             ["endpoint"], registry=registry)
+        self.slow_clients = Counter(
+            "gateway_slow_clients", "Streams ended because the client stopped reading",
+            ["endpoint"], registry=registry)
         self.disconnects = Counter(
             "gateway_client_disconnects", "Clients that went away before the answer ended",
             ["endpoint"], registry=registry)

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import orjson
 
 from gateway.bootstrap import RoomAllocator
+from gateway.cancel import Interrupt
 from gateway.errors import BadRequest, UpstreamError
+from gateway.inflight import Tracked, new_id
 from gateway.logprobs import StreamMerger, merge_body, prefill_parts
 from gateway.request import RequestView
 from gateway.sse import DONE, EventSplitter, event_data, frame, leading_failure
@@ -35,21 +37,30 @@ LegCallback = Callable[["Attempt", str, "bool | None"], None]
 class Timeouts:
     response: float  # non-streaming answer, or a stream's first chunk
     stream_idle: float  # gap between two streamed chunks
+    send: float = 30.0  # how long a client may take to accept one streamed chunk
     tail: float = 30.0  # how long a prefill answer may trail a finished decode
     abort: float = 5.0  # bound of a best-effort /abort_request
 
 
-@dataclass
+@dataclass(eq=False)
 class Attempt:
-    """One dispatch on a pair, with its rooms; `outcome` records what each leg did."""
+    """One dispatch on a pair, with its rooms and rids; `outcome` records what each leg did.
+
+    `rid_list` holds the rid of every item as the servers know it; `rid` is set only when the
+    gateway made them (random, so aborting them by rid can hit nothing else: see
+    gateway/inflight.py on SGLang's prefix match)."""
 
     view: RequestView
     prefill: Worker
     decode: Worker
     rooms: int | list[int]
-    rid: str | None
+    rid: str | list[str] | None
+    rid_list: tuple[str, ...]
     payload: bytes
     request_id: str
+    tracked: Tracked | None = None
+    prefill_rank: int | None = None  # the DP rank the prefill leg is steered to
+    prefill_future: asyncio.Future | None = None  # told (worker, rank) or None when done
     outcome: dict[str, bool | None] = field(default_factory=dict)
 
 
@@ -67,51 +78,67 @@ class Answer:
 class _PrefillWatch:
     """Done-callback of the prefill task: a failure interrupts the decode leg's task."""
 
-    def __init__(self, task: asyncio.Task) -> None:
-        self.task = task
+    __slots__ = ("interrupt", "armed")
+
+    def __init__(self, interrupt: Interrupt) -> None:
+        self.interrupt = interrupt
         self.armed = True
-        self.error: BaseException | None = None
 
     def __call__(self, prefill: asyncio.Task) -> None:
         error = None if prefill.cancelled() else prefill.exception()  # always retrieved
         if self.armed and error is not None:
-            self.error = error
             self.armed = False
-            self.task.cancel()
+            self.interrupt.fire(error)
 
 
-class _IdleWatchdog:
-    """The idle timeout of one stream with ONE timer, not one per chunk (a timer per chunk was
-    a fifth of the relay's CPU). Waiting for a chunk only moves a deadline; the timer re-arms
-    itself until the deadline really passed while a chunk was awaited, then cancels the
-    waiting task (cancel + uncancel, as asyncio.timeout does)."""
+class _StreamWatchdog:
+    """The deadlines of one relayed stream with ONE timer, not one per chunk (a timer per
+    chunk was a fifth of the relay's CPU). While the relay waits for the server, the server
+    has `idle` seconds per chunk; while the client is being sent a chunk, the client has
+    `send` seconds to take it. Waiting only moves a deadline; the timer re-arms itself until
+    a deadline really passed, then fires the interrupt that stops the waiting."""
 
-    __slots__ = ("idle", "loop", "deadline", "task", "fired", "handle")
+    __slots__ = ("idle", "send", "loop", "deadline", "reading", "handle", "upstream", "client")
 
-    def __init__(self, idle: float) -> None:
+    def __init__(self, idle: float, send: float, client: Interrupt | None) -> None:
         self.idle = idle
+        self.send = send
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + idle
-        self.task: asyncio.Task | None = None
-        self.fired = False
+        self.reading = False
+        self.upstream = Interrupt()  # the relay's task, stopped when the server goes silent
+        self.client = client  # the request's interrupt, fired when the client stops reading
         self.handle = self.loop.call_at(self.deadline, self._check)
 
     def waiting(self) -> None:
+        """The relay waits for the server's next chunk."""
         self.deadline = self.loop.time() + self.idle
-        self.task = asyncio.current_task()
+        self.reading = True
+
+    def handing_out(self) -> None:
+        """The relay gave a chunk to the sender: now the client must take it."""
+        self.deadline = self.loop.time() + self.send
+        self.reading = False
 
     def _check(self) -> None:
         now = self.loop.time()
-        if self.task is None:  # not reading: the client is slow, not the server
-            self.handle = self.loop.call_at(now + self.idle, self._check)
-        elif now < self.deadline:
+        if now < self.deadline:
             self.handle = self.loop.call_at(self.deadline, self._check)
-        else:
-            self.fired = True
-            self.task.cancel()
+        elif self.reading:
+            self.upstream.fire(StreamStalled())
+        elif self.client is not None:
+            self.client.fire(SlowClient())
 
     def close(self) -> None:
         self.handle.cancel()
+
+
+class StreamStalled(Exception):
+    """The server sent nothing for the idle timeout."""
+
+
+class SlowClient(Exception):
+    """The client took no chunk for the send timeout (`--send-timeout`)."""
 
 
 class PDDispatcher:
@@ -128,7 +155,7 @@ class PDDispatcher:
     # -- building the attempt -------------------------------------------------------------
 
     def prepare(self, view: RequestView, prefill: Worker, decode: Worker,
-                request_id: str) -> Attempt:
+                tracked: Tracked) -> Attempt:
         """New rooms (never reused, also not on retry) and the body both legs receive."""
         if prefill.bootstrap_port is None:
             raise UpstreamError(f"prefill server {prefill.url} has no known bootstrap port",
@@ -143,22 +170,23 @@ class PDDispatcher:
             body["bootstrap_host"] = [prefill.bootstrap_host] * count
             body["bootstrap_port"] = [prefill.bootstrap_port] * count
         body["bootstrap_room"] = rooms
-        own_rid = None  # abort by rid only for ids the gateway made: a client's may be shared
-        if body.get("rid") is None and count is None:
-            own_rid = body["rid"] = f"{rooms:016x}"  # rooms never repeat, so neither do these
+        own_rid, rid_list = _rids(body.get("rid"), count)
+        if own_rid is not None:
+            body["rid"] = own_rid
         try:
             payload = orjson.dumps(body)
         except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
             raise BadRequest(f"request body cannot be forwarded: {exc}") from None
-        return Attempt(view, prefill, decode, rooms, own_rid, payload, request_id)
+        return Attempt(view, prefill, decode, rooms, own_rid, rid_list, payload,
+                       tracked.request_id, tracked)
 
     # -- one attempt -----------------------------------------------------------------------
 
     async def run(self, attempt: Attempt) -> Answer:
         """Send both legs; return the decode answer or raise the first leg failure."""
-        task = asyncio.current_task()
+        interrupt = Interrupt()
         p_task = asyncio.get_running_loop().create_task(self._prefill_leg(attempt))
-        watch = _PrefillWatch(task)
+        watch = _PrefillWatch(interrupt)
         p_task.add_done_callback(watch)
         response: UpstreamResponse | None = None
         handed_over = False
@@ -179,8 +207,8 @@ class PDDispatcher:
                 answer.close = self._closer(attempt, response, p_task, answer.stream)
             return answer
         except asyncio.CancelledError:
-            if watch.error is not None and task.uncancel() == 0:
-                raise watch.error from None
+            if (reason := interrupt.reason()) is not None:
+                raise reason from None
             raise
         except TimeoutError:
             raise self._timed_out(attempt, p_task) from None
@@ -268,6 +296,9 @@ class PDDispatcher:
             if response is not None:
                 response.abort()
             self._leg_done(attempt, "prefill", ok)
+            future = attempt.prefill_future
+            if future is not None and not future.done():
+                future.set_result((attempt.prefill, attempt.prefill_rank) if ok else None)
 
     async def _decode_leg(self, attempt: Attempt) -> tuple[UpstreamResponse | None, Answer]:
         """Non-streaming: the whole body (response None). Streaming: the open response and
@@ -315,13 +346,16 @@ class PDDispatcher:
         ok: bool | None = None
         splitter = EventSplitter() if merger else None
         tail = b""
-        watchdog = _IdleWatchdog(self.timeouts.stream_idle)
+        tracked = attempt.tracked
+        watchdog = _StreamWatchdog(self.timeouts.stream_idle, self.timeouts.send,
+                                   tracked.interrupt if tracked is not None else None)
         try:
             chunk: bytes | None = first
             while chunk is not None:
                 out = _merge_events(splitter, merger, chunk) if splitter else chunk
                 if out:
                     tail = (tail + out)[-16:]
+                    watchdog.handing_out()
                     yield out
                 chunk = await self._next_chunk(attempt, response, watchdog)
             if splitter and splitter.rest().strip():
@@ -340,21 +374,19 @@ class PDDispatcher:
             self._end_stream(attempt, response, p_task, ok)
 
     async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse,
-                          watchdog: _IdleWatchdog) -> bytes | None:
+                          watchdog: _StreamWatchdog) -> bytes | None:
         """The next raw chunk within the idle timeout; None at the end of the stream."""
         watchdog.waiting()
         try:
             with translate_errors("decode", attempt.decode):
                 return await response.next_chunk()
         except asyncio.CancelledError:
-            if watchdog.fired and watchdog.task.uncancel() == 0:
+            if watchdog.upstream.reason() is not None:
                 raise UpstreamError(
                     f"decode server {attempt.decode.url} sent nothing for "
                     f"{self.timeouts.stream_idle:g}s", leg="decode",
                     worker_url=attempt.decode.url, retryable=True, status=504) from None
             raise
-        finally:
-            watchdog.task = None
 
     def _end_stream(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
                     ok: bool | None) -> None:
@@ -379,9 +411,13 @@ class PDDispatcher:
 
     # -- background chores ----------------------------------------------------------------------
 
-    def _abort(self, worker: Worker, rid: str | None) -> None:
-        if rid is not None:
-            self._spawn(self._post_abort(worker, rid))
+    def _abort(self, worker: Worker, rid: str | list[str] | None) -> None:
+        """Ask `worker` to stop the attempt's items, only by rids the gateway made (a client's
+        rid may prefix-match other requests in SGLang's scheduler)."""
+        if rid is None:
+            return
+        for one in (rid,) if isinstance(rid, str) else rid:
+            self._spawn(self._post_abort(worker, one))
 
     async def _post_abort(self, worker: Worker, rid: str) -> None:
         with contextlib.suppress(Exception):
@@ -400,6 +436,25 @@ class PDDispatcher:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _rids(client_rid: object, count: int | None) -> tuple[str | list[str] | None,
+                                                  tuple[str, ...]]:
+    """(rid field to send when the gateway makes it, every item's rid on the servers).
+
+    A client's rid is sent as it came; SGLang turns a string rid of a batch into
+    f"{rid}_{i}" (`GenerateReqInput._normalize_rid`). Otherwise every item gets a new random
+    rid, per attempt, so a retry never meets its predecessor on a server."""
+    if client_rid is None:
+        if count is None:
+            rid = new_id()
+            return rid, (rid,)
+        rids = [new_id() for _ in range(count)]
+        return rids, tuple(rids)
+    if isinstance(client_rid, str):
+        return None, ((client_rid,) if count is None
+                      else tuple(f"{client_rid}_{i}" for i in range(count)))
+    return None, tuple(client_rid)
 
 
 def _merge_events(splitter: EventSplitter, merger: StreamMerger, chunk: bytes) -> bytes:

@@ -38,9 +38,14 @@ async def fetch_server_info(client: httpx.AsyncClient, url: str, timeout: float)
             last = exc
             continue
         if response.status_code == 200:
-            data = response.json()
+            try:
+                data = response.json()
+            except ValueError:
+                data = None
             if isinstance(data, dict):
                 return data
+            last = RuntimeError(f"{url}{path} did not answer a JSON object")
+            continue
         last = RuntimeError(f"{url}{path} answered {response.status_code}")
     raise ConnectionError(f"cannot read server info from {url}: {last}")
 

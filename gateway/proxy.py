@@ -13,7 +13,9 @@ import random
 
 import orjson
 
+from gateway.aborts import Aborted
 from gateway.errors import GatewayError, UpstreamError
+from gateway.inflight import Tracked
 from gateway.metrics import Metrics
 from gateway.pd import Answer, Attempt, PDDispatcher
 from gateway.request import RequestView
@@ -35,18 +37,29 @@ class Proxy:
         self.request_timeout = request_timeout
         self._policy_names = {role: p.name for role, p in scheduler.policies.items()}
 
-    async def handle(self, view: RequestView, request_id: str) -> Answer:
+    async def handle(self, view: RequestView, tracked: Tracked, placement=None) -> Answer:
+        """Serve one PD request; `placement` (parallel sampling) lets the samples of one
+        request follow the first to its prefill server."""
         avoid = []
         last_error: GatewayError | None = None
         try:
             async with asyncio.timeout(self.request_timeout):
                 for number in range(1, self.max_attempts + 1):
-                    prefill, decode = self.scheduler.pick(view, avoid)
-                    attempt = self.dispatcher.prepare(view, prefill, decode, request_id)
+                    if tracked.aborted:
+                        raise Aborted(f"request {tracked.request_id} was aborted")
+                    prefer = placement.prefer if placement is not None else None
+                    prefill, decode = self.scheduler.pick(view, avoid, prefer)
+                    attempt = self.dispatcher.prepare(view, prefill, decode, tracked)
+                    if placement is not None:
+                        placement.started(attempt)
                     self._started(attempt)
+                    tracked.attempts.add(attempt)
                     try:
-                        return await self.dispatcher.run(attempt)
-                    except UpstreamError as exc:
+                        return await self.dispatcher.run(attempt)  # stays in `attempts`
+                    except BaseException as exc:
+                        tracked.attempts.discard(attempt)
+                        if not isinstance(exc, UpstreamError):
+                            raise
                         last_error = exc
                         if not exc.retryable or number == self.max_attempts:
                             raise

@@ -7,19 +7,26 @@ make SGLang expand the request into items, and every item needs its own bootstra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from gateway.errors import BadRequest
+from gateway.inflight import client_rids
 
 GENERATE = "generate"
 CHAT = "chat"
 COMPLETIONS = "completions"
 
 ENDPOINT_PATHS = {GENERATE: "/generate", CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
-PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+# Fields the gateway owns (docs/SECURITY.md, "Client-supplied routing fields"): PD pairing
+# and DP-rank placement. A client value could collide with the gateway's rooms, or pin a rank
+# that contradicts the room (SGLang fails such a request: CommonKVSender's
+# "follow_bootstrap_room conflict"), so they are refused, naming the field.
+PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key")
+DP_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +43,7 @@ class RequestView:
     prompt_tokens: int  # estimate of prompt tokens over all items (load accounting)
     model: str | None
     logprob_merge: bool  # prefill holds prompt logprobs that the answer must carry
+    rids: tuple[str, ...] | None = None  # the client's own rid(s), validated
 
     @property
     def path(self) -> str:
@@ -66,17 +74,24 @@ def parse_request(endpoint: str, raw: bytes) -> RequestView:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     for name in PD_FIELDS:
-        if name in body and body[name] is not None:
+        if body.get(name) is not None:
             raise BadRequest(f"'{name}' is assigned by the gateway; do not send it")
+    for name in DP_FIELDS:
+        if body.get(name) is not None:
+            raise BadRequest(f"'{name}': data-parallel ranks are chosen by the gateway "
+                             "(it steers each request to a rank through its bootstrap room)")
     stream = _bool(body, "stream")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string")
     if endpoint == GENERATE:
-        return _generate_view(body, stream, model)
-    if endpoint == CHAT:
-        return _chat_view(body, stream, model)
-    return _completions_view(body, stream, model)
+        view = _generate_view(body, stream, model)
+    elif endpoint == CHAT:
+        view = _chat_view(body, stream, model)
+    else:
+        view = _completions_view(body, stream, model)
+    rids = client_rids(body.get("rid"), view.batch_size)
+    return dataclasses.replace(view, rids=rids) if rids is not None else view
 
 
 def _bool(body: dict, name: str) -> bool:

@@ -8,28 +8,31 @@ the app holds one Gateway in `app.state.gateway`.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import time
 from collections import deque
 
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import Admission, KeyChecker
+from gateway.aborts import Aborts
+from gateway.admission import Admission
+from gateway.auth import Auth
 from gateway.bootstrap import RoomAllocator
 from gateway.breaker import CircuitBreaker
 from gateway.config import GatewayConfig
 from gateway.discovery import KubernetesDiscovery
 from gateway.errors import BadRequest, GatewayError
 from gateway.health import HealthChecker
+from gateway.inflight import InFlight, Tracked, new_id
 from gateway.metrics import Metrics
 from gateway.pd import PDDispatcher, Timeouts
 from gateway.policies import create_policy
 from gateway.probe import RoleMismatch, probe
 from gateway.proxy import Proxy
+from gateway.samples import Samples
 from gateway.scheduler import Scheduler
+from gateway.ttlcache import TtlCache
 from gateway.upstream import FastUpstream, HttpxUpstream, build_client
 from gateway.workers import Worker, WorkerPool
 
@@ -67,14 +70,13 @@ class Gateway:
         self.rooms = RoomAllocator(config.replica_id)
         self.admission = Admission(config.max_concurrency, config.max_queue,
                                    config.queue_timeout, self.metrics)
-        self.inference_keys = KeyChecker(config.api_keys, config.rate_limit, config.rate_burst,
-                                         self.metrics)
-        self.admin_keys = KeyChecker(config.admin_api_keys or config.api_keys)
+        self.auth = Auth(config.api_keys, config.admin_api_keys, config.rate_limit,
+                         config.rate_burst, self.metrics)
+        self.inflight = InFlight()
         self.shutting_down = False
+        self.serving: dict = {}  # how the server side listens (set by the command line)
         self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)
-        # request ids for requests that bring none: a random process prefix plus a counter
-        prefix = secrets.token_hex(6)
-        self.request_ids = (f"{prefix}-{n:x}" for n in itertools.count(1))
+        self._info_caches: dict[str, TtlCache] = {}
         self.client: httpx.AsyncClient | None = None
         self.dispatcher: PDDispatcher | None = None
         self.proxy: Proxy | None = None
@@ -93,6 +95,54 @@ class Gateway:
                                    "message": err.message[:300],
                                    "request_id": request_id})
 
+    def describe(self) -> dict:
+        """The gateway's own facts for /server_info and the status page."""
+        return {
+            "version": self.version,
+            "replica_id": self.rooms.replica_id,
+            "prefill_policy": self.scheduler.policies["prefill"].name,
+            "decode_policy": self.scheduler.policies["decode"].name,
+        }
+
+    def announcement(self) -> str:
+        """The startup line: where, what, how, and whether strangers are kept out."""
+        c = self.config
+        serving = self.serving
+        scheme = "https" if serving.get("tls") else "http"
+        host = f"[{c.host}]" if ":" in c.host and not c.host.startswith("[") else c.host
+        roles = ", ".join(
+            f"{len(self.pool.role(r))} {r} ({len(self.pool.usable(r))} usable)"
+            for r in ("prefill", "decode"))
+        tls = ("TLS with client certificates" if serving.get("mtls")
+               else "TLS" if serving.get("tls") else "no TLS")
+        return (f"serving {scheme}://{host}:{c.port} ({tls}); servers: {roles}; policies: "
+                f"prefill {self.scheduler.policies['prefill'].name}, decode "
+                f"{self.scheduler.policies['decode'].name}; {self.auth.describe()}; "
+                f"at most {serving.get('connections', '?')} client connections")
+
+    def info_cache(self, name: str) -> TtlCache:
+        """The shared, time-limited answer of an endpoint that makes servers work."""
+        cache = self._info_caches.get(name)
+        if cache is None:
+            from gateway.routes import info  # noqa: PLC0415 - the routes compute the answers
+
+            compute = {
+                "health_generate": lambda: info.generate_probe(self),
+                "server_info": lambda: info.collect_server_info(self),
+            }.get(name) or (lambda: info.get_from_any(self, name))
+            cache = self._info_caches[name] = TtlCache(self.config.info_cache_ttl, compute)
+        return cache
+
+    async def serve(self, view, tracked: Tracked):
+        """One request: a PD dispatch with retries, or n of them for n > 1."""
+        if view.n > 1:
+            return await self.samples.handle(view, tracked)
+        return await self.proxy.handle(view, tracked)
+
+    def tracked_probe(self) -> Tracked:
+        """The in-flight record of a request the gateway makes itself (health generation)."""
+        return Tracked(request_id=f"probe-{new_id()}", owner="gateway")
+
     def _new_worker(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
         c = self.config
         return Worker(url, role, bootstrap_port,
@@ -108,9 +158,11 @@ class Gateway:
             self.upstream = FastUpstream(c.connect_timeout)
         self.dispatcher = PDDispatcher(
             self.upstream, control, self.rooms,
-            Timeouts(c.response_timeout, c.stream_idle_timeout))
+            Timeouts(c.response_timeout, c.stream_idle_timeout, send=c.send_timeout))
+        self.aborts = Aborts(self.inflight, control, timeout=5.0)
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout)
+        self.samples = Samples(self.proxy)
         self.dispatcher.on_leg_done = self.proxy.leg_done
         self.dispatcher.on_prefill_body = self.proxy.prefill_answered
         if self.cluster is not None:
@@ -155,14 +207,20 @@ class Gateway:
         if mismatches:
             raise StartupError("; ".join(mismatches))
 
-    async def register(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
-        """Add a server at runtime: probed now if it answers, else health-checked until then."""
+    async def register(self, url: str, role: str, bootstrap_port: int | None,
+                       require_probe: bool = False) -> Worker:
+        """Add a server at runtime: probed now if it answers, else health-checked until then.
+        With `require_probe` (the admin API) a server that does not answer as an SGLang
+        server of that role is refused: nobody can point traffic at an arbitrary URL."""
         worker = self._new_worker(url, role, bootstrap_port)
         try:
             worker.apply_facts(await probe(self.client, url, role, self.config.probe_timeout))
         except RoleMismatch as exc:
             raise BadRequest(str(exc)) from None
-        except ConnectionError:
+        except ConnectionError as exc:
+            if require_probe:
+                raise BadRequest(f"{url} did not answer as an SGLang {role} server: {exc}") \
+                    from None
             worker.healthy = False
         self.pool.add(worker)
         if self.health is not None:
@@ -177,6 +235,8 @@ class Gateway:
 
     async def stop(self) -> None:
         self.shutting_down = True
+        for cache in self._info_caches.values():
+            await cache.close()
         if self.discovery is not None:
             await self.discovery.stop()
         for policy in self.scheduler.policies.values():

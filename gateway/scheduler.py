@@ -38,7 +38,10 @@ class Scheduler:
                 workers = fresh
         return workers
 
-    def pick(self, view: RequestView, avoid: Collection[Worker] = ()) -> tuple[Worker, Worker]:
+    def pick(self, view: RequestView, avoid: Collection[Worker] = (),
+             prefer: tuple[Worker, int | None] | None = None) -> tuple[Worker, Worker]:
+        """A (prefill, decode) pair; `prefer` names a prefill to take while it is a
+        candidate (the samples of one request follow the first to its cached prompt)."""
         prefills = self.candidates("prefill", view, avoid)
         decodes = self.candidates("decode", view, avoid)
         if not prefills or not decodes:
@@ -49,7 +52,10 @@ class Scheduler:
                 f"no usable {missing} server (all down, draining or circuit-open)",
                 headers={"retry-after": "1"},
             )
-        prefill = self.policies["prefill"].pick(prefills, view)
+        if prefer is not None and prefer[0] in prefills:
+            prefill = prefer[0]
+        else:
+            prefill = self.policies["prefill"].pick(prefills, view)
         decode = self.policies["decode"].pick(decodes, view)
         return prefill, decode
 

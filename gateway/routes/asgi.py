@@ -1,10 +1,14 @@
-"""Small ASGI helpers shared by the handlers: body reading and JSON answers."""
+"""Small ASGI helpers shared by the handlers: the one body reader and JSON answers."""
 
 from __future__ import annotations
 
+import orjson
+from starlette.requests import Request
 from starlette.types import Receive, Send
 
-from gateway.errors import GatewayError, PayloadTooLarge, error_bytes
+from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, error_bytes
+
+SMALL_BODY = 64 * 1024  # admin and operations bodies are a few fields
 
 
 class ClientGone(Exception):
@@ -37,6 +41,18 @@ async def read_body(scope: dict, receive: Receive, limit: int) -> bytes:
             chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int = SMALL_BODY) -> dict:
+    """A small JSON object body (admin and operation routes), read with the same reader."""
+    raw = await read_body(request.scope, request.receive, limit)
+    try:
+        body = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
 
 
 def header(scope: dict, name: bytes) -> str | None:

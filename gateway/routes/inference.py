@@ -1,8 +1,10 @@
 """The inference endpoints as pure ASGI apps: the request path, kept short.
 
-read body -> auth -> parse once -> admission slot -> proxy (pick, dispatch, retry) -> answer.
-The work runs in the request's own task; a small watcher task waits for the client to
-disconnect and then cancels it, which cancels both upstream legs.
+auth -> read body -> parse once -> in-flight table -> admission slot -> serve (one PD request,
+or n single-sample ones for n > 1) -> answer. The work runs in the request's own task, under
+one `Interrupt`: a watcher task fires it when the client disconnects, `/abort_request` fires
+it when it must stop the request itself, and the stream relay fires it when the client stops
+reading (`--send-timeout`); whatever fired, both upstream legs are cancelled.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import time
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.auth import Role
+from gateway.cancel import Interrupt
 from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
-from gateway.pd import Answer
+from gateway.inflight import Tracked, new_id, safe_id
+from gateway.pd import Answer, SlowClient
 from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
 from gateway.sse import DONE, frame
@@ -23,21 +28,26 @@ log = logging.getLogger("gateway.inference")
 
 
 class _Watch:
-    """Cancels the request task when the client disconnects, unless the answer is sent."""
+    """Fires the request's interrupt when the client disconnects, unless the answer is sent."""
 
-    __slots__ = ("task", "done", "gone")
+    __slots__ = ("interrupt", "done")
 
-    def __init__(self, task: asyncio.Task) -> None:
-        self.task = task
+    def __init__(self, interrupt: Interrupt) -> None:
+        self.interrupt = interrupt
         self.done = False
-        self.gone = False
 
     async def __call__(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         if not self.done:
-            self.gone = True
-            self.task.cancel()
+            self.interrupt.fire(ClientGone())
+
+
+def request_id_of(scope: Scope) -> str:
+    """The client's `x-request-id` if it is a safe id (1-128 of A-Z a-z 0-9 . _ : -), else a
+    new random one; the answer's `x-request-id` header says which was used."""
+    given = header(scope, b"x-request-id")
+    return given if safe_id(given) else new_id()
 
 
 class InferenceEndpoint:
@@ -51,26 +61,47 @@ class InferenceEndpoint:
         self._itl = m.itl.labels(endpoint)
         self._bytes = m.stream_bytes.labels(endpoint)
         self._disconnects = m.disconnects.labels(endpoint)
+        self._slow = m.slow_clients.labels(endpoint)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
         started = time.perf_counter()
-        request_id = header(scope, b"x-request-id") or next(self.gw.request_ids)
+        request_id = request_id_of(scope)
         status = 500
+        interrupt = Interrupt()
+        state = {"started": False}
         try:
-            gw.inference_keys.check(header(scope, b"authorization"), header(scope, b"x-api-key"))
-            raw = await read_body(scope, receive, gw.config.max_body_bytes)
-            view = parse_request(self.endpoint, raw)
-            items = view.room_count
-            if items is not None and items > gw.config.max_items:
-                raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
-                                 f"{gw.config.max_items} per request")
-            async with gw.admission.slot():
-                status = await self._serve(view, request_id, receive, send, started)
+            try:
+                caller = gw.auth.caller(scope, Role.INFERENCE)
+                raw = await read_body(scope, receive, gw.config.max_body_bytes)
+                view = parse_request(self.endpoint, raw)
+                items = view.room_count
+                if items is not None and items > gw.config.max_items:
+                    raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
+                                     f"{gw.config.max_items} per request")
+                tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt)
+                gw.inflight.add(tracked)
+                try:
+                    async with gw.admission.slot():
+                        status = await self._serve(view, tracked, receive, send, started, state)
+                finally:
+                    gw.inflight.remove(tracked)
+            except asyncio.CancelledError:
+                reason = interrupt.reason()
+                if reason is None:
+                    raise
+                if isinstance(reason, GatewayError):
+                    raise reason from None
+                status = 499
+                if isinstance(reason, SlowClient):
+                    self._slow.inc()
         except GatewayError as err:
             status = err.status
             gw.note_error(err, self.endpoint, request_id)
-            await send_error(send, err, request_id)
+            if state["started"]:
+                await _end_stream_early(send, request_id, err)
+            else:
+                await send_error(send, err, request_id)
         except (ClientGone, OSError):
             status = 499
         except Exception:  # a bug: answer 500 in the usual shape rather than drop the client
@@ -91,29 +122,25 @@ class InferenceEndpoint:
             if status == 499:
                 self._disconnects.inc()
 
-    async def _serve(self, view, request_id: str, receive: Receive, send: Send,
-                     started: float) -> int:
-        """Run the proxy and send its answer while a watcher listens for a disconnect."""
-        task = asyncio.current_task()
-        watch = _Watch(task)
+    async def _serve(self, view, tracked: Tracked, receive: Receive, send: Send,
+                     started: float, state: dict) -> int:
+        """Run the request and send its answer while a watcher listens for a disconnect."""
+        watch = _Watch(tracked.interrupt)
         watcher = asyncio.get_running_loop().create_task(watch(receive))
         try:
-            answer: Answer = await self.gw.proxy.handle(view, request_id)
+            answer: Answer = await self.gw.serve(view, tracked)
             try:
-                return await self._send_answer(answer, request_id, send, started, watch)
+                return await self._send_answer(answer, tracked.request_id, send, started,
+                                               watch, state)
             finally:
                 if answer.close is not None:
                     await answer.close()
-        except asyncio.CancelledError:
-            if watch.gone and task.uncancel() == 0:
-                return 499
-            raise
         finally:
             watch.done = True
             watcher.cancel()
 
     async def _send_answer(self, answer: Answer, request_id: str, send: Send, started: float,
-                           watch: _Watch) -> int:
+                           watch: _Watch, state: dict) -> int:
         headers = [(b"content-type", answer.content_type),
                    (b"x-request-id", request_id.encode())]
         if answer.stream is None:
@@ -128,6 +155,7 @@ class InferenceEndpoint:
         headers.append((b"cache-control", b"no-cache"))
         headers.append((b"x-accel-buffering", b"no"))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        state["started"] = True
         itl = self._itl
         sent = 0
         last = 0.0
@@ -142,7 +170,7 @@ class InferenceEndpoint:
                 last = now
                 sent += len(chunk)
         except asyncio.CancelledError:
-            if not watch.gone:  # the server is shutting down: end the stream properly
+            if not watch.interrupt.fired:  # the server is shutting down: end the stream properly
                 await _end_stream_early(send, request_id)
             raise
         watch.done = True
@@ -151,9 +179,9 @@ class InferenceEndpoint:
         return answer.status
 
 
-async def _end_stream_early(send: Send, request_id: str) -> None:
-    """Close a stream cut by shutdown with an error event and [DONE], not a truncated body."""
-    err = ServiceUnavailable("the gateway is shutting down; the stream was cut")
+async def _end_stream_early(send: Send, request_id: str, err: GatewayError | None = None) -> None:
+    """Close a cut stream with an error event and [DONE], not a truncated body."""
+    err = err or ServiceUnavailable("the gateway is shutting down; the stream was cut")
     body = b"\n\n" + frame(err.body()) + DONE
     try:
         await send({"type": "http.response.body", "body": body, "more_body": False})

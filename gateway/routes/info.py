@@ -1,8 +1,20 @@
-"""Info, health and cluster-wide operations: models, server info, flush, abort."""
+"""Health, readiness, metrics, models and server info.
+
+What each costs the servers, and who may ask (the role is in app.ROUTES):
+* `/health`, `/readiness`, `/metrics`: answered from the gateway's own state, open to probes
+  and scrapers.
+* `/health_generate`: a real one-token PD generation, open to probes, but through a cache:
+  at most one generation per `--info-cache-ttl` seconds however many callers ask.
+* `/v1/models`, `/model_info`, `/server_info`: inference callers; cached the same way, so a
+  caller cannot make the gateway fan out to every server per call. Secrets in the servers'
+  own arguments (API keys, tokens) are redacted.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import re
+from typing import Any
 
 import httpx
 import orjson
@@ -10,12 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
+from gateway.errors import GatewayError, ServiceUnavailable
 from gateway.request import parse_request
-from gateway.routes.errors import json_error
 from gateway.upstream import upstream_message
 
 HEALTH_PROBE = b'{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}'
+SECRET_NAME = re.compile(r"(api_?key|token|secret|password|credential)", re.IGNORECASE)
+REDACTED = "<redacted>"
 
 
 async def health(request: Request) -> Response:
@@ -35,25 +48,29 @@ async def readiness(request: Request) -> Response:
 
 
 async def health_generate(request: Request) -> Response:
-    """A real one-token PD request through a pair."""
-    gw = request.app.state.gateway
+    status, body = await request.app.state.gateway.info_cache("health_generate").get()
+    return Response(body, status_code=status, media_type="application/json")
+
+
+async def generate_probe(gw) -> tuple[int, bytes]:
+    """One real one-token PD request through a pair (the cached computation)."""
     view = parse_request("generate", HEALTH_PROBE)
     try:
         async with asyncio.timeout(gw.config.health_timeout * 4):
-            answer = await gw.proxy.handle(view, "health-generate")
+            answer = await gw.proxy.handle(view, gw.tracked_probe())
             if answer.close is not None:
                 await answer.close()
     except GatewayError as err:
-        return json_error(err)
+        return err.status, orjson.dumps(err.body())
     except TimeoutError:
-        return json_error(ServiceUnavailable("health generation timed out"))
-    return Response(status_code=200)
+        err = ServiceUnavailable("health generation timed out")
+        return err.status, orjson.dumps(err.body())
+    return 200, b'{"healthy": true}'
 
 
-async def _get_from_any(request: Request, path: str) -> Response:
-    """Relay a GET to the first usable server that answers (decode first: it serves
+async def get_from_any(gw, path: str) -> tuple[int, bytes]:
+    """A GET relayed to the first usable server that answers (decode first: it serves
     the client-visible answer)."""
-    gw = request.app.state.gateway
     workers = gw.pool.usable("decode") + gw.pool.usable("prefill")
     workers = workers or list(gw.pool)
     last = "no servers registered"
@@ -64,83 +81,59 @@ async def _get_from_any(request: Request, path: str) -> Response:
             last = f"{worker.url}: {type(exc).__name__}"
             continue
         if response.status_code == 200:
-            return Response(response.content, media_type="application/json")
+            return 200, orjson.dumps(redact(response.json()))
         last = f"{worker.url} answered {response.status_code}: {upstream_message(response.content)}"
-    return json_error(ServiceUnavailable(f"no server could answer {path}: {last}"))
+    err = ServiceUnavailable(f"no server could answer {path}: {last}")
+    return err.status, orjson.dumps(err.body())
 
 
 async def models(request: Request) -> Response:
-    return await _get_from_any(request, "/v1/models")
+    status, body = await request.app.state.gateway.info_cache("/v1/models").get()
+    return Response(body, status_code=status, media_type="application/json")
 
 
 async def model_info(request: Request) -> Response:
-    return await _get_from_any(request, "/model_info")
+    status, body = await request.app.state.gateway.info_cache("/model_info").get()
+    return Response(body, status_code=status, media_type="application/json")
 
 
 async def server_info(request: Request) -> Response:
+    status, body = await request.app.state.gateway.info_cache("server_info").get()
+    return Response(body, status_code=status, media_type="application/json")
+
+
+async def collect_server_info(gw) -> tuple[int, bytes]:
     """Each server's own info, grouped by role, plus the gateway's view."""
-    gw = request.app.state.gateway
 
     async def one(worker):
         try:
             r = await gw.client.get(worker.url + "/server_info", timeout=gw.config.probe_timeout)
-            return worker, (r.json() if r.status_code == 200 else {"error": r.status_code})
+            return worker, (redact(r.json()) if r.status_code == 200 else {"error": r.status_code})
         except (httpx.HTTPError, ValueError) as exc:
             return worker, {"error": type(exc).__name__}
 
     results = await asyncio.gather(*(one(w) for w in gw.pool))
     body: dict = {"prefill": [], "decode": [], "internal_states": []}
     for worker, info in results:
+        if not isinstance(info, dict):
+            info = {"error": "not a JSON object"}
         body[worker.role].append({"url": worker.url, **info})
         if worker.role == "decode" and isinstance(info.get("internal_states"), list):
             body["internal_states"].extend(info["internal_states"])
-    body["gateway"] = {
-        "version": gw.version,
-        "replica_id": gw.rooms.replica_id,
-        "prefill_policy": gw.scheduler.policies["prefill"].name,
-        "decode_policy": gw.scheduler.policies["decode"].name,
-    }
-    return JSONResponse(body)
+    body["gateway"] = gw.describe()
+    return 200, orjson.dumps(body)
 
 
-async def _post_all(gw, path: str, payload: bytes) -> tuple[bool, list[dict]]:
-    async def one(worker):
-        try:
-            r = await gw.client.post(worker.url + path, content=payload,
-                                     headers={"content-type": "application/json"},
-                                     timeout=gw.config.probe_timeout)
-            return {"url": worker.url, "role": worker.role, "status": r.status_code,
-                    "ok": r.status_code < 300, "message": upstream_message(r.content)}
-        except httpx.HTTPError as exc:
-            return {"url": worker.url, "role": worker.role, "status": None, "ok": False,
-                    "message": f"{type(exc).__name__}: {exc}"}
-
-    results = await asyncio.gather(*(one(w) for w in gw.pool))
-    return all(r["ok"] for r in results), list(results)
-
-
-async def flush_cache(request: Request) -> Response:
-    gw = request.app.state.gateway
-    gw.admin_keys.check(request.headers.get("authorization"), request.headers.get("x-api-key"))
-    ok, results = await _post_all(gw, "/flush_cache", b"{}")
-    return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)
-
-
-async def abort_request(request: Request) -> Response:
-    gw = request.app.state.gateway
-    gw.inference_keys.check(request.headers.get("authorization"), request.headers.get("x-api-key"))
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw or b"{}")
-    except orjson.JSONDecodeError:
-        return json_error(BadRequest("request body is not valid JSON"))
-    if not isinstance(body, dict) or not isinstance(body.get("rid"), (str, type(None))):
-        return json_error(BadRequest("'rid' must be a string"))
-    ok, results = await _post_all(gw, "/abort_request", orjson.dumps(body))
-    return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)
+def redact(value: Any) -> Any:
+    """A copy of a JSON value with secret-looking fields replaced (recursively)."""
+    if isinstance(value, dict):
+        return {k: (REDACTED if SECRET_NAME.search(str(k)) and v not in (None, "", [], {})
+                    else redact(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    return value
 
 
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.gateway.registry),
                     media_type=CONTENT_TYPE_LATEST)
-

@@ -107,6 +107,9 @@ def test_admin_routes_need_the_admin_key(rig, method, path, headers, allowed):
                       json=body if method != "GET" else None)
     if allowed:
         assert r.status_code in (200, 404), r.text
+    elif headers:  # a valid key without the role: forbidden, not unknown
+        assert r.status_code == 403, r.text
+        assert r.json()["error"]["type"] == "permission_error"
     else:
         assert r.status_code == 401, r.text
         assert r.json()["error"]["type"] == "authentication_error"

@@ -26,6 +26,7 @@ class FakeServer:
     chunks: list[bytes] | None = None  # streaming body chunks
     body: Callable[[dict], dict] | None = None
     received: list[dict] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # loop time of each request
     cancelled: int = 0
     aborts: list[str] = field(default_factory=list)
 
@@ -49,6 +50,7 @@ class FakeCluster:
             return httpx.Response(200, json={})
         body = json.loads(request.content)
         server.received.append(body)
+        server.arrivals.append(asyncio.get_running_loop().time())
         try:
             if server.hang:
                 await asyncio.Event().wait()

@@ -1,0 +1,58 @@
+"""The one way the gateway stops a task from outside: an `Interrupt` with a reason.
+
+asyncio can stop a task from the outside only by cancelling it. Several things must stop a
+request's work early: the other PD leg failed, a stream went silent, a server was found dead
+while a leg waited on it, the client left or stopped reading, the request was aborted. Each
+of them calls `fire(reason)` on the interrupt of the task doing the work. That task catches
+`CancelledError` at one place and calls `reason()`: it returns the exception to raise instead
+(the interrupt's own cancellation is taken back with `uncancel`, as `asyncio.timeout` does), or
+None when the cancellation came from somewhere else (shutdown, an outer interrupt), which the
+task must then let propagate.
+
+    interrupt = Interrupt()
+    try:
+        ...
+    except asyncio.CancelledError:
+        if (reason := interrupt.reason()) is not None:
+            raise reason from None
+        raise
+
+Interrupts nest: an attempt's interrupt and the request's interrupt may both target one task;
+each takes back only its own cancellation, so the outer one still sees its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class Interrupt:
+    __slots__ = ("task", "_reason", "_taken", "_superseded")
+
+    def __init__(self, task: asyncio.Task | None = None) -> None:
+        self.task = task if task is not None else asyncio.current_task()
+        self._reason: BaseException | None = None
+        self._taken = False
+        self._superseded = False
+
+    @property
+    def fired(self) -> bool:
+        return self._reason is not None
+
+    def fire(self, reason: BaseException) -> bool:
+        """Stop the task for `reason`; only the first reason counts. True if this one did."""
+        if self._reason is not None or self.task.done():
+            return False
+        self._reason = reason
+        self.task.cancel()
+        return True
+
+    def reason(self) -> BaseException | None:
+        """In `except CancelledError`: the reason to raise, or None if the cancellation was
+        not (only) ours. Takes our cancellation back once."""
+        if self._reason is None:
+            return None
+        if not self._taken:
+            self._taken = True
+            self._superseded = self.task.uncancel() > 0  # cancelled by someone else too
+        return None if self._superseded else self._reason

@@ -1,0 +1,101 @@
+"""Requests in flight, by the ids their callers know, so that callers can abort their own.
+
+Each inference request is registered under its request id (`x-request-id`) and the rids its
+items carry (the client's own `rid`, or the random ones the gateway made), with its owner (the
+caller's API key; "anonymous" without keys) and the attempts now running on servers.
+
+Aborting (`POST /abort_request`) goes through this table, never straight to the servers: a
+caller reaches only requests it owns (an admin reaches any), and the gateway forwards to the
+two servers of each running attempt exactly `{"rid": <upstream rid>}`. SGLang's scheduler
+aborts every request whose rid STARTS WITH the given one (`Scheduler.abort_request`), so a rid
+is forwarded only when no other request in flight has a rid it is a prefix of; gateway-made
+rids (32 random hex digits) always qualify. Otherwise the request is stopped by closing its
+upstream connections, which SGLang also treats as an abort.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from gateway.errors import BadRequest
+
+MAX_ID_LENGTH = 128
+SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def new_id() -> str:
+    """A random id nobody can guess (128 bits): request ids and rids the gateway makes."""
+    return os.urandom(16).hex()
+
+
+def safe_id(value: str | None) -> bool:
+    return value is not None and SAFE_ID.fullmatch(value) is not None
+
+
+def client_rids(rid: object, items: int | None) -> tuple[str, ...] | None:
+    """Validate a client's `rid` (a string, or for a batch a list of distinct strings)."""
+    if rid is None:
+        return None
+    if isinstance(rid, str):
+        if not safe_id(rid):
+            raise BadRequest("'rid' must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        return (rid,)
+    if isinstance(rid, list) and items is not None and len(rid) == items:
+        if not all(isinstance(r, str) and safe_id(r) for r in rid) or len(set(rid)) != len(rid):
+            raise BadRequest("'rid' list entries must be distinct ids of 1-128 characters of "
+                             "A-Z a-z 0-9 . _ : -")
+        return tuple(rid)
+    raise BadRequest("'rid' must be a string, or a list with one id per prompt")
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One inference request as the abort endpoint sees it."""
+
+    request_id: str
+    owner: str
+    rids: tuple[str, ...] = ()  # the client's own rids, if it gave any
+    attempts: set = field(default_factory=set)  # pd.Attempt objects running now
+    aborted: bool = False
+    interrupt: object | None = None  # cancel.Interrupt of the request's task
+
+    def keys(self) -> tuple[str, ...]:
+        return (self.request_id, *self.rids)
+
+
+class InFlight:
+    """The table of requests in flight (one per gateway process)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, Tracked] = {}
+
+    def __len__(self) -> int:
+        return len({id(t) for t in self._by_key.values()})
+
+    def add(self, tracked: Tracked) -> None:
+        """Register under every id not taken yet (a client may reuse its own ids; the first
+        request in flight keeps them)."""
+        table = self._by_key
+        for key in tracked.keys():
+            if key not in table:
+                table[key] = tracked
+
+    def remove(self, tracked: Tracked) -> None:
+        for key in tracked.keys():
+            if self._by_key.get(key) is tracked:
+                del self._by_key[key]
+
+    def find(self, key: str) -> Tracked | None:
+        return self._by_key.get(key)
+
+    def prefix_safe(self, rid: str, of: Tracked) -> bool:
+        """No other request in flight has an upstream rid that starts with `rid`."""
+        for tracked in set(self._by_key.values()):
+            if tracked is of:
+                continue
+            for attempt in tracked.attempts:
+                if any(other.startswith(rid) for other in attempt.rid_list):
+                    return False
+        return True

@@ -1,0 +1,105 @@
+"""SGLang's HTTP surface beyond generation: tokenizer relays, abort, fleet-wide operations.
+
+* `/v1/tokenize`, `/v1/detokenize` (and the unversioned aliases): relayed to one usable server
+  of the model (every server of a model has the same tokenizer), body and answer as is.
+* `/abort_request`: through the in-flight table (`gateway/inflight.py`): a caller aborts
+  its own requests by the id it was given (`x-request-id` or `meta_info.id`) or its own
+  `rid`; an admin may abort any, or all (`abort_all`). Only `{"rid": ...}` or
+  `{"abort_all": true}` ever reaches a server.
+* Fleet operations, admin only, sent to every server with per-server results (as
+  `/flush_cache`): `/flush_cache`, `/start_profile`, `/stop_profile`, `/pause_generation`,
+  `/continue_generation`, `/update_weights_from_disk`. `?role=prefill|decode` narrows the
+  servers. Every other SGLang operational endpoint (weight updates from tensors or
+  distributed groups, LoRA loading, memory release, sessions, expert records, ...) is not
+  relayed: each needs per-server arguments or coordination a broadcast cannot give
+  (docs/SECURITY.md lists them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
+from gateway.routes.asgi import read_body, read_json
+from gateway.upstream import upstream_message
+from gateway.workers import ROLES
+
+
+async def relay(request: Request) -> Response:
+    """POST the body as is to the first usable server that answers."""
+    gw = request.app.state.gateway
+    raw = await read_body(request.scope, request.receive, gw.config.max_body_bytes)
+    try:
+        if not isinstance(orjson.loads(raw or b"null"), dict):
+            raise ValueError
+    except ValueError:
+        raise BadRequest("request body must be a JSON object") from None
+    path = request.url.path
+    last = "no usable server"
+    for worker in gw.pool.usable("decode") + gw.pool.usable("prefill"):
+        try:
+            response = await gw.client.post(worker.url + path, content=raw,
+                                            headers={"content-type": "application/json"},
+                                            timeout=gw.config.probe_timeout)
+        except httpx.HTTPError as exc:
+            last = f"{worker.url}: {type(exc).__name__}"
+            continue
+        if response.status_code < 500:
+            return Response(response.content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type", "application/json"))
+        last = f"{worker.url} answered {response.status_code}: {upstream_message(response.content)}"
+    raise ServiceUnavailable(f"no server could answer {path}: {last}",
+                             headers={"retry-after": "1"})
+
+
+async def abort_request(request: Request) -> Response:
+    gw = request.app.state.gateway
+    caller = request.state.caller
+    body = await read_json(request)
+    if body.get("abort_all") is True:
+        if not caller.is_admin:
+            raise Forbidden("'abort_all' needs an admin key")
+        ok, results = await post_all(gw, "/abort_request", b'{"abort_all": true}', list(gw.pool))
+        return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)
+    rid = body.get("rid")
+    if not isinstance(rid, str) or not rid or len(rid) > 256:
+        raise BadRequest("'rid' must be the id of a request in flight (x-request-id, "
+                         "meta_info.id or your own rid)")
+    tracked = gw.inflight.find(rid)
+    if tracked is None or (tracked.owner != caller.owner and not caller.is_admin):
+        raise NotFound(f"no request {rid!r} of yours is in flight")
+    results = await gw.aborts.abort(tracked)
+    return JSONResponse({"success": True, "request_id": tracked.request_id,
+                         "results": results})
+
+
+async def broadcast(request: Request) -> Response:
+    gw = request.app.state.gateway
+    body = await read_json(request)
+    role = request.query_params.get("role")
+    if role is not None and role not in ROLES:
+        raise BadRequest("'role' must be prefill or decode")
+    workers = [w for w in gw.pool if role is None or w.role == role]
+    ok, results = await post_all(gw, request.url.path, orjson.dumps(body), workers)
+    return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)
+
+
+async def post_all(gw, path: str, payload: bytes, workers: list) -> tuple[bool, list[dict]]:
+    async def one(worker):
+        try:
+            r = await gw.client.post(worker.url + path, content=payload,
+                                     headers={"content-type": "application/json"},
+                                     timeout=gw.config.probe_timeout)
+            return {"url": worker.url, "role": worker.role, "status": r.status_code,
+                    "ok": r.status_code < 300, "message": upstream_message(r.content)}
+        except httpx.HTTPError as exc:
+            return {"url": worker.url, "role": worker.role, "status": None, "ok": False,
+                    "message": f"{type(exc).__name__}: {exc}"}
+
+    results = await asyncio.gather(*(one(w) for w in workers))
+    return all(r["ok"] for r in results), list(results)

@@ -1,0 +1,120 @@
+"""uvicorn's httptools protocol with the limits a server facing strangers needs.
+
+uvicorn (0.54) puts no bound on the size or number of request headers or on the URL, and no
+deadline on a request's head or body: a client can grow the gateway's memory with endless
+headers, or hold a connection (and a file descriptor) forever by sending its request one byte
+at a time (slowloris) or not at all. This subclass adds, per connection:
+
+* a deadline for the request head: from the connection's start (or the first byte of the
+  next request on a kept-alive connection) to the end of the headers, `head_timeout`;
+* a deadline for the body, from the end of the headers, `body_timeout`;
+* at most `max_header_count` headers, `max_head_bytes` bytes of URL + headers: beyond that
+  the answer is 431 (or 414 for the URL alone) and the connection closes.
+
+Everything else (parsing, flow control, keep-alive, pipelining) stays uvicorn's. The limits
+are tested at the socket level in tests/security/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    head_timeout: float = 10.0
+    body_timeout: float = 60.0
+    max_header_count: int = 100
+    max_head_bytes: int = 32 * 1024
+    max_url_bytes: int = 8 * 1024
+
+
+REASONS = {414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+
+
+class _Refused(Exception):
+    """Raised inside a parser callback to stop parsing a request over the limits."""
+
+
+def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
+    """An HttpToolsProtocol class bound to `limits` (uvicorn instantiates it per connection)."""
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        _limits = limits
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._head_bytes = 0
+            self._header_count = 0
+            self._refused = False
+            self._deadline = None
+            self._arm(self._limits.head_timeout)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self, seconds: float) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing():
+                if self.cycle is not None and not self.cycle.response_complete:
+                    self.cycle.disconnected = True  # the app sees http.disconnect
+                self.transport.close()
+
+        def _refuse(self, status: int) -> None:
+            self._refused = True
+            self._disarm()
+            reason = REASONS[status]
+            body = b'{"error": {"message": "' + reason + b'", "type": "invalid_request_error", ' \
+                b'"code": ' + str(status).encode() + b'}}'
+            self.transport.write(
+                b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+            self.transport.close()
+            raise _Refused
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._refused:  # our own refusal already answered
+                super().send_400_response(msg)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_bytes = 0
+            self._header_count = 0
+            if self._deadline is None:
+                self._arm(self._limits.head_timeout)
+
+        def on_url(self, url: bytes) -> None:
+            self._head_bytes += len(url)
+            if self._head_bytes > self._limits.max_url_bytes:
+                self._refuse(414)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_bytes += len(name) + len(value) + 4
+            self._header_count += 1
+            if self._header_count > self._limits.max_header_count \
+                    or self._head_bytes > self._limits.max_head_bytes:
+                self._refuse(431)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._arm(self._limits.body_timeout)
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+    return GuardedHttpToolsProtocol

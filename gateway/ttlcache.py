@@ -1,0 +1,51 @@
+"""Answers computed at most once per time-to-live, shared by every caller (single flight).
+
+Endpoints that make the servers work (`/health_generate` runs a real generation, `/server_info`
+asks every server) are open to probes or to every inference caller; through this cache a flood
+of callers costs the servers one computation per `ttl` seconds, and concurrent callers wait for
+the one computation in progress instead of starting their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class TtlCache(Generic[T]):
+    def __init__(self, ttl: float, compute: Callable[[], Awaitable[T]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self.compute = compute
+        self.clock = clock
+        self.computations = 0
+        self._value: T | None = None
+        self._at = float("-inf")
+        self._pending: asyncio.Task | None = None
+
+    async def get(self) -> T:
+        if self._value is not None and self.clock() - self._at < self.ttl:
+            return self._value
+        if self._pending is None:
+            self._pending = asyncio.get_running_loop().create_task(self._refresh())
+        # shield: a caller that goes away must not cancel the others' computation
+        return await asyncio.shield(self._pending)
+
+    async def _refresh(self) -> T:
+        try:
+            self.computations += 1
+            value = await self.compute()
+            self._value, self._at = value, self.clock()
+            return value
+        finally:
+            self._pending = None
+
+    async def close(self) -> None:
+        task = self._pending
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

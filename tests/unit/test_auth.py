@@ -1,0 +1,89 @@
+"""Auth: roles from keys, least privilege, loopback-only admin without admin keys, rate limits."""
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.auth import Auth, Role, presented_key
+from gateway.errors import Forbidden, TooManyRequests, Unauthorized
+from gateway.metrics import Metrics
+from gateway.workers import WorkerPool
+
+REMOTE = ("203.0.113.9", 5000)
+LOCAL = ("127.0.0.1", 5000)
+
+
+def scope(client=REMOTE, **headers: str) -> dict:
+    return {"client": client,
+            "headers": [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]}
+
+
+@pytest.mark.parametrize("headers, expected", [
+    ({}, None), ({"authorization": "Bearer k1"}, "k1"), ({"authorization": "bearer k2"}, "k2"),
+    ({"x_api_key": "k3"}, "k3"), ({"authorization": "Basic k1"}, None),
+    ({"authorization": "Bearer k1", "x_api_key": "other"}, "k1"),
+], ids=["none", "bearer", "lowercase-bearer", "x-api-key", "basic-is-not-a-key", "bearer-wins"])
+def test_presented_key(headers, expected):
+    assert presented_key(scope(**headers)["headers"]) == expected
+
+
+KEYS = Auth(("inf-key-1", "inf-key-2"), ("adm-key-1",))
+
+
+@pytest.mark.parametrize("auth, headers, client, needed, outcome", [
+    (KEYS, {}, REMOTE, Role.INFERENCE, Unauthorized),
+    (KEYS, {"authorization": "Bearer nope"}, REMOTE, Role.INFERENCE, Unauthorized),
+    (KEYS, {"authorization": "Bearer inf-key-2"}, REMOTE, Role.INFERENCE, "inference:1"),
+    (KEYS, {"authorization": "Bearer adm-key-1"}, REMOTE, Role.INFERENCE, Unauthorized),
+    (KEYS, {"authorization": "Bearer inf-key-1"}, REMOTE, Role.ADMIN, Forbidden),
+    (KEYS, {"authorization": "Bearer inf-key-1"}, LOCAL, Role.ADMIN, Forbidden),
+    (KEYS, {}, LOCAL, Role.ADMIN, Unauthorized),
+    (KEYS, {"authorization": "Bearer adm-key-1"}, REMOTE, Role.ADMIN, "admin:0"),
+    (KEYS, {}, REMOTE, Role.PUBLIC, None),
+    (KEYS, {"authorization": "Bearer nope"}, REMOTE, Role.PUBLIC, None),
+    (Auth((), ()), {}, REMOTE, Role.INFERENCE, None),
+    (Auth((), ()), {}, REMOTE, Role.ADMIN, Forbidden),
+    (Auth((), ()), {}, LOCAL, Role.ADMIN, None),
+    (Auth((), ()), {}, ("::1", 1, 0, 0), Role.ADMIN, None),
+    (Auth(("inf-key-1",), ()), {"authorization": "Bearer inf-key-1"}, REMOTE, Role.ADMIN,
+     Forbidden),
+    (Auth(("inf-key-1",), ()), {}, LOCAL, Role.INFERENCE, Unauthorized),
+    (Auth((), ("adm-key-1",)), {}, REMOTE, Role.INFERENCE, None),
+    (Auth((), ("adm-key-1",)), {}, LOCAL, Role.ADMIN, Unauthorized),
+], ids=["no-key", "wrong-key", "inference-key", "admin-key-is-not-inference",
+        "inference-key-not-admin", "inference-key-not-admin-even-local",
+        "admin-keys-set-local-needs-key", "admin-key", "public-no-key", "public-ignores-bad-key",
+        "open-inference", "no-admin-keys-remote-refused", "no-admin-keys-loopback-v4",
+        "no-admin-keys-loopback-v6", "inference-key-only-remote-admin",
+        "loopback-does-not-skip-inference-keys", "admin-keys-only-inference-open",
+        "admin-keys-only-local-needs-key"])
+def test_roles(auth, headers, client, needed, outcome):
+    if isinstance(outcome, type):
+        with pytest.raises(outcome):
+            auth.caller(scope(client, **headers), needed)
+        return
+    caller = auth.caller(scope(client, **headers), needed)
+    assert needed in caller.roles
+    assert caller.key_id == outcome
+
+
+def test_owner_is_the_key_and_anonymous_without():
+    caller = KEYS.caller(scope(authorization="Bearer inf-key-1"), Role.INFERENCE)
+    assert caller.owner == "inference:0"
+    assert Auth((), ()).caller(scope(), Role.INFERENCE).owner == "anonymous"
+
+
+def test_rate_limit_per_key_with_burst_and_refill():
+    now = [0.0]
+    auth = Auth(("key-a", "key-b"), (), rate=2.0, burst=3,
+                metrics=Metrics(CollectorRegistry(), WorkerPool()), clock=lambda: now[0])
+    a, b = scope(authorization="Bearer key-a"), scope(authorization="Bearer key-b")
+    for _ in range(3):
+        auth.caller(a, Role.INFERENCE)
+    with pytest.raises(TooManyRequests) as info:
+        auth.caller(a, Role.INFERENCE)
+    assert int(info.value.headers["retry-after"]) >= 1
+    auth.caller(b, Role.INFERENCE)  # another key has its own bucket
+    now[0] += 0.5  # one token back at 2/s
+    auth.caller(a, Role.INFERENCE)
+    with pytest.raises(TooManyRequests):
+        auth.caller(a, Role.INFERENCE)

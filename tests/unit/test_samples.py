@@ -1,0 +1,240 @@
+"""Parallel sampling (n > 1): fanned out into n single-sample PD requests, merged back.
+
+The scripted servers answer like SGLang does for one sample; the gateway must send each
+sample with n = 1 and its own room, put the later samples on the first sample's prefill, and
+merge the answers in SGLang's order and shape (prompt-major, choices[].index, usage).
+"""
+
+import asyncio
+import contextlib
+import itertools
+import json
+
+import httpx
+import orjson
+import pytest
+
+from tests.unit.fakes import FakeCluster, FakeServer, make_app
+
+P1, P2 = "http://127.0.0.1:30000", "http://127.0.0.1:30002"
+D1, D2 = "http://127.0.0.1:30001", "http://127.0.0.1:30003"
+
+
+@contextlib.asynccontextmanager
+async def gateway(cluster, *extra):
+    app = make_app(cluster, *extra)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            yield client
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def numbered_decode(endpoint: str, counter=None):
+    """A decode whose answers say which request (in arrival order) they answer."""
+    counter = counter if counter is not None else itertools.count()
+
+    def body(request: dict) -> dict:
+        k = next(counter)
+        if endpoint == "generate":
+            items = request.get("text")
+            if isinstance(items, list):
+                return [{"text": f"{t}#{k}", "meta_info": {"id": request["rid"][i],
+                         "prompt_tokens": 3, "completion_tokens": 2}}
+                        for i, t in enumerate(items)]
+            return {"text": f"{items}#{k}", "meta_info": {"id": request["rid"],
+                    "prompt_tokens": 3, "completion_tokens": 2}}
+        if endpoint == "chat":
+            return {"id": f"chat-{k}", "object": "chat.completion",
+                    "choices": [{"index": 0, "message": {"role": "assistant",
+                                                          "content": f"answer {k}"},
+                                 "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
+                              "prompt_tokens_details": {"cached_tokens": 1}}}
+        prompts = request["prompt"] if isinstance(request["prompt"], list) else [request["prompt"]]
+        return {"id": f"cmpl-{k}", "object": "text_completion",
+                "choices": [{"index": i, "text": f"{p}#{k}", "finish_reason": "length"}
+                            for i, p in enumerate(prompts)],
+                "usage": {"prompt_tokens": 2 * len(prompts), "completion_tokens": 3 * len(prompts),
+                          "total_tokens": 5 * len(prompts)}}
+
+    return body
+
+
+def two_by_two(endpoint: str, **decode) -> FakeCluster:
+    counter = itertools.count()  # shared: every answer of the cluster has its own number
+    return FakeCluster({
+        P1: FakeServer("prefill"), P2: FakeServer("prefill"),
+        D1: FakeServer("decode", body=numbered_decode(endpoint, counter), **decode),
+        D2: FakeServer("decode", body=numbered_decode(endpoint, counter), **decode),
+    })
+
+
+def legs(cluster: FakeCluster, role: str) -> list[dict]:
+    return [b for s in cluster.servers.values() if s.role == role for b in s.received]
+
+
+def test_native_single_prompt_n3_is_three_single_sample_requests_on_one_prefill():
+    cluster = two_by_two("generate")
+
+    async def go():
+        async with gateway(cluster) as client:
+            return await client.post("/generate", json={
+                "text": "hi", "sampling_params": {"n": 3, "temperature": 0.7}})
+
+    r = run(go())
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, list) and len(out) == 3
+    decodes = legs(cluster, "decode")
+    assert len(decodes) == 3
+    assert all(b["sampling_params"]["n"] == 1 for b in decodes)
+    assert all(b["sampling_params"]["temperature"] == 0.7 for b in decodes)
+    rooms = [b["bootstrap_room"] for b in decodes]
+    assert all(isinstance(room, int) for room in rooms) and len(set(rooms)) == 3
+    assert len({b["rid"] for b in decodes}) == 3
+    used = {url for url, s in cluster.servers.items() if s.role == "prefill" and s.received}
+    assert len(used) == 1, "samples must share the first sample's prefill (cached prompt)"
+    assert [item["meta_info"]["id"] for item in out] != [None] * 3
+
+
+def test_native_batch_times_n_is_prompt_major():
+    cluster = two_by_two("generate")
+
+    async def go():
+        async with gateway(cluster) as client:
+            return await client.post("/generate", json={
+                "text": ["a", "b"], "sampling_params": {"n": 2}})
+
+    out = run(go()).json()
+    assert [item["text"].split("#")[0] for item in out] == ["a", "a", "b", "b"]
+    # items 0 and 1 are two different samples of prompt "a"
+    assert out[0]["text"] != out[1]["text"]
+    decodes = legs(cluster, "decode")
+    assert len(decodes) == 2 and all(len(b["bootstrap_room"]) == 2 for b in decodes)
+
+
+def test_chat_n2_choices_and_usage():
+    cluster = two_by_two("chat")
+
+    async def go():
+        async with gateway(cluster) as client:
+            return await client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2})
+
+    body = run(go()).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["message"]["content"] != body["choices"][1]["message"]["content"]
+    assert body["usage"]["prompt_tokens"] == 5  # once per prompt, as SGLang counts it
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["total_tokens"] == 13
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 1
+    assert all(b["n"] == 1 for b in legs(cluster, "decode"))
+
+
+def test_completions_list_prompt_n2_indexes_prompt_major():
+    cluster = two_by_two("completions")
+
+    async def go():
+        async with gateway(cluster) as client:
+            return await client.post("/v1/completions", json={
+                "model": "m", "prompt": ["x", "y"], "n": 2, "max_tokens": 3})
+
+    body = run(go()).json()
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"].split("#")[0] for c in choices] == ["x", "x", "y", "y"]
+    assert body["usage"]["prompt_tokens"] == 4 and body["usage"]["completion_tokens"] == 12
+
+
+def chat_chunks() -> list[bytes]:
+    def chunk(delta, finish=None):
+        return b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk",
+                                         "choices": [{"index": 0, "delta": delta,
+                                                      "finish_reason": finish}]}) + b"\n\n"
+    usage = {"id": "c", "object": "chat.completion.chunk", "choices": [],
+             "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
+    return [chunk({"role": "assistant", "content": ""}), chunk({"content": "Hel"}),
+            chunk({"content": "lo"}, "length"), b"data: " + orjson.dumps(usage) + b"\n\n",
+            b"data: [DONE]\n\n"]
+
+
+def test_chat_stream_n2_interleaves_by_index_with_one_done_and_merged_usage():
+    cluster = FakeCluster({P1: FakeServer("prefill"),
+                           D1: FakeServer("decode", chunks=chat_chunks())})
+
+    async def go():
+        async with gateway(cluster) as client:
+            return await client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2,
+                "stream": True, "stream_options": {"include_usage": True}})
+
+    r = run(go())
+    assert r.status_code == 200
+    events = [e for e in r.text.split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]" and r.text.count("[DONE]") == 1
+    objects = [json.loads(e[6:]) for e in events[:-1]]
+    by_index: dict[int, str] = {}
+    for obj in objects[:-1]:
+        for choice in obj["choices"]:
+            by_index[choice["index"]] = by_index.get(choice["index"], "") + \
+                (choice["delta"].get("content") or "")
+    assert by_index == {0: "Hello", 1: "Hello"}
+    usage = objects[-1]
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 5
+    assert usage["usage"]["completion_tokens"] == 4 and usage["usage"]["total_tokens"] == 9
+
+
+def test_one_failing_sample_fails_the_request_and_stops_the_others():
+    cluster = FakeCluster({P1: FakeServer("prefill"),
+                           D1: FakeServer("decode", body=numbered_decode("generate")),
+                           D2: FakeServer("decode", status=400)})
+
+    async def go():
+        async with gateway(cluster, "--max-attempts", "1") as client:
+            r = await client.post("/generate", json={"text": "hi", "sampling_params": {"n": 4}})
+            await asyncio.sleep(0.05)
+            return r
+
+    r = run(go())
+    assert r.status_code == 400  # a sample's client error is the request's
+    assert "decode server" in r.json()["error"]["message"]
+
+
+def test_later_samples_start_after_the_first_prefill_answered():
+    answered: list[float] = []
+
+    def prefill_body(body):
+        answered.append(asyncio.get_running_loop().time())
+        return {"text": "", "meta_info": {"prompt_tokens": 3, "cached_tokens": 0}}
+
+    cluster = FakeCluster({P1: FakeServer("prefill", body=prefill_body, delay=0.1),
+                           D1: FakeServer("decode", body=numbered_decode("generate"),
+                                          delay=0.3)})
+
+    async def go():
+        async with gateway(cluster) as client:
+            return await client.post("/generate", json={"text": "hi", "sampling_params": {"n": 3}})
+
+    assert run(go()).status_code == 200
+    arrivals = cluster.servers[P1].arrivals
+    assert len(arrivals) == 3
+    # sample 0 alone first; samples 1 and 2 only once its prefill has answered (cached prompt)
+    assert arrivals[1] >= answered[0] and arrivals[2] >= answered[0]
+    assert arrivals[1] - arrivals[0] >= 0.09
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_items_limit_counts_batch_times_n(n):
+    cluster = two_by_two("generate")
+
+    async def go():
+        async with gateway(cluster, "--max-items", "3") as client:
+            return await client.post("/generate", json={"text": ["a", "b"],
+                                                        "sampling_params": {"n": n}})
+
+    r = run(go())
+    assert r.status_code == (200 if n == 1 else 400)
