@@ -8,8 +8,11 @@ below. The counter starts at the current time in microseconds and only increases
 * a restarted gateway starts above every room it handed out before, as long as it allocated
   fewer than one million rooms per second on average over its life (the counter cannot pass
   the clock faster than that), so a prefill's tombstone of an old room is never hit;
-* consecutive rooms cycle through `room % dp_size`, which SGLang uses to spread requests over
-  data-parallel ranks, instead of random rooms that clump.
+* a room can be asked for in a residue class: `take(count, modulus=ranks, residue=rank)`
+  returns rooms with `room % ranks == rank`, which is how a prefill following bootstrap
+  rooms (`follow_bootstrap_room_scheduler`) and its decode (`_resolve_prefill_dp_rank`) find
+  the DP rank the gateway chose. Skipping to the residue costs at most `ranks - 1` counter
+  values per request, so the restart argument holds below 1e6 / ranks rooms a second.
 
 The counter wraps after 2**51 (about the year 2041 in microseconds) within its own bits.
 """
@@ -35,15 +38,30 @@ class RoomAllocator:
         self._base = replica_id << COUNTER_BITS
         self._next = (time.time_ns() // 1000 if start is None else start) & _COUNTER_MASK
 
-    def take(self, count: int | None = None) -> int | list[int]:
-        """One room (count None) or a list of `count` distinct rooms."""
-        if count is None:
+    def take(self, count: int | None = None, modulus: int = 1,
+             residue: int = 0) -> int | list[int]:
+        """One room (count None) or a list of `count` distinct rooms, each with
+        `room % modulus == residue`."""
+        if modulus <= 1:
+            if count is None:
+                room = self._base | self._next
+                self._next = (self._next + 1) & _COUNTER_MASK
+                return room
+            first = self._next
+            self._next = (first + count) & _COUNTER_MASK
+            return [self._base | ((first + i) & _COUNTER_MASK) for i in range(count)]
+        rooms = [self._in_class(modulus, residue) for _ in range(count or 1)]
+        return rooms[0] if count is None else rooms
+
+    def _in_class(self, modulus: int, residue: int) -> int:
+        """The next room at or above the counter with room % modulus == residue."""
+        while True:
+            room = self._base | self._next
+            self._next = (self._next + (residue - room) % modulus) & _COUNTER_MASK
             room = self._base | self._next
             self._next = (self._next + 1) & _COUNTER_MASK
-            return room
-        first = self._next
-        self._next = (first + count) & _COUNTER_MASK
-        return [self._base | ((first + i) & _COUNTER_MASK) for i in range(count)]
+            if room % modulus == residue:  # false only when the counter wrapped just now
+                return room
 
 
 def replica_of(room: int) -> int:

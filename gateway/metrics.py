@@ -50,6 +50,9 @@ class Metrics:
         self.decisions = Counter(
             "gateway_routing_decisions", "Workers chosen, by role, policy and worker",
             ["role", "policy", "worker"], registry=registry)
+        self.rank_requests = Counter(
+            "gateway_dp_rank_requests", "Prefill legs steered to each DP rank of a server",
+            ["worker", "rank"], registry=registry)
         self.prompt_tokens = Counter(
             "gateway_prompt_tokens", "Prompt tokens reported by prefill servers",
             ["worker"], registry=registry)

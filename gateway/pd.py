@@ -25,6 +25,7 @@ from gateway.cancel import Interrupt
 from gateway.errors import BadRequest, UpstreamError
 from gateway.inflight import Tracked, new_id
 from gateway.logprobs import StreamMerger, merge_body, prefill_parts
+from gateway.probe import FOLLOW_ROOM
 from gateway.request import RequestView
 from gateway.sse import DONE, EventSplitter, event_data, frame, leading_failure
 from gateway.upstream import Upstream, UpstreamResponse, status_error, translate_errors
@@ -60,6 +61,8 @@ class Attempt:
     request_id: str
     tracked: Tracked | None = None
     prefill_rank: int | None = None  # the DP rank the prefill leg is steered to
+    prefill_payload: bytes = b""  # the prefill leg's body when it differs (routed_dp_rank)
+    prefill_target: object = None  # what the policy chose: the prefill Worker or its Rank
     prefill_future: asyncio.Future | None = None  # told (worker, rank) or None when done
     outcome: dict[str, bool | None] = field(default_factory=dict)
 
@@ -155,13 +158,25 @@ class PDDispatcher:
     # -- building the attempt -------------------------------------------------------------
 
     def prepare(self, view: RequestView, prefill: Worker, decode: Worker,
-                tracked: Tracked) -> Attempt:
-        """New rooms (never reused, also not on retry) and the body both legs receive."""
+                tracked: Tracked, rank: int | None = None) -> Attempt:
+        """New rooms (never reused, also not on retry) and the body both legs receive.
+
+        `rank`: the prefill's DP rank the request must run on. A prefill that follows
+        bootstrap rooms (SGLang's default on a PD prefill) is steered by the room itself:
+        `room % ranks == rank` (`follow_bootstrap_room_scheduler`), which its decode also
+        computes (`_resolve_prefill_dp_rank`), so no extra field is needed on any SGLang
+        version. A prefill balancing otherwise gets `routed_dp_rank` (its prefill leg only:
+        on the decode leg it would pin the decode's own rank); it registers the rank with its
+        bootstrap server, where the decode looks it up."""
         if prefill.bootstrap_port is None:
             raise UpstreamError(f"prefill server {prefill.url} has no known bootstrap port",
                                 leg="prefill", worker_url=prefill.url, retryable=True)
         count = view.room_count
-        rooms = self.rooms.take(count)
+        routed = rank is not None and prefill.load_balance_method != FOLLOW_ROOM
+        if rank is None or routed:
+            rooms = self.rooms.take(count)
+        else:
+            rooms = self.rooms.take(count, prefill.dp_size, rank)
         body = dict(view.body)
         if count is None:
             body["bootstrap_host"] = prefill.bootstrap_host
@@ -175,10 +190,17 @@ class PDDispatcher:
             body["rid"] = own_rid
         try:
             payload = orjson.dumps(body)
+            prefill_payload = payload
+            if routed:
+                body["routed_dp_rank"] = rank
+                prefill_payload = orjson.dumps(body)
         except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
             raise BadRequest(f"request body cannot be forwarded: {exc}") from None
-        return Attempt(view, prefill, decode, rooms, own_rid, rid_list, payload,
-                       tracked.request_id, tracked)
+        attempt = Attempt(view, prefill, decode, rooms, own_rid, rid_list, payload,
+                          tracked.request_id, tracked, prefill_rank=rank)
+        attempt.prefill_payload = prefill_payload
+        attempt.prefill_target = prefill if rank is None else prefill.ranks[rank]
+        return attempt
 
     # -- one attempt -----------------------------------------------------------------------
 
@@ -268,7 +290,8 @@ class PDDispatcher:
 
     async def _open(self, attempt: Attempt, leg: str, worker: Worker) -> UpstreamResponse:
         with translate_errors(leg, worker):
-            response = await self.upstream.post(worker.url, attempt.view.path, attempt.payload,
+            payload = attempt.prefill_payload if leg == "prefill" else attempt.payload
+            response = await self.upstream.post(worker.url, attempt.view.path, payload,
                                                 attempt.request_id)
             if response.status >= 400:
                 try:

@@ -19,13 +19,40 @@ class RoleMismatch(Exception):
     """The server says it runs in another disaggregation mode than its given role."""
 
 
+FOLLOW_ROOM = "follow_bootstrap_room"
+
+
 @dataclass(frozen=True)
 class ServerFacts:
     mode: str | None
     bootstrap_port: int | None
     model: str | None
-    dp_size: int
+    dp_size: int  # DP ranks (schedulers) in the server: dp_size x attn_dp_size
     kv_events: dict | None = None
+    load_balance_method: str = FOLLOW_ROOM  # how the server picks a DP rank
+    context_length: int | None = None
+
+
+def dp_ranks_of(info: dict) -> int:
+    """DP ranks of a server: `dp_size * attn_dp_size` (runtime_context.num_dp_ranks_of in
+    0.5.23, where `--dp-size N --enable-dp-attention` reports dp_size 1, attn_dp_size N);
+    older servers report only dp_size."""
+    try:
+        dp = int(info.get("dp_size") or 1)
+        attn = int(info.get("attn_dp_size") or 1)
+    except (TypeError, ValueError):
+        return 1
+    return max(1, dp) * max(1, attn)
+
+
+def balance_method_of(info: dict, mode: str | None) -> str:
+    """The resolved load-balance method; "auto" (or an older server that does not say)
+    resolves as `arg_groups/serving_hook.py:handle_load_balance_method` does: rooms decide
+    on a PD prefill, round robin elsewhere."""
+    method = info.get("load_balance_method")
+    if isinstance(method, str) and method not in ("", "auto"):
+        return method
+    return FOLLOW_ROOM if mode in ("prefill", None) else "round_robin"
 
 
 async def fetch_server_info(client: httpx.AsyncClient, url: str, timeout: float) -> dict:
@@ -64,9 +91,17 @@ def facts_from_info(info: dict, url: str, role: str) -> ServerFacts:
         bootstrap_port=int(port) if port is not None else (
             DEFAULT_BOOTSTRAP_PORT if role == "prefill" else None),
         model=model if isinstance(model, str) else None,
-        dp_size=int(info.get("dp_size") or 1),
+        dp_size=dp_ranks_of(info),
         kv_events=info.get("kv_events") if isinstance(info.get("kv_events"), dict) else None,
+        load_balance_method=balance_method_of(info, mode),
+        context_length=_positive_int(info.get("context_length")),
     )
+
+
+def _positive_int(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
 
 
 async def probe(client: httpx.AsyncClient, url: str, role: str, timeout: float) -> ServerFacts:

@@ -48,8 +48,10 @@ class Proxy:
                     if tracked.aborted:
                         raise Aborted(f"request {tracked.request_id} was aborted")
                     prefer = placement.prefer if placement is not None else None
-                    prefill, decode = self.scheduler.pick(view, avoid, prefer)
-                    attempt = self.dispatcher.prepare(view, prefill, decode, tracked)
+                    target, decode = self.scheduler.pick(view, avoid, prefer)
+                    prefill = target.server
+                    attempt = self.dispatcher.prepare(view, prefill, decode, tracked,
+                                                      target.rank)
                     if placement is not None:
                         placement.started(attempt)
                     self._started(attempt)
@@ -79,10 +81,15 @@ class Proxy:
 
     def _started(self, attempt: Attempt) -> None:
         tokens = attempt.view.prompt_tokens
+        target = attempt.prefill_target
         attempt.prefill.start(tokens)
+        if target is not attempt.prefill:
+            target.start(tokens)
+            _child(attempt.prefill, self.metrics.rank_requests, str(target.rank),
+                   url_first=True).inc()
         attempt.decode.start(tokens)
-        self.scheduler.dispatched(attempt.prefill, attempt.decode, attempt.view)
-        predicted = self.scheduler.policies["prefill"].predicted_hit(attempt.prefill, attempt.view)
+        self.scheduler.dispatched(target, attempt.decode, attempt.view)
+        predicted = self.scheduler.policies["prefill"].predicted_hit(target, attempt.view)
         if predicted:
             _child(attempt.prefill, self.metrics.predicted_tokens).inc(predicted * tokens)
         decisions = self.metrics.decisions
@@ -93,7 +100,11 @@ class Proxy:
         """Called once per leg by the dispatcher: release counters, feed breaker and policy."""
         worker = attempt.prefill if leg == "prefill" else attempt.decode
         worker.finish(attempt.view.prompt_tokens, ok)
-        self.scheduler.completed(leg, worker, attempt.view, ok is True)
+        target = worker
+        if leg == "prefill" and attempt.prefill_target is not worker:
+            target = attempt.prefill_target
+            target.finish(attempt.view.prompt_tokens)
+        self.scheduler.completed(leg, target, attempt.view, ok is True)
         if ok is False:
             _child(worker, self.metrics.leg_failures, leg, "error", url_first=True).inc()
 

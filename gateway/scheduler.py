@@ -2,6 +2,14 @@
 
 A pair is chosen only when BOTH roles have a usable worker, so one leg is never sent alone.
 On a retry the workers that just failed are avoided while others remain.
+
+DP ranks: a prefill server with several DP ranks is offered to the prefill policy as its
+ranks (`workers.Rank`), each with its own load and its own prefix state, so a cache-aware
+choice picks the rank that holds the prefix, and a load-aware one spreads over all ranks
+(rooms stepping by one over alternating servers left half the ranks idle). The dispatcher
+then steers the request to that rank. Decode ranks are left to the decode server: its own
+DataParallelController balances them (round robin by default) with figures the gateway
+only sees late, and what the decode caches is what the prefill sends it.
 """
 
 from __future__ import annotations
@@ -11,7 +19,20 @@ from collections.abc import Collection
 from gateway.errors import ServiceUnavailable
 from gateway.policies import Policy
 from gateway.request import RequestView
-from gateway.workers import Worker, WorkerPool
+from gateway.workers import Rank, Worker, WorkerPool
+
+Target = Worker | Rank
+
+
+def targets(workers: list[Worker]) -> list[Target]:
+    """What the prefill policy chooses among: each server, or each of its DP ranks."""
+    out: list[Target] = []
+    for worker in workers:
+        if worker.ranks:
+            out.extend(worker.ranks)
+        else:
+            out.append(worker)
+    return out
 
 
 class Scheduler:
@@ -23,8 +44,8 @@ class Scheduler:
 
     def workers_changed(self) -> None:
         """Tell the policies the current workers (membership or probed details changed)."""
-        for role, policy in self.policies.items():
-            policy.on_workers_changed(self.pool.role(role))
+        self.policies["prefill"].on_workers_changed(targets(self.pool.role("prefill")))
+        self.policies["decode"].on_workers_changed(self.pool.role("decode"))
 
     def candidates(self, role: str, view: RequestView, avoid: Collection[Worker]) -> list[Worker]:
         workers = self.pool.usable(role)
@@ -39,9 +60,10 @@ class Scheduler:
         return workers
 
     def pick(self, view: RequestView, avoid: Collection[Worker] = (),
-             prefer: tuple[Worker, int | None] | None = None) -> tuple[Worker, Worker]:
-        """A (prefill, decode) pair; `prefer` names a prefill to take while it is a
-        candidate (the samples of one request follow the first to its cached prompt)."""
+             prefer: tuple[Worker, int | None] | None = None) -> tuple[Target, Worker]:
+        """A (prefill target, decode) pair; the target is a server or one of its DP ranks.
+        `prefer` names a prefill (and rank) to take while it is a candidate (the samples
+        of one request follow the first to its cached prompt)."""
         prefills = self.candidates("prefill", view, avoid)
         decodes = self.candidates("decode", view, avoid)
         if not prefills or not decodes:
@@ -53,15 +75,17 @@ class Scheduler:
                 headers={"retry-after": "1"},
             )
         if prefer is not None and prefer[0] in prefills:
-            prefill = prefer[0]
+            worker, rank = prefer
+            prefill = worker.ranks[rank] if rank is not None and rank < len(worker.ranks) \
+                else worker
         else:
-            prefill = self.policies["prefill"].pick(prefills, view)
+            prefill = self.policies["prefill"].pick(targets(prefills), view)
         decode = self.policies["decode"].pick(decodes, view)
         return prefill, decode
 
-    def dispatched(self, prefill: Worker, decode: Worker, view: RequestView) -> None:
+    def dispatched(self, prefill: Target, decode: Worker, view: RequestView) -> None:
         self.policies["prefill"].on_dispatch(prefill, view)
         self.policies["decode"].on_dispatch(decode, view)
 
-    def completed(self, role: str, worker: Worker, view: RequestView, success: bool) -> None:
+    def completed(self, role: str, worker: Target, view: RequestView, success: bool) -> None:
         self.policies[role].on_complete(worker, view, success)

@@ -44,6 +44,45 @@ class ServerLoad:
 
 
 @dataclass(eq=False)
+class Rank:
+    """One DP rank of a server: what the prefill policies score when a server has several.
+
+    SGLang runs one scheduler per DP rank, each with its own queue and radix cache, so a
+    prefix is cached on a (server, rank), not on a server. A Rank looks like a Worker to the
+    policies (`url` is its own key, `server#dpN`; load and in-flight counters are its own);
+    `server` is the Worker it belongs to and `rank` its index.
+    """
+
+    server: Worker
+    rank: int
+    url: str = ""
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    total_requests: int = 0
+    load: ServerLoad = field(default_factory=ServerLoad)
+
+    def __post_init__(self) -> None:
+        self.url = f"{self.server.url}#dp{self.rank}"
+
+    @property
+    def role(self) -> str:
+        return self.server.role
+
+    @property
+    def model(self) -> str | None:
+        return self.server.model
+
+    def start(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+        self.total_requests += 1
+
+    def finish(self, tokens: int) -> None:
+        self.in_flight -= 1
+        self.in_flight_tokens -= tokens
+
+
+@dataclass(eq=False)
 class Worker:
     url: str
     role: str
@@ -63,10 +102,22 @@ class Worker:
     misconfigured: str | None = None  # why the server can never be used (role mismatch)
     last_success: float = 0.0  # monotonic time of the last successful request
     kv_events: dict | None = None  # the server's KV event publisher (/server_info kv_events)
+    load_balance_method: str = "follow_bootstrap_room"  # how the server picks a DP rank
+    context_length: int | None = None  # the model's, from /server_info
+    ranks: list[Rank] = field(default_factory=list)  # DP ranks, when it has more than one
     metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
 
     def __post_init__(self) -> None:
         self.bootstrap_host = bootstrap_host_of(self.url)
+
+    @property
+    def server(self) -> Worker:
+        """The server a scheduling target belongs to (a Worker is its own)."""
+        return self
+
+    @property
+    def rank(self) -> int | None:
+        return None
 
     @property
     def usable(self) -> bool:
@@ -91,25 +142,34 @@ class Worker:
         self.model = self.model or facts.model
         self.dp_size = facts.dp_size
         self.kv_events = facts.kv_events
+        self.load_balance_method = facts.load_balance_method
+        self.context_length = facts.context_length
+        if len(self.ranks) != (facts.dp_size if facts.dp_size > 1 else 0):
+            self.ranks = [Rank(self, r) for r in range(facts.dp_size)] if facts.dp_size > 1 else []
         self.verified = True
 
     def apply_loads(self, data: dict) -> None:
-        """Sum a `/v1/loads` answer over DP ranks."""
+        """A `/v1/loads` answer: one entry per DP rank, kept per rank and summed."""
         loads = data.get("loads") if isinstance(data, dict) else None
         if not isinstance(loads, list):
             return
-        total = ServerLoad(updated_at=time.monotonic())
+        now = time.monotonic()
+        total = ServerLoad(updated_at=now)
         usages = []
-        for entry in loads:
+        for position, entry in enumerate(loads):
             if not isinstance(entry, dict):
                 continue
-            total.running += int(entry.get("num_running_reqs") or 0)
-            total.waiting += int(entry.get("num_waiting_reqs") or 0)
-            total.waiting_uncached_tokens += int(entry.get("num_waiting_uncached_tokens") or 0)
-            total.used_tokens += int(entry.get("num_used_tokens") or 0)
-            total.max_total_tokens += int(entry.get("max_total_num_tokens") or 0)
-            total.max_running_requests += int(entry.get("max_running_requests") or 0)
-            usages.append(float(entry.get("token_usage") or 0.0))
+            one = _load_entry(entry, now)
+            total.running += one.running
+            total.waiting += one.waiting
+            total.waiting_uncached_tokens += one.waiting_uncached_tokens
+            total.used_tokens += one.used_tokens
+            total.max_total_tokens += one.max_total_tokens
+            total.max_running_requests += one.max_running_requests
+            usages.append(one.token_usage)
+            rank = entry.get("dp_rank", position)
+            if isinstance(rank, int) and 0 <= rank < len(self.ranks):
+                self.ranks[rank].load = one
         total.token_usage = max(usages) if usages else 0.0
         self.load = total
 
@@ -154,7 +214,26 @@ class Worker:
                 "waiting_uncached_tokens": self.load.waiting_uncached_tokens,
                 "token_usage": self.load.token_usage,
             },
+            "dp_ranks": self.dp_size,
+            "load_balance_method": self.load_balance_method,
+            "ranks": [{"rank": r.rank, "in_flight": r.in_flight, "requests": r.total_requests,
+                       "running": r.load.running, "waiting": r.load.waiting}
+                      for r in self.ranks],
         }
+
+
+def _load_entry(entry: dict, now: float) -> ServerLoad:
+    def number(name: str) -> int:
+        value = entry.get(name)
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+    usage = entry.get("token_usage")
+    return ServerLoad(
+        running=number("num_running_reqs"), waiting=number("num_waiting_reqs"),
+        waiting_uncached_tokens=number("num_waiting_uncached_tokens"),
+        used_tokens=number("num_used_tokens"), max_total_tokens=number("max_total_num_tokens"),
+        token_usage=float(usage) if isinstance(usage, (int, float)) else 0.0,
+        max_running_requests=number("max_running_requests"), updated_at=now)
 
 
 class WorkerPool:

@@ -229,21 +229,32 @@ class KvIndex:
 
     # --- lookup ----------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], urls: Iterable[str],
-              seed: bytes | None = None) -> dict[str, int]:
-        """Cached leading tokens of `tokens` per worker url (whole blocks, best DP rank)."""
-        result: dict[str, int] = {}
-        groups: dict[int, list[str]] = {}
-        for url in urls:
-            result[url] = 0
+    def match(self, tokens: Sequence[int], targets: Iterable[str | Source],
+              seed: bytes | None = None) -> dict:
+        """Cached leading tokens of `tokens` per target (whole blocks). A target is a worker
+        url (its best DP rank counts) or a (url, rank) source (that rank alone: each rank
+        has its own cache). The result is keyed by the targets as given."""
+        result: dict = {}
+        groups: dict[int, list] = {}
+        for target in targets:
+            result[target] = 0
+            url = target if isinstance(target, str) else target[0]
             size = self.block_size(url)
             if size > 0 and url in self._sources:
-                groups.setdefault(size, []).append(url)
+                groups.setdefault(size, []).append(target)
         for size, group in groups.items():
-            owner = {self._bit[src]: url for url in group for src in self._sources[url]}
+            owner: dict[int, list] = {}
+            for target in group:
+                if isinstance(target, str):
+                    for src in self._sources[target]:
+                        owner.setdefault(self._bit[src], []).append(target)
+                elif target in self._bit:
+                    owner.setdefault(self._bit[target], []).append(target)
             alive = sum(owner)
             depth = 0
             for block in block_hashes(tokens, size, seed):
+                if not alive:
+                    break
                 held = self._holders.get(block, 0) & alive
                 if held != alive:
                     self._record(result, owner, alive & ~held, depth * size)
@@ -255,14 +266,14 @@ class KvIndex:
         return result
 
     @staticmethod
-    def _record(result: dict[str, int], owner: dict[int, str], bits: int, length: int) -> None:
-        """Each source in `bits` matched `length` tokens; a worker keeps its best rank."""
+    def _record(result: dict, owner: dict[int, list], bits: int, length: int) -> None:
+        """Each source in `bits` matched `length` tokens; a target keeps its best source."""
         while bits:
             bit = bits & -bits
             bits ^= bit
-            url = owner[bit]
-            if length > result[url]:
-                result[url] = length
+            for target in owner[bit]:
+                if length > result[target]:
+                    result[target] = length
 
     def stats(self) -> dict:
         return {

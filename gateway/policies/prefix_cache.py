@@ -130,8 +130,8 @@ class PrefixCachePolicy(CacheAwarePolicy):
 
     def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
         known = self._workers
-        if any(w.url not in known for w in candidates):  # workers we were not told about
-            self._follow({**known, **{w.url: w for w in candidates}})
+        if any(w.server.url not in known for w in candidates):  # servers we were not told of
+            self._follow({**known, **{w.server.url: w.server for w in candidates}})
         tokens = self.tokens_of(view)
         if tokens is None:
             return super().pick(candidates, view)
@@ -141,9 +141,15 @@ class PrefixCachePolicy(CacheAwarePolicy):
         if body.get("lora_path") is None and (salt is None or isinstance(salt, str)):
             now = time.monotonic()
             stale_after = self.options.stale_after
-            fresh = [w.url for w in candidates if self.index.is_fresh(w.url, now, stale_after)]
+            fresh = [w for w in candidates
+                     if self.index.is_fresh(w.server.url, now, stale_after)]
             if fresh:
-                matched.update(self.index.match(tokens, fresh, salt_seed(salt)))
+                # a DP rank matches on its own cache (its own event source), a server on its
+                # best rank's
+                keys = {w.url: (w.server.url if w.rank is None else (w.server.url, w.rank))
+                        for w in fresh}
+                exact = self.index.match(tokens, list(keys.values()), salt_seed(salt))
+                matched.update({url: exact[key] for url, key in keys.items()})
             self._matches["exact"] += len(fresh)
             self._matches["approximate"] += len(candidates) - len(fresh)
         return self.choose(candidates, matched, len(tokens))
@@ -154,14 +160,14 @@ class PrefixCachePolicy(CacheAwarePolicy):
             self.tree.insert(tokens, worker.url)
         else:
             super().on_dispatch(worker, view)
-        self.index.note_dispatch(worker.url, time.monotonic())
+        self.index.note_dispatch(worker.server.url, time.monotonic())
 
     def on_workers_changed(self, workers: Sequence[Worker]) -> None:
         super().on_workers_changed(workers)
-        present = {w.url for w in workers}
-        for url in self.index.workers() - present:
+        servers = {w.server.url: w.server for w in workers}
+        for url in self.index.workers() - set(servers):
             self.index.remove_worker(url)
-        self._follow({w.url: w for w in workers})
+        self._follow(servers)
 
     def _follow(self, workers: dict[str, Worker]) -> None:
         self._workers = workers

@@ -29,6 +29,7 @@ class FakeServer:
     arrivals: list[float] = field(default_factory=list)  # loop time of each request
     cancelled: int = 0
     aborts: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # more /server_info fields (dp_size, ...)
 
 
 class FakeCluster:
@@ -42,7 +43,7 @@ class FakeCluster:
         if path == "/server_info":
             return httpx.Response(200, json={"disaggregation_mode": server.role,
                                              "disaggregation_bootstrap_port": 8998,
-                                             "served_model_name": "fake"})
+                                             "served_model_name": "fake", **server.info})
         if path in ("/health", "/v1/loads"):
             return httpx.Response(200, json={"loads": []})
         if path == "/abort_request":

@@ -191,3 +191,24 @@ def test_candidates_not_announced_are_followed() -> None:
     a, b = worker(A), worker(B)
     p.pick([a, b], generate_ids(PROMPT))
     assert sorted(s.url for s in p.subscriber._wanted.values()) == [A, B]
+
+
+def test_each_dp_rank_matches_on_its_own_cache() -> None:
+    from gateway.probe import ServerFacts
+    from gateway.scheduler import targets
+
+    p = policy()
+    server = worker(A)
+    server.apply_facts(ServerFacts("prefill", 8998, "m", 4))
+    ranks = targets([server])
+    p.on_workers_changed(ranks)
+    chain = list(block_hashes(PROMPT, 4))
+    p.index.apply_batch((A, 2), [{"type": "BlockStored", "block_hashes": chain,
+                                  "parent_block_hash": None, "token_ids": [],
+                                  "block_size": 4, "lora_id": None}], time.monotonic())
+    for other in (0, 1, 3):  # events seen from every rank: all fresh
+        p.index.apply_batch((A, other), [], time.monotonic())
+    chosen = p.pick(ranks, generate_ids(PROMPT))
+    assert (chosen.server, chosen.rank) == (server, 2)
+    exact = p.index.match(PROMPT, [(A, 0), (A, 2), A])
+    assert exact == {(A, 0): 0, (A, 2): len(PROMPT), A: len(PROMPT)}
