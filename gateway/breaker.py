@@ -1,8 +1,14 @@
 """Per-server circuit breaker fed by real request outcomes.
 
 closed --(N consecutive failures, or failure rate over a window)--> open
-open --(cooldown elapsed)--> half_open: one probe request at a time is let through
+open --(cooldown elapsed; `refresh`)--> half_open: up to `probes` requests at a time
 half_open --(success)--> closed;  half_open --(failure)--> open again (cooldown restarts)
+
+State changes only in the methods that say so (`refresh`, `record`, `on_dispatch`,
+`release_probe`, `reset`); `admits` and `state` are read without side effects. When no
+server of a role admits traffic, the scheduler routes to half-open and open ones anyway
+(panic routing, gateway/scheduler.py), so a recovering last server is probed by the traffic
+itself instead of answering a wall of 503s.
 """
 
 from __future__ import annotations
@@ -25,64 +31,67 @@ class CircuitBreaker:
         cooldown: float = 10.0,
         window: int = 20,
         failure_rate: float = 0.5,
+        probes: int = 3,
         clock=time.monotonic,
     ) -> None:
         self.failure_threshold = failure_threshold
         self.cooldown = cooldown
         self.window = window
         self.failure_rate = failure_rate
+        self.probes = probes
         self._clock = clock
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
         self.opened_at = 0.0
-        self.probe_in_flight = False
+        self.probes_in_flight = 0
         self.opens = 0
         self._recent: deque[bool] = deque(maxlen=window)
 
-    def allows(self) -> bool:
-        """May a new request go to this server now?"""
-        if self.state is BreakerState.CLOSED:
-            return True
+    def refresh(self, now: float | None = None) -> None:
+        """Move an open breaker whose cooldown elapsed to half-open."""
         if self.state is BreakerState.OPEN:
-            if self._clock() - self.opened_at >= self.cooldown:
+            now = self._clock() if now is None else now
+            if now - self.opened_at >= self.cooldown:
                 self.state = BreakerState.HALF_OPEN
-                self.probe_in_flight = False
-            else:
-                return False
-        return not self.probe_in_flight
+                self.probes_in_flight = 0
 
-    def peek(self) -> bool:
-        """What `allows()` would answer, without moving an open breaker to half-open."""
+    @property
+    def admits(self) -> bool:
+        """May a new request go to this server now (no side effect)?"""
         if self.state is BreakerState.CLOSED:
             return True
         if self.state is BreakerState.OPEN:
-            return self._clock() - self.opened_at >= self.cooldown
-        return not self.probe_in_flight
+            return False
+        return self.probes_in_flight < self.probes
 
     def on_dispatch(self) -> None:
         if self.state is BreakerState.HALF_OPEN:
-            self.probe_in_flight = True
+            self.probes_in_flight += 1
 
     def release_probe(self) -> None:
-        """The half-open probe ended without a verdict (cancelled, or the other leg failed
-        first): let the next request probe instead of refusing traffic for good."""
-        if self.state is BreakerState.HALF_OPEN:
-            self.probe_in_flight = False
+        """A half-open probe ended without a verdict (cancelled, or the other leg failed
+        first): its place goes to the next request."""
+        if self.state is BreakerState.HALF_OPEN and self.probes_in_flight > 0:
+            self.probes_in_flight -= 1
 
-    def record(self, success: bool) -> None:
+    def record(self, success: bool) -> bool:
+        """One outcome; True when this failure opened the breaker."""
         self._recent.append(success)
         if success:
             self.consecutive_failures = 0
             if self.state is not BreakerState.CLOSED:
                 self.state = BreakerState.CLOSED
                 self._recent.clear()
-            self.probe_in_flight = False
-            return
+            self.probes_in_flight = 0
+            return False
         self.consecutive_failures += 1
         if self.state is BreakerState.HALF_OPEN or self._should_open():
-            self._open()
+            return self._open()
+        return False
 
     def _should_open(self) -> bool:
+        if self.state is BreakerState.OPEN:
+            return False
         if self.consecutive_failures >= self.failure_threshold:
             return True
         if len(self._recent) == self.window:
@@ -90,15 +99,17 @@ class CircuitBreaker:
             return failures / self.window >= self.failure_rate
         return False
 
-    def _open(self) -> None:
-        if self.state is not BreakerState.OPEN:
+    def _open(self) -> bool:
+        opened = self.state is not BreakerState.OPEN
+        if opened:
             self.opens += 1
         self.state = BreakerState.OPEN
         self.opened_at = self._clock()
-        self.probe_in_flight = False
+        self.probes_in_flight = 0
+        return opened
 
     def reset(self) -> None:
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
-        self.probe_in_flight = False
+        self.probes_in_flight = 0
         self._recent.clear()

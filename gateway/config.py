@@ -112,6 +112,20 @@ class GatewayConfig:
     probe_timeout: Seconds = _opt(10.0, "seconds for startup probes of /server_info")
     skip_probe: bool = _opt(False, "do not probe servers at startup (bootstrap port 8998)")
 
+    # Hang detection (gateway/deadlines.py; docs/RELIABILITY.md says how defaults were chosen)
+    hang_factor: Annotated[float, Field(ge=1, le=100)] = _opt(
+        4.0, "a server is suspected hung after this many times its usual latency "
+        "(the --hang-percentile of its first progress per prompt size, and of its stream gaps)")
+    hang_percentile: Annotated[float, Field(ge=0.5, le=1)] = _opt(
+        0.99, "which percentile of a server's observed latency counts as usual")
+    hang_floor: Annotated[float, Field(gt=0, le=3600)] = _opt(
+        5.0, "seconds: never suspect a hang sooner than this")
+    hang_cold: Annotated[float, Field(gt=0, le=3600)] = _opt(
+        20.0, "seconds before suspecting a hang while nothing was learned yet")
+    midstream_failover: bool = _opt(
+        True, "continue a stream whose decode died on another pair (greedy: the same answer; "
+        "sampled: another valid sample)")
+
     # Retries
     max_attempts: Annotated[int, Field(ge=1, le=20)] = _opt(
         3, "attempts per request (1 = no retry), each with a new pair")
@@ -121,8 +135,9 @@ class GatewayConfig:
         1.0, "cap of the retry delay in seconds")
 
     # Health and circuit breaking
-    health_interval: Seconds = _opt(5.0, "seconds between health checks of each server")
-    health_timeout: Seconds = _opt(5.0, "seconds before a health check counts as failed")
+    health_interval: Seconds = _opt(2.0, "seconds between health checks of each server")
+    health_timeout: Seconds = _opt(
+        3.0, "seconds before a health check counts as failed (SGLang's /health takes about 1 s)")
     health_endpoint: Literal["/health", "/health_generate", "/ready", "/ping"] = _opt(
         "/health", "path probed on each server")
     health_failures: Annotated[int, Field(ge=1, le=100)] = _opt(

@@ -25,7 +25,7 @@ log = logging.getLogger("gateway.health")
 class HealthChecker:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, *, endpoint: str,
                  interval: float, timeout: float, failures: int, successes: int,
-                 loads_interval: float) -> None:
+                 loads_interval: float, on_down=None) -> None:
         self.pool = pool
         self.client = client
         self.endpoint = endpoint
@@ -34,6 +34,7 @@ class HealthChecker:
         self.failures = failures
         self.successes = successes
         self.loads_interval = loads_interval
+        self.on_down = on_down  # called with a worker just marked down (rescue its requests)
         self._tasks: dict[str, asyncio.Task] = {}
         self._streak: dict[str, int] = {}
         self._loads_task: asyncio.Task | None = None
@@ -96,6 +97,8 @@ class HealthChecker:
         if worker.healthy and streak <= -self.failures:
             worker.healthy = False
             log.warning("%s server %s marked DOWN", worker.role, worker.url)
+            if self.on_down is not None:
+                self.on_down(worker)
         elif not worker.healthy and streak >= self.successes and worker.verified:
             worker.healthy = True
             worker.breaker.reset()

@@ -66,6 +66,10 @@ class Metrics:
         self.stream_bytes = Counter(
             "gateway_streamed_bytes", "Response body bytes sent to clients",
             ["endpoint"], registry=registry)
+        self.failovers = Counter(
+            "gateway_stream_failovers", "Streams whose decode failed mid-stream, by outcome "
+            "(continued on another pair, failed, not_resumable)", ["endpoint", "outcome"],
+            registry=registry)
         self.slow_clients = Counter(
             "gateway_slow_clients", "Streams ended because the client stopped reading",
             ["endpoint"], registry=registry)

@@ -1,156 +1,81 @@
 """Two-leg PD dispatch on one (prefill, decode) pair: one attempt, no retries here.
 
 Both legs are sent at once with the same body (plus bootstrap fields). The first failure of
-either leg cancels the other at once (closing its connection, and asking the server to abort
+either leg stops the other at once (closing its connection, and asking the server to abort
 by request id), so a dead prefill never leaves a decode waiting minutes for KV. Non-streaming
-answers are read whole; streams are relayed byte for byte, and the attempt only "succeeds"
-once the decode produced its first chunk, so a retry can still happen before the client has
-seen anything.
+answers are read whole; streams are relayed (gateway/relay.py), and the attempt only
+"succeeds" once the decode produced its first chunk, so a retry can still happen before the
+client has seen anything.
+
+Deadlines: until its first progress (the prefill's answer or the decode's first byte) an
+attempt has the deadline learned for its prefill server and prompt size (gateway/deadlines.py),
+so a hung pair is suspected in seconds; after it, the hard --response-timeout. Every attempt
+waiting on a server is registered on it: when the server is marked down or its breaker opens,
+`rescue` stops those attempts at once so they are retried elsewhere.
 
 The decode leg runs in the caller's task and the prefill leg in a second task whose failure
-interrupts the decode (cancel + uncancel, as asyncio.timeout does): two legs, one extra task.
+interrupts the decode (`Interrupt`, gateway/cancel.py): two legs, one extra task.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
 
 import orjson
 
+from gateway.attempt import Answer, Attempt, Timeouts, make_rids
 from gateway.bootstrap import RoomAllocator
 from gateway.cancel import Interrupt
+from gateway.deadlines import LatencyModel
 from gateway.errors import BadRequest, UpstreamError
-from gateway.inflight import Tracked, new_id
+from gateway.inflight import Tracked
 from gateway.logprobs import StreamMerger, merge_body, prefill_parts
 from gateway.probe import FOLLOW_ROOM
+from gateway.relay import StreamRelay
 from gateway.request import RequestView
-from gateway.sse import DONE, EventSplitter, event_data, frame, leading_failure
+from gateway.sse import leading_failure
 from gateway.upstream import Upstream, UpstreamResponse, status_error, translate_errors
 from gateway.workers import Worker
 
-LegCallback = Callable[["Attempt", str, "bool | None"], None]
+__all__ = ["Answer", "Attempt", "PDDispatcher", "Timeouts"]
 
-
-@dataclass(frozen=True)
-class Timeouts:
-    response: float  # non-streaming answer, or a stream's first chunk
-    stream_idle: float  # gap between two streamed chunks
-    send: float = 30.0  # how long a client may take to accept one streamed chunk
-    tail: float = 30.0  # how long a prefill answer may trail a finished decode
-    abort: float = 5.0  # bound of a best-effort /abort_request
-
-
-@dataclass(eq=False)
-class Attempt:
-    """One dispatch on a pair, with its rooms and rids; `outcome` records what each leg did.
-
-    `rid_list` holds the rid of every item as the servers know it; `rid` is set only when the
-    gateway made them (random, so aborting them by rid can hit nothing else: see
-    gateway/inflight.py on SGLang's prefix match)."""
-
-    view: RequestView
-    prefill: Worker
-    decode: Worker
-    rooms: int | list[int]
-    rid: str | list[str] | None
-    rid_list: tuple[str, ...]
-    payload: bytes
-    request_id: str
-    tracked: Tracked | None = None
-    prefill_rank: int | None = None  # the DP rank the prefill leg is steered to
-    prefill_payload: bytes = b""  # the prefill leg's body when it differs (routed_dp_rank)
-    prefill_target: object = None  # what the policy chose: the prefill Worker or its Rank
-    prefill_future: asyncio.Future | None = None  # told (worker, rank) or None when done
-    outcome: dict[str, bool | None] = field(default_factory=dict)
-
-
-@dataclass
-class Answer:
-    """The decode's answer: a whole body, or a first chunk plus the rest of the stream."""
-
-    status: int
-    content_type: bytes
-    body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
-    close: Callable[[], Awaitable[None]] | None = None  # always awaited by the responder
+LegCallback = Callable[[Attempt, str, "bool | None"], None]
 
 
 class _PrefillWatch:
-    """Done-callback of the prefill task: a failure interrupts the decode leg's task."""
+    """Done-callback of the prefill task: a failure interrupts the decode leg's task; a
+    success is the attempt's first progress (the KV is on its way)."""
 
-    __slots__ = ("interrupt", "armed")
+    __slots__ = ("interrupt", "armed", "dispatcher", "attempt")
 
-    def __init__(self, interrupt: Interrupt) -> None:
+    def __init__(self, interrupt: Interrupt, dispatcher: PDDispatcher, attempt: Attempt) -> None:
         self.interrupt = interrupt
         self.armed = True
+        self.dispatcher = dispatcher
+        self.attempt = attempt
 
     def __call__(self, prefill: asyncio.Task) -> None:
         error = None if prefill.cancelled() else prefill.exception()  # always retrieved
-        if self.armed and error is not None:
+        self.attempt.prefill.attempts.discard(self.attempt)
+        if error is None and not prefill.cancelled():
+            self.dispatcher.progress(self.attempt)
+        elif self.armed and error is not None:
             self.armed = False
             self.interrupt.fire(error)
 
 
-class _StreamWatchdog:
-    """The deadlines of one relayed stream with ONE timer, not one per chunk (a timer per
-    chunk was a fifth of the relay's CPU). While the relay waits for the server, the server
-    has `idle` seconds per chunk; while the client is being sent a chunk, the client has
-    `send` seconds to take it. Waiting only moves a deadline; the timer re-arms itself until
-    a deadline really passed, then fires the interrupt that stops the waiting."""
-
-    __slots__ = ("idle", "send", "loop", "deadline", "reading", "handle", "upstream", "client")
-
-    def __init__(self, idle: float, send: float, client: Interrupt | None) -> None:
-        self.idle = idle
-        self.send = send
-        self.loop = asyncio.get_running_loop()
-        self.deadline = self.loop.time() + idle
-        self.reading = False
-        self.upstream = Interrupt()  # the relay's task, stopped when the server goes silent
-        self.client = client  # the request's interrupt, fired when the client stops reading
-        self.handle = self.loop.call_at(self.deadline, self._check)
-
-    def waiting(self) -> None:
-        """The relay waits for the server's next chunk."""
-        self.deadline = self.loop.time() + self.idle
-        self.reading = True
-
-    def handing_out(self) -> None:
-        """The relay gave a chunk to the sender: now the client must take it."""
-        self.deadline = self.loop.time() + self.send
-        self.reading = False
-
-    def _check(self) -> None:
-        now = self.loop.time()
-        if now < self.deadline:
-            self.handle = self.loop.call_at(self.deadline, self._check)
-        elif self.reading:
-            self.upstream.fire(StreamStalled())
-        elif self.client is not None:
-            self.client.fire(SlowClient())
-
-    def close(self) -> None:
-        self.handle.cancel()
-
-
-class StreamStalled(Exception):
-    """The server sent nothing for the idle timeout."""
-
-
-class SlowClient(Exception):
-    """The client took no chunk for the send timeout (`--send-timeout`)."""
-
-
 class PDDispatcher:
     def __init__(self, upstream: Upstream, control: Upstream, rooms: RoomAllocator,
-                 timeouts: Timeouts) -> None:
+                 timeouts: Timeouts, model: LatencyModel | None = None) -> None:
         self.upstream = upstream
         self.control = control  # for best-effort aborts
         self.rooms = rooms
         self.timeouts = timeouts
+        self.model = model or LatencyModel()
+        self.relay = StreamRelay(self)
         self.on_leg_done: LegCallback = lambda attempt, leg, ok: None
         self.on_prefill_body: Callable[[Attempt, bytes], None] = lambda attempt, body: None
         self._background: set[asyncio.Task] = set()
@@ -185,7 +110,7 @@ class PDDispatcher:
             body["bootstrap_host"] = [prefill.bootstrap_host] * count
             body["bootstrap_port"] = [prefill.bootstrap_port] * count
         body["bootstrap_room"] = rooms
-        own_rid, rid_list = _rids(body.get("rid"), count)
+        own_rid, rid_list = make_rids(body.get("rid"), count)
         if own_rid is not None:
             body["rid"] = own_rid
         try:
@@ -206,15 +131,26 @@ class PDDispatcher:
 
     async def run(self, attempt: Attempt) -> Answer:
         """Send both legs; return the decode answer or raise the first leg failure."""
-        interrupt = Interrupt()
-        p_task = asyncio.get_running_loop().create_task(self._prefill_leg(attempt))
-        watch = _PrefillWatch(interrupt)
+        loop = asyncio.get_running_loop()
+        interrupt = attempt.interrupt = Interrupt()
+        attempt.started_at = loop.time()
+        attempt.prefill.attempts.add(attempt)
+        attempt.decode.attempts.add(attempt)
+        first = self.model.first_progress_deadline(
+            attempt.prefill.url, attempt.view.prompt_tokens, self.timeouts.response)
+        p_task = loop.create_task(self._prefill_leg(attempt))
+        watch = _PrefillWatch(interrupt, self, attempt)
         p_task.add_done_callback(watch)
         response: UpstreamResponse | None = None
         handed_over = False
         try:
-            async with asyncio.timeout(self.timeouts.response):
+            async with asyncio.timeout(first) as deadline:
+                attempt.deadline = deadline
+                if attempt.progressed:
+                    deadline.reschedule(attempt.started_at + self.timeouts.response)
                 response, answer = await self._decode_leg(attempt)
+                self.progress(attempt)
+                attempt.decode.last_success = time.monotonic()  # alive: it is answering
                 watch.armed = False
                 merger = None
                 if attempt.view.logprob_merge:
@@ -223,23 +159,51 @@ class PDDispatcher:
                         answer.body = merge_body(attempt.view.endpoint, answer.body, parts)
                     else:
                         merger = StreamMerger(attempt.view.endpoint, parts)
+            attempt.deadline = None
             if response is not None:
-                answer.stream = self._relay(attempt, response, answer.body, merger, p_task)
+                answer.stream = self.relay.stream(attempt, response, answer.body, merger, p_task)
                 answer.body, handed_over = b"", True
-                answer.close = self._closer(attempt, response, p_task, answer.stream)
+                answer.close = self.relay.closer(attempt, response, p_task, answer.stream)
+                attempt.prefill.attempts.discard(attempt)  # it now waits on the decode only
             return answer
         except asyncio.CancelledError:
             if (reason := interrupt.reason()) is not None:
                 raise reason from None
             raise
         except TimeoutError:
-            raise self._timed_out(attempt, p_task) from None
+            raise self._timed_out(attempt, p_task, first) from None
         finally:
             watch.armed = False
+            attempt.deadline = None
             if not handed_over:
+                attempt.decode.attempts.discard(attempt)
+                attempt.prefill.attempts.discard(attempt)
                 self._settle(attempt, p_task, response)
 
-    def _timed_out(self, attempt: Attempt, p_task: asyncio.Task) -> UpstreamError:
+    def progress(self, attempt: Attempt) -> None:
+        """The pair works (prefill answered, or the decode's first byte): learn how long it
+        took, and from now on allow the hard response timeout."""
+        if attempt.progressed:
+            return
+        attempt.progressed = True
+        now = asyncio.get_running_loop().time()
+        self.model.first_progress(attempt.prefill.url, attempt.view.prompt_tokens,
+                                  now - attempt.started_at)
+        if attempt.deadline is not None:
+            attempt.deadline.reschedule(attempt.started_at + self.timeouts.response)
+
+    def rescue(self, worker: Worker, why: str) -> int:
+        """Stop every attempt waiting on `worker` (marked down, or its breaker opened) so it
+        is retried on another pair now; returns how many."""
+        stopped = 0
+        for attempt in list(worker.attempts):
+            error = UpstreamError(f"{worker.role} server {worker.url} {why}", leg=worker.role,
+                                  worker_url=worker.url, retryable=True, status=502)
+            if attempt.interrupt is not None and attempt.interrupt.fire(error):
+                stopped += 1
+        return stopped
+
+    def _timed_out(self, attempt: Attempt, p_task: asyncio.Task, first: float) -> UpstreamError:
         """No answer in time. Each leg still waiting is a suspect (a hung decode keeps its
         prefill waiting too, and the reverse): both feed their breakers and both are avoided
         by the retry."""
@@ -247,13 +211,15 @@ class PDDispatcher:
         if "decode" in late and p_task.done():
             late = ["decode"]
         for leg in late:
-            self._leg_done(attempt, leg, False)
+            self.leg_done(attempt, leg, False)
         workers = " and ".join(
             f"{leg} server {(attempt.prefill if leg == 'prefill' else attempt.decode).url}"
             for leg in late) or "the pair"
         leg = late[0] if len(late) == 1 else "both"
         url = attempt.decode.url if leg == "decode" else attempt.prefill.url
-        return UpstreamError(f"{workers} gave no answer within {self.timeouts.response:g}s",
+        limit = (f"{self.timeouts.response:g}s" if attempt.progressed
+                 else f"{first:.3g}s (the deadline learned for this server and prompt size)")
+        return UpstreamError(f"{workers} gave no answer within {limit}",
                              leg=leg, worker_url=url, retryable=True, status=504)
 
     def _settle(self, attempt: Attempt, p_task: asyncio.Task,
@@ -263,16 +229,16 @@ class PDDispatcher:
         if response is not None:  # a stream opened but never handed to a relay
             response.abort()
         if "decode" not in attempt.outcome:
-            self._leg_done(attempt, "decode", None)
-            self._abort(attempt.decode, attempt.rid)
+            self.leg_done(attempt, "decode", None)
+            self.abort(attempt.decode, attempt.rid)
         if not p_task.done():
             if decode_ok and response is None:
-                self._finish_tail(attempt, p_task)
+                self.finish_tail(attempt, p_task)
             else:
                 p_task.cancel()
-                self._abort(attempt.prefill, attempt.rid)
+                self.abort(attempt.prefill, attempt.rid)
 
-    def _finish_tail(self, attempt: Attempt, p_task: asyncio.Task) -> None:
+    def finish_tail(self, attempt: Attempt, p_task: asyncio.Task) -> None:
         """The decode is done; give the prefill's own answer a bounded time to arrive.
 
         A timer and a done-callback, not a task: this happens on most successful requests."""
@@ -284,7 +250,7 @@ class PDDispatcher:
     def _tail_expired(self, attempt: Attempt, p_task: asyncio.Task) -> None:
         if not p_task.done():
             p_task.cancel()
-            self._abort(attempt.prefill, attempt.rid)
+            self.abort(attempt.prefill, attempt.rid)
 
     # -- the legs ----------------------------------------------------------------------------
 
@@ -318,7 +284,7 @@ class PDDispatcher:
         finally:
             if response is not None:
                 response.abort()
-            self._leg_done(attempt, "prefill", ok)
+            self.leg_done(attempt, "prefill", ok)
             future = attempt.prefill_future
             if future is not None and not future.done():
                 future.set_result((attempt.prefill, attempt.prefill_rank) if ok else None)
@@ -334,7 +300,7 @@ class PDDispatcher:
                 if not attempt.view.stream:
                     body = await response.read()
                     response = None
-                    self._leg_done(attempt, "decode", True)
+                    self.leg_done(attempt, "decode", True)
                     return None, Answer(200, content_type, body)
                 first = await response.next_chunk()
             failure = leading_failure(first) if first else None
@@ -349,92 +315,21 @@ class PDDispatcher:
             opened, response = response, None
             return opened, Answer(200, content_type, first)
         except UpstreamError as exc:
-            self._leg_done(attempt, "decode", False if exc.retryable else None)
+            self.leg_done(attempt, "decode", False if exc.retryable else None)
             raise
         finally:
             if response is not None:
                 response.abort()
 
-    def _leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
+    def leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
         if leg in attempt.outcome:
             return
         attempt.outcome[leg] = ok
         self.on_leg_done(attempt, leg, ok)
 
-    # -- streaming relay -----------------------------------------------------------------------
-
-    async def _relay(self, attempt: Attempt, response: UpstreamResponse, first: bytes,
-                     merger: StreamMerger | None, p_task: asyncio.Task) -> AsyncIterator[bytes]:
-        """Yield the decode's SSE bytes; a mid-stream failure ends with an error event."""
-        ok: bool | None = None
-        splitter = EventSplitter() if merger else None
-        tail = b""
-        tracked = attempt.tracked
-        watchdog = _StreamWatchdog(self.timeouts.stream_idle, self.timeouts.send,
-                                   tracked.interrupt if tracked is not None else None)
-        try:
-            chunk: bytes | None = first
-            while chunk is not None:
-                out = _merge_events(splitter, merger, chunk) if splitter else chunk
-                if out:
-                    tail = (tail + out)[-16:]
-                    watchdog.handing_out()
-                    yield out
-                chunk = await self._next_chunk(attempt, response, watchdog)
-            if splitter and splitter.rest().strip():
-                yield _merge_events(splitter, merger, b"\n\n")
-            if not tail.endswith(DONE):
-                raise UpstreamError(f"decode server {attempt.decode.url} ended the stream "
-                                    "without [DONE]", leg="decode",
-                                    worker_url=attempt.decode.url, retryable=False)
-            ok = True
-        except UpstreamError as exc:
-            ok = False
-            prefix = b"" if tail.endswith(b"\n\n") or not tail else b"\n\n"
-            yield prefix + frame(exc.body()) + DONE
-        finally:
-            watchdog.close()
-            self._end_stream(attempt, response, p_task, ok)
-
-    async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse,
-                          watchdog: _StreamWatchdog) -> bytes | None:
-        """The next raw chunk within the idle timeout; None at the end of the stream."""
-        watchdog.waiting()
-        try:
-            with translate_errors("decode", attempt.decode):
-                return await response.next_chunk()
-        except asyncio.CancelledError:
-            if watchdog.upstream.reason() is not None:
-                raise UpstreamError(
-                    f"decode server {attempt.decode.url} sent nothing for "
-                    f"{self.timeouts.stream_idle:g}s", leg="decode",
-                    worker_url=attempt.decode.url, retryable=True, status=504) from None
-            raise
-
-    def _end_stream(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
-                    ok: bool | None) -> None:
-        """Idempotent cleanup of a stream, whether it ran to the end or never started."""
-        if "decode" in attempt.outcome:
-            return
-        if ok is not True:
-            response.abort()
-        self._leg_done(attempt, "decode", ok)
-        if not p_task.done():
-            self._finish_tail(attempt, p_task)
-        if ok is None:  # the client went away mid-stream
-            self._abort(attempt.decode, attempt.rid)
-
-    def _closer(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
-                stream: AsyncIterator[bytes]) -> Callable[[], Awaitable[None]]:
-        async def close() -> None:
-            await stream.aclose()
-            self._end_stream(attempt, response, p_task, None)
-
-        return close
-
     # -- background chores ----------------------------------------------------------------------
 
-    def _abort(self, worker: Worker, rid: str | list[str] | None) -> None:
+    def abort(self, worker: Worker, rid: str | list[str] | None) -> None:
         """Ask `worker` to stop the attempt's items, only by rids the gateway made (a client's
         rid may prefix-match other requests in SGLang's scheduler)."""
         if rid is None:
@@ -459,38 +354,3 @@ class PDDispatcher:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-
-
-def _rids(client_rid: object, count: int | None) -> tuple[str | list[str] | None,
-                                                  tuple[str, ...]]:
-    """(rid field to send when the gateway makes it, every item's rid on the servers).
-
-    A client's rid is sent as it came; SGLang turns a string rid of a batch into
-    f"{rid}_{i}" (`GenerateReqInput._normalize_rid`). Otherwise every item gets a new random
-    rid, per attempt, so a retry never meets its predecessor on a server."""
-    if client_rid is None:
-        if count is None:
-            rid = new_id()
-            return rid, (rid,)
-        rids = [new_id() for _ in range(count)]
-        return rids, tuple(rids)
-    if isinstance(client_rid, str):
-        return None, ((client_rid,) if count is None
-                      else tuple(f"{client_rid}_{i}" for i in range(count)))
-    return None, tuple(client_rid)
-
-
-def _merge_events(splitter: EventSplitter, merger: StreamMerger, chunk: bytes) -> bytes:
-    out = []
-    for event in splitter.feed(chunk):
-        payload = event_data(event)
-        if payload is None or payload == b"[DONE]":
-            out.append(event + b"\n\n")
-            continue
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            out.append(event + b"\n\n")
-            continue
-        out.append(frame(merger.merge(obj)) if isinstance(obj, dict) else event + b"\n\n")
-    return b"".join(out)

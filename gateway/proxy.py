@@ -15,9 +15,11 @@ import orjson
 
 from gateway.aborts import Aborted
 from gateway.errors import GatewayError, UpstreamError
+from gateway.failover import Continuation, error_end, resumable
 from gateway.inflight import Tracked
 from gateway.metrics import Metrics
 from gateway.pd import Answer, Attempt, PDDispatcher
+from gateway.relay import Capture, StreamBroken
 from gateway.request import RequestView
 from gateway.scheduler import Scheduler
 from gateway.sse import data_objects
@@ -27,7 +29,7 @@ from gateway.workers import Worker
 class Proxy:
     def __init__(self, scheduler: Scheduler, dispatcher: PDDispatcher, metrics: Metrics,
                  max_attempts: int, backoff: float, backoff_max: float,
-                 request_timeout: float) -> None:
+                 request_timeout: float, failover: bool = True) -> None:
         self.scheduler = scheduler
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -35,11 +37,14 @@ class Proxy:
         self.backoff = backoff
         self.backoff_max = backoff_max
         self.request_timeout = request_timeout
+        self.failover = failover
         self._policy_names = {role: p.name for role, p in scheduler.policies.items()}
 
-    async def handle(self, view: RequestView, tracked: Tracked, placement=None) -> Answer:
+    async def handle(self, view: RequestView, tracked: Tracked, placement=None,
+                     depth: int = 0) -> Answer:
         """Serve one PD request; `placement` (parallel sampling) lets the samples of one
-        request follow the first to its prefill server."""
+        request follow the first to its prefill server; `depth` counts continuations of a
+        broken stream."""
         avoid = []
         last_error: GatewayError | None = None
         try:
@@ -54,10 +59,15 @@ class Proxy:
                                                       target.rank)
                     if placement is not None:
                         placement.started(attempt)
+                    attempt.resumable = (self.failover and depth < Resumed.MAX_DEPTH
+                                         and resumable(view))
                     self._started(attempt)
                     tracked.attempts.add(attempt)
                     try:
-                        return await self.dispatcher.run(attempt)  # stays in `attempts`
+                        answer = await self.dispatcher.run(attempt)  # stays in `attempts`
+                        if answer.stream is not None and attempt.resumable:
+                            return Resumed(self, view, tracked, answer, depth).answer()
+                        return answer
                     except BaseException as exc:
                         tracked.attempts.discard(attempt)
                         if not isinstance(exc, UpstreamError):
@@ -99,7 +109,8 @@ class Proxy:
     def leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
         """Called once per leg by the dispatcher: release counters, feed breaker and policy."""
         worker = attempt.prefill if leg == "prefill" else attempt.decode
-        worker.finish(attempt.view.prompt_tokens, ok)
+        if worker.finish(attempt.view.prompt_tokens, ok):
+            self.dispatcher.rescue(worker, "opened its circuit breaker")
         target = worker
         if leg == "prefill" and attempt.prefill_target is not worker:
             target = attempt.prefill_target
@@ -115,6 +126,63 @@ class Proxy:
         if prompt:
             _child(attempt.prefill, self.metrics.prompt_tokens).inc(prompt)
             _child(attempt.prefill, self.metrics.cached_tokens).inc(cached)
+
+
+class Resumed:
+    """A stream that survives its decode: on `StreamBroken`, the rest of the answer comes from
+    a new pair (gateway/failover.py), spliced into what the client already has. The
+    continuation is itself resumable, up to MAX_DEPTH continuations of one stream."""
+
+    MAX_DEPTH = 3
+
+    def __init__(self, proxy: Proxy, view: RequestView, tracked: Tracked, first: Answer,
+                 depth: int) -> None:
+        self.proxy = proxy
+        self.view = view
+        self.tracked = tracked
+        self.current = first
+        self.depth = depth
+        self.seen = Capture()
+        self.failovers = proxy.metrics.failovers
+
+    def answer(self) -> Answer:
+        first = self.current
+        return Answer(first.status, first.content_type, stream=self._events(),
+                      close=self._close)
+
+    async def _events(self):
+        view = self.view
+        try:
+            async for chunk in self.current.stream:
+                self.seen.add(chunk)
+                yield chunk
+            return
+        except StreamBroken as broken:
+            error = broken.error
+        await self._close()
+        cont = Continuation.build(view, self.seen.objects()) if self.seen.usable else None
+        if cont is None:
+            self.failovers.labels(view.endpoint, "not_resumable").inc()
+            yield error_end(error)
+            return
+        if cont.view is None:  # the answer was complete; only its [DONE] was missing
+            yield cont.closing()
+            return
+        try:
+            nxt = await self.proxy.handle(cont.view, self.tracked, depth=self.depth + 1)
+        except GatewayError as exc:
+            self.failovers.labels(view.endpoint, "failed").inc()
+            yield error_end(exc)
+            return
+        self.failovers.labels(view.endpoint, "continued").inc()
+        self.current = nxt
+        async for chunk in cont.splice(nxt.stream):
+            yield chunk
+
+    async def _close(self) -> None:
+        current = self.current
+        if current.close is not None:
+            await current.close()
 
 
 def _child(worker: Worker, metric, *labels: str, url_first: bool = False):

@@ -21,6 +21,7 @@ from gateway.auth import Auth
 from gateway.bootstrap import RoomAllocator
 from gateway.breaker import CircuitBreaker
 from gateway.config import GatewayConfig
+from gateway.deadlines import DeadlineOptions, LatencyModel
 from gateway.discovery import KubernetesDiscovery
 from gateway.errors import BadRequest, GatewayError
 from gateway.health import HealthChecker
@@ -158,10 +159,13 @@ class Gateway:
             self.upstream = FastUpstream(c.connect_timeout)
         self.dispatcher = PDDispatcher(
             self.upstream, control, self.rooms,
-            Timeouts(c.response_timeout, c.stream_idle_timeout, send=c.send_timeout))
+            Timeouts(c.response_timeout, c.stream_idle_timeout, send=c.send_timeout),
+            LatencyModel(DeadlineOptions(percentile=c.hang_percentile, factor=c.hang_factor,
+                                         floor=c.hang_floor, cold=c.hang_cold)))
         self.aborts = Aborts(self.inflight, control, timeout=5.0)
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
-                           c.retry_backoff, c.retry_backoff_max, c.request_timeout)
+                           c.retry_backoff, c.retry_backoff_max, c.request_timeout,
+                           failover=c.midstream_failover)
         self.samples = Samples(self.proxy)
         self.dispatcher.on_leg_done = self.proxy.leg_done
         self.dispatcher.on_prefill_body = self.proxy.prefill_answered
@@ -172,7 +176,8 @@ class Gateway:
         self.health = HealthChecker(
             self.pool, self.client, endpoint=c.health_endpoint, interval=c.health_interval,
             timeout=c.health_timeout, failures=c.health_failures,
-            successes=c.health_successes, loads_interval=c.loads_interval)
+            successes=c.health_successes, loads_interval=c.loads_interval,
+            on_down=lambda worker: self.dispatcher.rescue(worker, "was marked down"))
         self.health.start()
         for policy in self.scheduler.policies.values():
             await policy.start()

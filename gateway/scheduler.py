@@ -39,6 +39,7 @@ class Scheduler:
     def __init__(self, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy) -> None:
         self.pool = pool
         self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.panics = {"prefill": 0, "decode": 0}  # picks made in panic mode, per role
         pool.on_change(self.workers_changed)
         self.workers_changed()
 
@@ -48,7 +49,15 @@ class Scheduler:
         self.policies["decode"].on_workers_changed(self.pool.role("decode"))
 
     def candidates(self, role: str, view: RequestView, avoid: Collection[Worker]) -> list[Worker]:
+        """Usable workers of `role` (right model, not just failed); with none usable, the
+        ones that can still take a request: half-open, open or unhealthy (panic routing, as
+        Envoy does below its panic threshold): a suspect server is better than a 503."""
+        self.pool.refresh_breakers(role)
         workers = self.pool.usable(role)
+        if not workers:
+            workers = self.pool.panic(role)
+            if workers:
+                self.panics[role] += 1
         if view.model is not None:
             same_model = [w for w in workers if w.model == view.model]
             if same_model:

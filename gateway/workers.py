@@ -105,6 +105,7 @@ class Worker:
     load_balance_method: str = "follow_bootstrap_room"  # how the server picks a DP rank
     context_length: int | None = None  # the model's, from /server_info
     ranks: list[Rank] = field(default_factory=list)  # DP ranks, when it has more than one
+    attempts: set = field(default_factory=set)  # attempts waiting on this server now (rescue)
     metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
 
     def __post_init__(self) -> None:
@@ -121,8 +122,9 @@ class Worker:
 
     @property
     def usable(self) -> bool:
-        """May the scheduler pick this worker now? (May move an open breaker to half-open.)"""
-        return self.serving and self.breaker.allows()
+        """May the scheduler pick this worker now? (No side effect: the scheduler refreshes
+        breakers explicitly before it asks.)"""
+        return self.serving and self.breaker.admits
 
     @property
     def serving(self) -> bool:
@@ -132,8 +134,18 @@ class Worker:
 
     @property
     def usable_now(self) -> bool:
-        """`usable` without side effects, for metrics and the admin API."""
-        return self.serving and self.breaker.peek()
+        """`usable` as of now, counting a breaker whose cooldown elapsed as half-open (for
+        metrics and the admin API; changes nothing)."""
+        breaker = self.breaker
+        if breaker.state is BreakerState.OPEN:
+            return self.serving and time.monotonic() - breaker.opened_at >= breaker.cooldown
+        return self.serving and breaker.admits
+
+    @property
+    def can_take(self) -> bool:
+        """Could serve in a panic (no fully usable server of its role is left): known to be
+        an SGLang server of this role and not leaving, whatever its health and breaker say."""
+        return self.verified and not self.draining and self.misconfigured is None
 
     def apply_facts(self, facts: ServerFacts) -> None:
         """Adopt what the server says of itself; a port given by the operator wins."""
@@ -179,18 +191,19 @@ class Worker:
         self.total_requests += 1
         self.breaker.on_dispatch()
 
-    def finish(self, tokens: int, success: bool | None) -> None:
-        """Release counters; success None means the outcome says nothing about the server."""
+    def finish(self, tokens: int, success: bool | None) -> bool:
+        """Release counters; success None means the outcome says nothing about the server.
+        Returns True when this failure opened the breaker."""
         self.in_flight -= 1
         self.in_flight_tokens -= tokens
         if success is None:
             self.breaker.release_probe()
+            return False
+        if success:
+            self.last_success = time.monotonic()
         else:
-            self.breaker.record(success)
-            if success:
-                self.last_success = time.monotonic()
-            else:
-                self.total_failures += 1
+            self.total_failures += 1
+        return self.breaker.record(success)
 
     def snapshot(self) -> dict:
         return {
@@ -267,11 +280,21 @@ class WorkerPool:
     def role(self, role: str) -> list[Worker]:
         return self._by_role[role]
 
+    def refresh_breakers(self, role: str) -> None:
+        """Move breakers whose cooldown elapsed to half-open (the one place this happens)."""
+        now = time.monotonic()
+        for worker in self._by_role[role]:
+            worker.breaker.refresh(now)
+
     def usable(self, role: str, model: str | None = None) -> list[Worker]:
         return [
             w for w in self._by_role[role]
             if w.usable and (model is None or w.model is None or w.model == model)
         ]
+
+    def panic(self, role: str) -> list[Worker]:
+        """Workers of `role` that can take a request when none is fully usable."""
+        return [w for w in self._by_role[role] if w.can_take]
 
     def __iter__(self) -> Iterable[Worker]:
         return iter(list(self._workers.values()))

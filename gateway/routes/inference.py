@@ -15,11 +15,12 @@ import time
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.attempt import Answer
 from gateway.auth import Role
 from gateway.cancel import Interrupt
 from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
 from gateway.inflight import Tracked, new_id, safe_id
-from gateway.pd import Answer, SlowClient
+from gateway.relay import SlowClient
 from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
 from gateway.sse import DONE, frame

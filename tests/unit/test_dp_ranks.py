@@ -56,8 +56,9 @@ def unrelated(i: int) -> dict:
     return {"text": f"{i:04d} unrelated prompt", "sampling_params": {"max_new_tokens": 1}}
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_load", "cache_aware", "random",
-                                    "power_of_two", "min_ttft", "prefix_cache"])
+# `random` and `power_of_two` (idle workers tie) spread by chance only: not held to a share
+@pytest.mark.parametrize("policy", ["round_robin", "least_load", "cache_aware", "min_ttft",
+                                    "prefix_cache"])
 def test_follow_room_prefills_spread_unrelated_prompts_over_every_rank(policy):
     cluster = dp_cluster()
 

@@ -1,0 +1,140 @@
+"""Adaptive deadlines: how long a server may stay silent before the gateway suspects a hang.
+
+A fixed deadline is either long (600 s: a hung server holds requests for minutes) or short (a
+long prefill on a healthy server is cut). So the gateway learns, per server, how long it
+normally takes:
+
+* first progress of an attempt (its prefill answer or its decode's first byte, whichever comes
+  first), per prompt-size bucket (powers of two of prompt tokens): a prefill's time grows
+  with the prompt;
+* the gap between two streamed chunks of a decode.
+
+A deadline is `factor` x the `percentile` of the recent observations (a ring of `window`
+values), at least `floor`, at most the configured hard timeout. Until a bucket has
+`min_samples` observations, the nearest smaller bucket of the same server counts, scaled by
+the prompt-size ratio (prefill time is at most linear in the prompt), else the same bucket of
+any server, else `cold`. How the defaults were chosen is in docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeadlineOptions:
+    percentile: float = 0.99
+    factor: float = 4.0
+    floor: float = 5.0  # seconds: below this, normal jitter (GC, a batch boundary) would cut
+    cold: float = 20.0  # seconds, before anything was learned
+    min_samples: int = 20
+    window: int = 256
+
+
+class _Ring:
+    """The last `size` observations and their cached percentile."""
+
+    __slots__ = ("values", "size", "next", "count", "_cached", "_dirty")
+
+    def __init__(self, size: int) -> None:
+        self.values: list[float] = []
+        self.size = size
+        self.next = 0
+        self.count = 0
+        self._cached = 0.0
+        self._dirty = 0
+
+    def add(self, value: float) -> None:
+        if len(self.values) < self.size:
+            self.values.append(value)
+        else:
+            self.values[self.next] = value
+            self.next = (self.next + 1) % self.size
+        self.count += 1
+        self._dirty += 1
+
+    def quantile(self, q: float) -> float:
+        """The q-quantile, recomputed every 16 new observations (a sort of <= 256 floats)."""
+        if self._dirty >= 16 or (self._dirty and self.count <= 64):
+            ordered = sorted(self.values)
+            self._cached = ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+            self._dirty = 0
+        return self._cached
+
+
+def bucket_of(tokens: int) -> int:
+    """Prompt-size bucket: 0 for up to 256 tokens, then one per doubling."""
+    return max(0, (max(tokens, 1) - 1).bit_length() - 8)
+
+
+def bucket_tokens(bucket: int) -> int:
+    return 256 << bucket
+
+
+class LatencyModel:
+    """Learned first-progress times (per server and prompt bucket) and chunk gaps (per server)."""
+
+    def __init__(self, options: DeadlineOptions | None = None) -> None:
+        self.options = options or DeadlineOptions()
+        self._first: dict[tuple[str, int], _Ring] = {}
+        self._first_any: dict[int, _Ring] = {}
+        self._gaps: dict[str, _Ring] = {}
+
+    def _ring(self, table: dict, key) -> _Ring:
+        ring = table.get(key)
+        if ring is None:
+            ring = table[key] = _Ring(self.options.window)
+        return ring
+
+    # -- observations ----------------------------------------------------------------------
+
+    def first_progress(self, url: str, tokens: int, seconds: float) -> None:
+        bucket = bucket_of(tokens)
+        self._ring(self._first, (url, bucket)).add(seconds)
+        self._ring(self._first_any, bucket).add(seconds)
+
+    def gap(self, url: str, seconds: float) -> None:
+        self._ring(self._gaps, url).add(seconds)
+
+    # -- deadlines ----------------------------------------------------------------------------
+
+    def _bounded(self, learned: float | None, limit: float) -> float:
+        o = self.options
+        if learned is None:
+            return min(limit, max(o.cold, o.floor))
+        return min(limit, max(o.floor, o.factor * learned))
+
+    def first_progress_deadline(self, url: str, tokens: int, limit: float) -> float:
+        o = self.options
+        bucket = bucket_of(tokens)
+        for below in range(bucket, -1, -1):  # this bucket, else a smaller one scaled up
+            ring = self._first.get((url, below))
+            if ring is not None and ring.count >= o.min_samples:
+                scale = bucket_tokens(bucket) / bucket_tokens(below)
+                return self._bounded(ring.quantile(o.percentile) * scale, limit)
+        ring = self._first_any.get(bucket)
+        if ring is not None and ring.count >= o.min_samples:
+            return self._bounded(ring.quantile(o.percentile), limit)
+        return self._bounded(None, limit)
+
+    def gap_deadline(self, url: str, limit: float) -> float:
+        ring = self._gaps.get(url)
+        if ring is None or ring.count < self.options.min_samples:
+            return self._bounded(None, limit)
+        return self._bounded(ring.quantile(self.options.percentile), limit)
+
+    def forget(self, url: str) -> None:
+        for key in [k for k in self._first if k[0] == url]:
+            del self._first[key]
+        self._gaps.pop(url, None)
+
+    def snapshot(self, url: str) -> dict:
+        """What was learned of one server, for the admin API."""
+        o = self.options
+        first = {bucket_tokens(b): round(r.quantile(o.percentile), 4)
+                 for (u, b), r in self._first.items() if u == url and r.count >= o.min_samples}
+        gaps = self._gaps.get(url)
+        return {"first_progress_p": first,
+                "gap_p": round(gaps.quantile(o.percentile), 4)
+                if gaps is not None and gaps.count >= o.min_samples else None}

@@ -1,0 +1,230 @@
+"""Relaying a decode's stream to the client: whole SSE events, deadlines, a record to resume.
+
+* Bytes pass through as the server sent them (merged only for prompt logprobs), but only up
+  to the last complete event: a partial event is held back until its end arrives, so the
+  client's stream is well formed whatever happens next (an error event, or a continuation
+  spliced in by gateway/failover.py).
+* One timer per stream (`StreamWatchdog`) keeps two deadlines: the server's silence (learned
+  per server by gateway/deadlines.py, bounded by --stream-idle-timeout) and the client's
+  (--send-timeout: a client that stops reading loses its stream, both legs are aborted).
+* For a request that can be resumed (`attempt.resumable`), a decode failing mid-stream
+  raises `StreamBroken` instead of ending the stream with an error event, and the proxy
+  continues it on another pair from what the client received (kept in a `Capture`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import orjson
+
+from gateway.attempt import Attempt
+from gateway.cancel import Interrupt
+from gateway.errors import UpstreamError
+from gateway.logprobs import StreamMerger
+from gateway.sse import DONE, EventSplitter, event_data, frame
+from gateway.upstream import UpstreamResponse, translate_errors
+
+CAPTURE_LIMIT = 8 << 20  # bytes of one stream kept for a continuation
+
+
+class SlowClient(Exception):
+    """The client took no chunk for the send timeout (`--send-timeout`)."""
+
+
+class StreamBroken(Exception):
+    """The decode failed mid-stream and the stream may be continued on another pair."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Capture:
+    """The events relayed so far, for a continuation (bounded: past the limit, none)."""
+
+    __slots__ = ("chunks", "size", "usable")
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.usable = True
+
+    def add(self, data: bytes) -> None:
+        if self.usable:
+            self.size += len(data)
+            if self.size > CAPTURE_LIMIT:
+                self.usable, self.chunks = False, []
+            else:
+                self.chunks.append(data)
+
+    def objects(self) -> list[dict]:
+        """The JSON objects of the relayed events, in order."""
+        out = []
+        for event in EventSplitter().feed(b"".join(self.chunks)):
+            payload = event_data(event)
+            if payload is None or payload == b"[DONE]":
+                continue
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+        return out
+
+
+class StreamWatchdog:
+    """The deadlines of one relayed stream with ONE timer, not one per chunk (a timer per
+    chunk was a fifth of the relay's CPU). While the relay waits for the server, the server
+    has `idle` seconds per chunk; while the client is being sent a chunk, the client has
+    `send` seconds to take it. Waiting only moves a deadline; the timer re-arms itself until
+    a deadline really passed, then fires the interrupt that stops the waiting."""
+
+    __slots__ = ("idle", "send", "loop", "deadline", "reading", "handle", "upstream", "client",
+                 "stalled")
+
+    def __init__(self, idle: float, send: float, client: Interrupt | None,
+                 stalled: UpstreamError) -> None:
+        self.idle = idle
+        self.send = send
+        self.loop = asyncio.get_running_loop()
+        self.deadline = self.loop.time() + idle
+        self.reading = False
+        self.upstream = Interrupt()  # the relay's task, stopped when the server goes silent
+        self.client = client  # the request's interrupt, fired when the client stops reading
+        self.stalled = stalled
+        self.handle = self.loop.call_at(self.deadline, self._check)
+
+    def waiting(self) -> float:
+        """The relay waits for the server's next chunk; returns the time now."""
+        now = self.loop.time()
+        self.deadline = now + self.idle
+        self.reading = True
+        return now
+
+    def handing_out(self) -> None:
+        """The relay gave a chunk to the sender: now the client must take it."""
+        self.deadline = self.loop.time() + self.send
+        self.reading = False
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if now < self.deadline:
+            self.handle = self.loop.call_at(self.deadline, self._check)
+        elif self.reading:
+            self.upstream.fire(self.stalled)
+        elif self.client is not None:
+            self.client.fire(SlowClient())
+
+    def close(self) -> None:
+        self.handle.cancel()
+
+
+class StreamRelay:
+    """The relay of one dispatcher (it accounts the decode leg when the stream ends)."""
+
+    def __init__(self, dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    async def stream(self, attempt: Attempt, response: UpstreamResponse, first: bytes,
+                     merger: StreamMerger | None, p_task: asyncio.Task) -> AsyncIterator[bytes]:
+        """Yield the decode's SSE events; a mid-stream failure ends with an error event, or
+        raises StreamBroken when the stream may be continued elsewhere."""
+        d = self.dispatcher
+        ok: bool | None = None
+        splitter = EventSplitter() if merger else None
+        url = attempt.decode.url
+        idle = d.model.gap_deadline(url, d.timeouts.stream_idle)
+        stalled = UpstreamError(f"decode server {url} sent nothing for {idle:.3g}s",
+                                leg="decode", worker_url=url, retryable=True, status=504)
+        tracked = attempt.tracked
+        watchdog = StreamWatchdog(idle, d.timeouts.send,
+                                  tracked.interrupt if tracked is not None else None, stalled)
+        attempt.interrupt = watchdog.upstream  # a rescue now stops the relay's wait
+        held = b""
+        tail = b""
+        try:
+            chunk: bytes | None = first
+            while chunk is not None:
+                out = _merge_events(splitter, merger, chunk) if splitter else chunk
+                if held:
+                    out, held = held + out, b""
+                if out and not out.endswith(b"\n\n"):  # hold back a partial event
+                    cut = out.rfind(b"\n\n") + 2
+                    out, held = (out[:cut], out[cut:]) if cut > 1 else (b"", out)
+                if out:
+                    tail = out[-16:] if len(out) >= 16 else (tail + out)[-16:]
+                    watchdog.handing_out()
+                    yield out
+                started = watchdog.waiting()
+                chunk = await self._next_chunk(attempt, response, watchdog)
+                d.model.gap(url, watchdog.loop.time() - started)
+            rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter
+                           and splitter.rest().strip() else b"")
+            if rest.strip():
+                tail = (tail + rest)[-16:]
+                yield rest if rest.endswith(b"\n\n") else rest + b"\n\n"
+            if not tail.endswith(DONE):
+                raise UpstreamError(f"decode server {url} ended the stream without [DONE]",
+                                    leg="decode", worker_url=url, retryable=True)
+            ok = True
+        except UpstreamError as exc:
+            ok = False
+            if exc.retryable and attempt.resumable:
+                raise StreamBroken(exc) from None
+            yield frame(exc.body()) + DONE
+        finally:
+            watchdog.close()
+            self.end(attempt, response, p_task, ok)
+
+    async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse,
+                          watchdog: StreamWatchdog) -> bytes | None:
+        """The next raw chunk; None at the end of the stream."""
+        try:
+            with translate_errors("decode", attempt.decode):
+                return await response.next_chunk()
+        except asyncio.CancelledError:
+            if (reason := watchdog.upstream.reason()) is not None:
+                raise reason from None
+            raise
+
+    def end(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
+            ok: bool | None) -> None:
+        """Idempotent cleanup of a stream, whether it ran to the end or never started."""
+        if "decode" in attempt.outcome:
+            return
+        d = self.dispatcher
+        if ok is not True:
+            response.abort()
+        attempt.decode.attempts.discard(attempt)
+        d.leg_done(attempt, "decode", ok)
+        if not p_task.done():
+            d.finish_tail(attempt, p_task)
+        if ok is None:  # the client went away mid-stream
+            d.abort(attempt.decode, attempt.rid)
+
+    def closer(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
+               stream: AsyncIterator[bytes]) -> Callable[[], Awaitable[None]]:
+        async def close() -> None:
+            await stream.aclose()
+            self.end(attempt, response, p_task, None)
+
+        return close
+
+
+def _merge_events(splitter: EventSplitter, merger: StreamMerger, chunk: bytes) -> bytes:
+    out = []
+    for event in splitter.feed(chunk):
+        payload = event_data(event)
+        if payload is None or payload == b"[DONE]":
+            out.append(event + b"\n\n")
+            continue
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            out.append(event + b"\n\n")
+            continue
+        out.append(frame(merger.merge(obj)) if isinstance(obj, dict) else event + b"\n\n")
+    return b"".join(out)
