@@ -19,6 +19,11 @@ task must then let propagate.
 
 Interrupts nest: an attempt's interrupt and the request's interrupt may both target one task;
 each takes back only its own cancellation, so the outer one still sees its own.
+
+An interrupt only works while its task waits inside the guarded code: it refuses to fire from
+the task itself (the code is running and sees the failure itself) and after `close()` (the
+guarded code is over). A cancellation requested then would hit the task's next, unrelated
+await, since Python 3.11's `uncancel` cannot take a pending cancellation back.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ import asyncio
 
 
 class Interrupt:
-    __slots__ = ("task", "_reason", "_taken", "_superseded")
+    __slots__ = ("task", "_reason", "_taken", "_superseded", "_closed")
 
     def __init__(self, task: asyncio.Task | None = None) -> None:
         self.task = task if task is not None else asyncio.current_task()
         self._reason: BaseException | None = None
         self._taken = False
         self._superseded = False
+        self._closed = False
 
     @property
     def fired(self) -> bool:
@@ -41,11 +47,16 @@ class Interrupt:
 
     def fire(self, reason: BaseException) -> bool:
         """Stop the task for `reason`; only the first reason counts. True if this one did."""
-        if self._reason is not None or self.task.done():
+        if self._reason is not None or self._closed or self.task.done() \
+                or asyncio.current_task() is self.task:
             return False
         self._reason = reason
         self.task.cancel()
         return True
+
+    def close(self) -> None:
+        """The guarded code is over: later fires do nothing."""
+        self._closed = True
 
     def reason(self) -> BaseException | None:
         """In `except CancelledError`: the reason to raise, or None if the cancellation was

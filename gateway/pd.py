@@ -175,6 +175,7 @@ class PDDispatcher:
         finally:
             watch.armed = False
             attempt.deadline = None
+            interrupt.close()
             if not handed_over:
                 attempt.decode.attempts.discard(attempt)
                 attempt.prefill.attempts.discard(attempt)

@@ -177,6 +177,7 @@ class StreamRelay:
             yield frame(exc.body()) + DONE
         finally:
             watchdog.close()
+            watchdog.upstream.close()
             self.end(attempt, response, p_task, ok)
 
     async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse,

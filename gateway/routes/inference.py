@@ -114,6 +114,7 @@ class InferenceEndpoint:
             except Exception:  # noqa: BLE001 - the response may have started already
                 pass
         finally:
+            interrupt.close()
             counter = self._requests.get(status)
             if counter is None:
                 counter = self._requests[status] = gw.metrics.requests.labels(
