@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +130,7 @@ def _batch_rids(rid: Any, num: int, batch: int) -> list[str]:
         if len(rid) != batch:
             raise BadRequest(
                 "The specified rids length mismatch with the batch_size for batch processing.")
-        duplicates = sorted({r for r in rid if rid.count(r) > 1})
+        duplicates = [r for r, count in Counter(rid).items() if count > 1]
         if duplicates:
             raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
         return list(rid)
