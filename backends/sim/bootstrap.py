@@ -123,6 +123,8 @@ class BootstrapServer:
             room = registry.get(number)
             if room is not None:
                 return 200, _JSON, orjson.dumps(room.view())
+        if number in self.pending:  # a decode joined without a rank; no prefill registered it yet
+            return 404, _JSON, b'{"state":"awaiting_rank"}'
         return 404, _JSON, b'{"state":"unknown"}'
 
     def _register(self, body: bytes) -> tuple[int, bytes, bytes]:

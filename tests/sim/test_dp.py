@@ -15,7 +15,7 @@ import zmq
 from backends.sim.config import config_from_args
 from backends.sim.dp import CONTROLLER_CRASH_EXIT_CODE
 from tests.sim.conftest import PD_FLAGS
-from tests.sim.simproc import HOST, Sim
+from tests.sim.simproc import HOST, Sim, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -216,7 +216,8 @@ def test_decode_asks_a_prefill_that_does_not_follow_rooms(sim_factory, room):
     async def decode_first() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(timeout=20) as client:
             d = asyncio.create_task(client.post(decode.url + "/generate", json=body(prefill, late)))
-            await asyncio.sleep(0.2)
+            assert await asyncio.to_thread(
+                wait_until, lambda: prefill.room_state(late) == "awaiting_rank")
             p = await client.post(prefill.url + "/generate", json=body(prefill, late))
             return p, await d
     p, d = asyncio.run(decode_first())
