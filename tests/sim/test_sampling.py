@@ -204,3 +204,16 @@ def test_n_single_sample_requests_with_own_rooms_succeed(pd_pair, null_sim, room
     plain = null_sim.post("/generate", json={"text": PROMPT, "sampling_params": {
         "max_new_tokens": 4}}).json()["text"]
     assert [a.json()["text"] for a in answers[1::2]] == [plain] * 3
+
+
+def test_a_failed_warmup_fails_the_request(pd_pair, room):
+    """The warm-up's HTTPException escapes generate_request: an error answer, or a broken stream."""
+    prefill, _ = pd_pair
+    payload = {"text": PROMPT, "sampling_params": {"n": 2}, **prefill.pd_fields(room())}
+    r = prefill.post("/generate", json=payload)  # no decode: the warm-up times out
+    assert r.status_code == 500 and "KVPoll.Bootstrapping" in r.json()["message"]
+    with httpx.stream("POST", prefill.url + "/generate", timeout=10,
+                      json={**payload, "stream": True, "bootstrap_room": room()}) as stream:
+        assert stream.status_code == 200  # the head went out before the warm-up
+        with pytest.raises(httpx.RemoteProtocolError):
+            stream.read()
