@@ -259,7 +259,8 @@ def test_openai_header_picks_the_rank(sim_factory):
 
 
 def test_kv_events_per_rank_carry_their_rank(sim_factory):
-    port, replay = free_port_run(2), free_port_run(2)
+    port = free_port_run(4)
+    replay = port + 2  # ranks 0 and 1 of each: four ports in a row
     cfg = (f'{{"publisher":"zmq","endpoint":"tcp://*:{port}",'
            f'"replay_endpoint":"tcp://*:{replay}","topic":"kv"}}')
     sim = sim_factory("null", "--dp-size", "2", "--kv-events-config", cfg)
