@@ -6,12 +6,15 @@ CommonKVBootstrapServer answers them:
     GET  /health            -> OK
     GET  /route?prefill_dp_rank=..&prefill_cp_rank=..&target_tp_rank=..&target_pp_rank=..
     PUT  /route             -> OK
-    POST /register_dp_rank  -> OK
-    POST /query_dp_ranks    {"bootstrap_rooms": [...]} -> {room: dp_rank}
+    POST /register_dp_rank  {"bootstrap_room", "dp_rank"} -> OK
+    POST /query_dp_ranks    {"bootstrap_rooms": [...]} -> {room: dp_rank} (registered ones)
 
 plus `GET /sim/rooms/{room}` (a room's state, for tests) and `GET /sim/kv`
 with `Upgrade: sim-kv/1`, which turns the connection into a decode's KV
-channel (wire.py). A small server of its own rather than a second uvicorn
+channel (wire.py). Each DP rank of the prefill has its own rooms: a decode
+joins a room at one rank, and a join without a rank (the decode could not
+derive it) waits until the prefill registers the room's rank, as SGLang's
+decode polls /query_dp_ranks. A small server of its own rather than a second uvicorn
 app: the channel needs the raw connection, and the few routes do not need a
 framework.
 """
@@ -19,6 +22,7 @@ framework.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -29,19 +33,27 @@ from backends.sim.config import SimConfig
 from backends.sim.rooms import Room, RoomRegistry
 from backends.sim.wire import CHANNEL_PATH, UPGRADE, BatchWriter, LineReader
 
+_MAX_DP_RANK_ENTRIES = 100_000
+
 ROUTE_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 _TEXT = b"text/plain; charset=utf-8"
 _JSON = b"application/json"
 _REASONS = {101: "Switching Protocols", 200: "OK", 400: "Bad Request", 404: "Not Found",
-            405: "Method Not Allowed"}
+            405: "Method Not Allowed", 500: "Internal Server Error"}
 
 
 def server_info_payload(config: SimConfig) -> dict[str, object]:
-    """`PrefillServerInfo` as SGLang's bootstrap server returns it."""
+    """`PrefillServerInfo` as SGLang's bootstrap server returns it.
+
+    mirrors CommonKVBootstrapServer._handle_route_get/_handle_route_put
+    (disaggregation/common/conn.py): dp_size counts the DP ranks, and follow_bootstrap_room
+    is whether the prefill's load_balance_method is follow_bootstrap_room.
+    """
     return {
-        "attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1,
+        "attn_tp_size": 1, "attn_cp_size": 1, "dp_size": config.num_dp_ranks, "pp_size": 1,
         "page_size": config.page_size, "kv_cache_dtype": "bfloat16",
-        "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": False,
+        "follow_bootstrap_room": config.follow_bootstrap_room,
+        "enable_dsa_cache_layer_split": False,
         "enable_kv_cache_sharding": False, "prefill_http_port": config.port,
         "decode_allocation_policy": "early",
     }
@@ -50,11 +62,27 @@ def server_info_payload(config: SimConfig) -> dict[str, object]:
 class BootstrapServer:
     """Listens on --bootstrap-port in the prefill's event loop."""
 
-    def __init__(self, config: SimConfig, registry: RoomRegistry) -> None:
+    def __init__(self, config: SimConfig, registries: list[RoomRegistry]) -> None:
         self.config = config
-        self.registry = registry
+        self.registries = registries  # one per DP rank
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
+        self.room_to_dp_rank: OrderedDict[int, int] = OrderedDict()
+        self.pending: dict[int, list[tuple[DecodeLink, int, str]]] = {}  # room -> rankless joins
+
+    def register_dp_rank(self, room: int, rank: int) -> None:
+        """Remember the rank a prefill request of `room` runs on; rankless joins of it go on.
+
+        mirrors CommonKVBootstrapServer._handle_register_dp_rank (disaggregation/common/conn.py);
+        SGLang expires entries after a cleanup interval, the sim keeps the last 100,000.
+        """
+        table = self.room_to_dp_rank
+        table[room] = rank
+        table.move_to_end(room)
+        while len(table) > _MAX_DP_RANK_ENTRIES:
+            table.popitem(last=False)
+        for link, tag, rid in self.pending.pop(room, ()):
+            link.join_rank(tag, room, rid, rank)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -83,14 +111,30 @@ class BootstrapServer:
             if method != "POST":
                 return 405, _TEXT, b"Method Not Allowed"
             if path == "/register_dp_rank":
-                return 200, _TEXT, b"OK"
+                return self._register(body)
             return self._query_dp_ranks(body)
         if path.startswith("/sim/rooms/") and path[11:].isdigit():
-            room = self.registry.get(int(path[11:]))
-            if room is None:
-                return 404, _JSON, b'{"state":"unknown"}'
-            return 200, _JSON, orjson.dumps(room.view())
+            return self._room_view(int(path[11:]))
         return 404, _TEXT, b"Not Found"
+
+    def _room_view(self, number: int) -> tuple[int, bytes, bytes]:
+        """The room's state on the first rank that knows it (tests)."""
+        for registry in self.registries:
+            room = registry.get(number)
+            if room is not None:
+                return 200, _JSON, orjson.dumps(room.view())
+        if number in self.pending:  # a decode joined without a rank; no prefill registered it yet
+            return 404, _JSON, b'{"state":"awaiting_rank"}'
+        return 404, _JSON, b'{"state":"unknown"}'
+
+    def _register(self, body: bytes) -> tuple[int, bytes, bytes]:
+        try:
+            data = orjson.loads(body or b"{}")
+            self.register_dp_rank(int(data["bootstrap_room"]), int(data["dp_rank"]))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            # aiohttp answers a handler's exception with a bare 500
+            return 500, _TEXT, b"500 Internal Server Error\n\nServer got itself in trouble"
+        return 200, _TEXT, b"OK"
 
     def _route(self, query: dict[str, list[str]]) -> tuple[int, bytes, bytes]:
         if not all(query.get(k, [""])[0] for k in ROUTE_KEYS):
@@ -101,19 +145,20 @@ class BootstrapServer:
             return 400, _TEXT, b"Missing inputs for bootstrap server."
         if ranks == [-1, -1, -1, -1]:
             return 200, _JSON, orjson.dumps(server_info_payload(self.config))
-        if ranks == [0, 0, 0, 0]:
+        if ranks[1:] == [0, 0, 0] and 0 <= ranks[0] < self.config.num_dp_ranks:
             return 200, _JSON, orjson.dumps({"rank_ip": self.config.host,
                                              "rank_port": self.config.bootstrap_port})
         text = "Bootstrap info not found for dp_rank={} cp_rank={} tp_rank={} pp_rank={}"
         return 404, _TEXT, text.format(*ranks).encode()
 
     def _query_dp_ranks(self, body: bytes) -> tuple[int, bytes, bytes]:
+        """mirrors _handle_query_dp_ranks: only rooms whose rank was registered."""
         try:
-            data = orjson.loads(body or b"{}")
-            rooms = data.get("bootstrap_rooms", []) if isinstance(data, dict) else []
-            known = {str(int(r)): 0 for r in rooms if self.registry.get(int(r)) is not None}
-        except (orjson.JSONDecodeError, TypeError, ValueError):
-            return 400, _TEXT, b"Invalid JSON body."
+            rooms = orjson.loads(body or b"{}")["bootstrap_rooms"]
+            table = self.room_to_dp_rank
+            known = {str(int(r)): table[int(r)] for r in rooms if int(r) in table}
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return 500, _TEXT, b"500 Internal Server Error\n\nServer got itself in trouble"
         return 200, _JSON, orjson.dumps(known)
 
 
@@ -185,7 +230,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
                              b"Upgrade: " + UPGRADE + b"\r\n\r\n")
-        self.link = DecodeLink(self.server.registry, self.transport)
+        self.link = DecodeLink(self.server, self.transport)
         if rest:
             self.link.feed(rest)
 
@@ -201,12 +246,14 @@ class _Connection(asyncio.Protocol):
 class DecodeLink:
     """The prefill end of one decode's KV channel: joins, aborts, and KV pushes."""
 
-    def __init__(self, registry: RoomRegistry, transport: asyncio.Transport) -> None:
-        self.registry = registry
+    def __init__(self, server: BootstrapServer, transport: asyncio.Transport) -> None:
+        self.server = server
+        self.registries = server.registries
         self.transport = transport
         self.writer = BatchWriter(transport)
         self.reader = LineReader()
         self.joined: dict[int, Room] = {}  # tag -> room joined here whose KV is not sent yet
+        self.waiting: dict[int, int] = {}  # tag -> room of a rankless join
 
     def feed(self, data: bytes) -> None:
         try:
@@ -220,16 +267,47 @@ class DecodeLink:
     def _on_message(self, message: list[Any]) -> None:
         op, tag = message[0], message[1]
         if op == "join":
-            got = self.registry.join_decode(int(message[2]), str(message[3]))
-            if isinstance(got, str):
-                self.writer.send(["refused", tag, got])
+            rank = message[4] if len(message) > 4 else 0
+            room, rid = int(message[2]), str(message[3])
+            if rank is None:  # the decode asks which rank: wait for the prefill's registration
+                known = self.server.room_to_dp_rank.get(room)
+                if known is None:
+                    self.waiting[tag] = room
+                    self.server.pending.setdefault(room, []).append((self, tag, rid))
+                    return
+                rank = known
+            self.join_rank(tag, room, rid, int(rank))
+        elif op == "abort":
+            if tag in self.waiting:
+                self._forget_waiting(tag)
                 return
+            got = self.joined.pop(tag, None)
+            if got is not None:
+                self.registries[got.dp_rank].fail(got.room, str(message[2]))
+
+    def join_rank(self, tag: int, number: int, rid: str, rank: int) -> None:
+        """Take the decode half of `number` at prefill rank `rank`."""
+        self.waiting.pop(tag, None)
+        if not 0 <= rank < len(self.registries):
+            self.writer.send(["refused", tag, (
+                f"Could not fetch bootstrap info for: prefill_dp_rank: {rank} prefill_cp_rank: 0 "
+                "target_tp_rank: 0 and target_pp_rank 0")])
+            return
+        got = self.registries[rank].join_decode(number, rid)
+        if isinstance(got, str):
+            self.writer.send(["refused", tag, got])
+            return
+        if got is not None:  # None: accepted, but that room's KV already went elsewhere
             self.joined[tag] = got
             got.listeners.append(lambda room: self._room_changed(tag, room))
-        elif op == "abort":
-            room = self.joined.pop(tag, None)
-            if room is not None:
-                self.registry.fail(room.room, str(message[2]))
+
+    def _forget_waiting(self, tag: int) -> None:
+        room = self.waiting.pop(tag)
+        rest = [p for p in self.server.pending.get(room, []) if p[0] is not self or p[1] != tag]
+        if rest:
+            self.server.pending[room] = rest
+        else:
+            self.server.pending.pop(room, None)
 
     def _room_changed(self, tag: int, room: Room) -> None:
         """Push the KV (or the failure) once the room ends."""
@@ -242,4 +320,7 @@ class DecodeLink:
 
     def lost(self) -> None:
         """The decode went away; its rooms run on (SGLang notices only by heartbeat)."""
+        for tag in list(self.waiting):
+            self._forget_waiting(tag)
         self.joined.clear()
+

@@ -16,6 +16,9 @@ from typing import Any, Literal
 Mode = Literal["prefill", "decode", "null"]
 MODES: tuple[str, ...] = ("prefill", "decode", "null")
 SGLANG_VERSION = "0.5.23"
+# arg_groups/fields/parallel.py: the --load-balance-method choices of 0.5.23.
+LOAD_BALANCE_METHODS: tuple[str, ...] = (
+    "auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens")
 
 # Timing-model figures (milliseconds) for an 8B dense model in bf16 on one
 # H100; docs/SIMULATOR.md explains where each one comes from.
@@ -128,12 +131,32 @@ class SimConfig:
     kv_events_encoding: str = "map"
     seed: int = 0
     log_level: str = "warning"
+    num_dp_ranks: int = 1  # schedulers (DP ranks) in this server
+    attn_dp: bool = False  # the ranks are attention-DP groups (--enable-dp-attention)
+    load_balance_method: str = "round_robin"  # resolved: never "auto"
     faults: Faults = field(default_factory=Faults, compare=False)
 
     @property
     def engine_type(self) -> str:
         """The `engine_type` metric label SGLang derives from the mode."""
         return {"prefill": "prefill", "decode": "decode"}.get(self.mode, "unified")
+
+    @property
+    def dp_size(self) -> int:
+        """`dp_size` as /server_info reports it: replicas, 1 under attention DP.
+
+        mirrors parallel_hook._handle_deprecated_dp_attention (arg_groups/parallel_hook.py):
+        `--dp-size N --enable-dp-attention` resolves to attn_dp_size=N, dp_size=1.
+        """
+        return 1 if self.attn_dp else self.num_dp_ranks
+
+    @property
+    def attn_dp_size(self) -> int:
+        return self.num_dp_ranks if self.attn_dp else 1
+
+    @property
+    def follow_bootstrap_room(self) -> bool:
+        return self.load_balance_method == "follow_bootstrap_room"
 
 
 def _flag_table() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
@@ -150,6 +173,14 @@ def _flag_table() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
         (("--model-name", "--served-model-name", "--model-path"),
          {"default": d.model_name, "help": "served model name, also reported as model path"}),
         (("--page-size",), {"type": int, "default": d.page_size, "help": "KV page size in tokens"}),
+        (("--dp-size", "--data-parallel-size"),
+         {"type": int, "default": 1, "help": "DP ranks: schedulers, each with its own cache"}),
+        (("--attn-dp-size", "--attention-data-parallel-size"),
+         {"type": int, "default": 1, "help": "attention-DP ranks (as --dp-size N --enable-dp-attention)"}),
+        (("--enable-dp-attention",), {"action": "store_true",
+                                      "help": "the --dp-size ranks are attention-DP groups"}),
+        (("--load-balance-method",), {"choices": LOAD_BALANCE_METHODS, "default": "auto",
+                                      "help": "how requests pick a DP rank"}),
         (("--max-running-requests",),
          {"type": int, "default": d.max_running_requests, "help": "running batch limit"}),
         (("--max-total-tokens",), {"type": int, "default": d.max_total_tokens,
@@ -254,6 +285,11 @@ def _resolve(ns: argparse.Namespace) -> SimConfig:
         raise ValueError("timing figures must be >= 0")
     if ns.bootstrap_retries < 1:
         raise ValueError("--bootstrap-retries must be >= 1")
+    num_dp_ranks, attn_dp = _dp_layout(ns)
+    if kv_events is not None and num_dp_ranks > 1 and not kv_events.endpoint.startswith(
+            ("tcp", "inproc")):
+        # mirrors ZmqEventPublisher.offset_endpoint_port (disaggregation/kv_events.py)
+        raise ValueError("Invalid endpoint: must contain 'inproc' or 'tcp'")
     capacity = ns.cache_capacity_tokens
     return SimConfig(
         mode=ns.mode, host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port,
@@ -267,5 +303,34 @@ def _resolve(ns: argparse.Namespace) -> SimConfig:
         bootstrap_retry_interval=ns.bootstrap_retry_interval,
         transfer_backend=ns.transfer_backend, enable_cache_report=ns.enable_cache_report,
         kv_events=kv_events, kv_events_encoding=ns.kv_events_encoding, seed=ns.seed,
-        log_level=ns.log_level, faults=faults, **timing,
+        log_level=ns.log_level, num_dp_ranks=num_dp_ranks, attn_dp=attn_dp,
+        load_balance_method=resolve_load_balance_method(ns.load_balance_method, ns.mode),
+        faults=faults, **timing,
     )
+
+
+def _dp_layout(ns: argparse.Namespace) -> tuple[int, bool]:
+    """(DP ranks, attention DP?) from --dp-size, --attn-dp-size, --enable-dp-attention.
+
+    mirrors parallel_hook._handle_deprecated_dp_attention (arg_groups/parallel_hook.py) and
+    num_dp_ranks_of (runtime_context.py): ranks = dp_size * attn_dp_size, one of them 1.
+    """
+    if ns.dp_size < 1 or ns.attn_dp_size < 1:
+        raise ValueError("--dp-size and --attn-dp-size must be >= 1")
+    dp, attn = ns.dp_size, ns.attn_dp_size
+    if ns.enable_dp_attention and attn == 1:
+        dp, attn = 1, dp
+    if dp > 1 and attn > 1:
+        # mirrors context_parallel_attn_dp_size's assert (arg_groups/model_override_base.py)
+        raise ValueError(f"--dp-size {dp} with --attn-dp-size {attn}: use one of them")
+    return dp * attn, attn > 1
+
+
+def resolve_load_balance_method(method: str, mode: str) -> str:
+    """auto -> follow_bootstrap_room on a PD prefill, round_robin otherwise.
+
+    mirrors handle_load_balance_method (arg_groups/serving_hook.py).
+    """
+    if method != "auto":
+        return method
+    return "follow_bootstrap_room" if mode == "prefill" else "round_robin"

@@ -114,6 +114,11 @@ class Engine:
         return sum(j.context_len for j in running)
 
     @property
+    def num_total_tokens(self) -> int:
+        """Used plus queued prompt tokens (LoadSnapshot.num_total_tokens, the DP budget's load)."""
+        return self.num_used_tokens + sum(j.context_len for j in self.waiting)
+
+    @property
     def waiting_uncached_tokens(self) -> int:
         return sum(max(0, j.prompt_tokens - j.cached_tokens) for j in self.waiting)
 

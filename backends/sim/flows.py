@@ -51,9 +51,12 @@ class _Leg:
 
 
 def register(state: SimState, job: Job, task: asyncio.Task[object] | None) -> None:
-    """Make `job` findable by rid (duplicates, /abort_request, loads) until its flow ends."""
+    """Make `job` findable by rid (duplicates, /abort_request, loads) until its flow ends,
+    and give it its DP rank as the DataParallelController would (dp.py)."""
     job.task = task
     state.jobs[job.spec.rid] = job
+    if state.controller is not None:
+        job.rank = state.controller.pick(job.spec)
 
 
 def launch(state: SimState, job: Job, endpoint: str) -> asyncio.Task[None]:
@@ -104,7 +107,7 @@ async def run_job(state: SimState, job: Job, endpoint: str) -> None:
         state.telemetry.aborted += 1
     finally:
         if outcome != "completed":
-            state.engine.drop(job)
+            state.ranks[job.rank].engine.drop(job)
         _release_leg(state, job, leg, outcome, reason)
         if state.jobs.get(job.spec.rid) is job:
             del state.jobs[job.spec.rid]
@@ -116,13 +119,14 @@ async def run_job(state: SimState, job: Job, endpoint: str) -> None:
 
 def _release_leg(state: SimState, job: Job, leg: _Leg, outcome: str, reason: str | None) -> None:
     ok = outcome == "completed"
-    if leg.room is not None and state.registry is not None:
-        state.engine.release(job)
+    rank = state.ranks[job.rank]
+    if leg.room is not None and rank.registry is not None:
+        rank.engine.release(job)
         if not ok:
             why = ABORTED if outcome in ("cancelled", "aborted") else "Prefill bootstrap failed"
-            state.registry.fail(leg.room.room, why)
+            rank.registry.fail(leg.room.room, why)
     if leg.decode_room is not None:
-        state.decode_rooms.discard(leg.decode_room)
+        rank.decode_rooms.discard(leg.decode_room)
         transfer = leg.transfer
         if transfer is not None and not transfer.settled and not ok:
             transfer.abort(reason or ABORTED)
@@ -136,12 +140,13 @@ async def _until_done(job: Job) -> None:
 async def _run_null(state: SimState, job: Job, leg: _Leg) -> None:
     if state.config.faults.first_token_delay > 0:  # --first-token-delay
         await asyncio.sleep(state.config.faults.first_token_delay)
-    state.engine.submit_prefill(job)
+    state.ranks[job.rank].engine.submit_prefill(job)
     await _until_done(job)
 
 
 async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
-    spec, cfg, registry = job.spec, state.config, state.registry
+    spec, cfg, rank = job.spec, state.config, state.ranks[job.rank]
+    registry, engine = rank.registry, rank.engine
     if registry is None:
         raise RuntimeError("a prefill sim always has a room registry")
     number = spec.bootstrap_room
@@ -151,6 +156,8 @@ async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
     if isinstance(got, str):
         raise SimError(500, prefill_failed(spec.rid, number, got))
     leg.room = room = got
+    if cfg.num_dp_ranks > 1 and spec.disagg_prefill_dp_rank is None:
+        _place_room(state, job, number)
     room.listeners.append(job.wake)  # the decode joined, or the room failed
     job.phase = "bootstrap"
     if room.decode_rid is None and room.state == "open":
@@ -158,7 +165,7 @@ async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
     _check_room(room, spec.rid)
     if state.config.faults.first_token_delay > 0:  # --first-token-delay
         await asyncio.sleep(state.config.faults.first_token_delay)
-    state.engine.submit_prefill(job)
+    engine.submit_prefill(job)
     while not job.prefilled:
         await job.wait()
         _check_room(room, spec.rid)
@@ -175,8 +182,27 @@ async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
     }
     if not registry.ready(room, kv):
         _check_room(room, spec.rid)
-    state.engine.release(job)
+    engine.release(job)
     job.finish({"type": "length", "length": 0})
+
+
+def _place_room(state: SimState, job: Job, number: int) -> None:
+    """Tell decodes where the room's KV is, or fail a room that is on the wrong rank.
+
+    mirrors CommonKVSender.__init__ (disaggregation/common/conn.py): with more than one DP
+    rank and no disagg_prefill_dp_rank, a prefill that does not follow rooms registers its
+    rank with the bootstrap server (_register_prefill_dp_rank); one that follows rooms but
+    was routed elsewhere (routed_dp_rank) fails the room.
+    """
+    ranks = state.config.num_dp_ranks
+    if not state.config.follow_bootstrap_room:
+        if state.bootstrap is not None:
+            state.bootstrap.register_dp_rank(number, job.rank)
+    elif job.rank != number % ranks:
+        raise SimError(500, prefill_failed(job.spec.rid, number, (
+            f"follow_bootstrap_room conflict: dispatched to dp_rank {job.rank} but "
+            f"bootstrap_room {number} implies dp_rank {number % ranks}. Set "
+            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 to allow mixed routing.")))
 
 
 async def _wait_for_decode(state: SimState, job: Job, room: Room) -> None:
@@ -216,9 +242,10 @@ async def _run_decode(state: SimState, job: Job, leg: _Leg) -> None:
     if not spec.bootstrap_host or spec.bootstrap_port is None:
         raise SimError(400, "Invalid request: Disaggregated request received without "
                             f"bootstrap host or port. req.rid={spec.rid!r}")
-    if number in state.decode_rooms:
+    decode_rooms = state.ranks[job.rank].decode_rooms
+    if number in decode_rooms:
         raise SimError(500, handshake_failed(spec.rid, number, DUPLICATE_DECODE))
-    state.decode_rooms.add(number)
+    decode_rooms.add(number)
     leg.decode_room = number
     addr = _bootstrap_addr(spec.bootstrap_host, spec.bootstrap_port)
     job.phase = "bootstrap"
@@ -247,7 +274,7 @@ async def _run_decode(state: SimState, job: Job, leg: _Leg) -> None:
         job.finish({"type": "length", "length": 0})
     else:
         job.add_token(int(kv["first_token"]), float(kv["first_logprob"]))
-    state.engine.submit_decode(job)
+    state.ranks[job.rank].engine.submit_decode(job)
     await _until_done(job)
 
 

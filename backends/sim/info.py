@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from backends.sim.config import SGLANG_VERSION
+from backends.sim.dp import DpRank
 from backends.sim.metrics import render_metrics
 from backends.sim.native import read_json
 from backends.sim.requests import BadRequest
@@ -62,9 +63,9 @@ async def model_card(request: Request) -> Response:
     return JSONResponse(_model_card(name, cfg.context_length))
 
 
-def _internal_state(state: SimState) -> dict[str, Any]:
-    eng = state.engine
-    return {"dp_rank": 0, "last_gen_throughput": round(eng.gen_throughput, 3),
+def _internal_state(state: SimState, rank: DpRank) -> dict[str, Any]:
+    eng = rank.engine
+    return {"dp_rank": rank.index, "last_gen_throughput": round(eng.gen_throughput, 3),
             "memory_usage": {"weight": 15.0, "kvcache": 52.0, "token_capacity":
                              state.config.max_total_tokens, "graph": 0.5},
             "num_running_reqs": eng.num_running, "num_waiting_reqs": len(eng.waiting)}
@@ -78,12 +79,15 @@ async def server_info(request: Request) -> Response:
         "served_model_name": cfg.model_name, "host": cfg.host, "port": cfg.port,
         "skip_tokenizer_init": False, "load_format": "dummy", "dtype": "bfloat16",
         "kv_cache_dtype": "auto", "context_length": cfg.context_length, "device": "cuda",
-        "tp_size": 1, "pp_size": 1, "dp_size": 1, "ep_size": 1,
+        # resolved_dict (server_args.py): dp_size counts replicas, attn_dp_size attention-DP
+        # groups (tp_size at least that), enable_dp_attention = attn_dp_size > 1
+        "tp_size": cfg.attn_dp_size, "pp_size": 1, "dp_size": cfg.dp_size, "ep_size": 1,
+        "attn_dp_size": cfg.attn_dp_size, "enable_dp_attention": cfg.attn_dp,
         "page_size": cfg.page_size, "max_running_requests": cfg.max_running_requests,
         "max_total_tokens": cfg.max_total_tokens, "chunked_prefill_size": cfg.chunked_prefill_size,
         "schedule_policy": "fcfs", "stream_interval": 1, "enable_metrics": True,
         "enable_cache_report": cfg.enable_cache_report, "disable_radix_cache": False,
-        "load_balance_method": "round_robin",
+        "load_balance_method": cfg.load_balance_method,
         "disaggregation_mode": cfg.mode,
         "disaggregation_transfer_backend": cfg.transfer_backend,
         "disaggregation_bootstrap_port": cfg.bootstrap_port,
@@ -92,26 +96,28 @@ async def server_info(request: Request) -> Response:
         "kv_events_config": cfg.kv_events.raw if cfg.kv_events else None,
         "max_total_num_tokens": cfg.max_total_tokens,
         "max_req_input_len": cfg.context_length - 1,
-        "kv_events": state.publisher.describe() if state.publisher else None,
+        "kv_events": (state.ranks[0].publisher.describe(cfg.num_dp_ranks)
+                      if state.ranks[0].publisher else None),
         "startup_time": state.stats.started,
-        "internal_states": [_internal_state(state)],
+        "internal_states": [_internal_state(state, r) for r in state.ranks],
         "version": SGLANG_VERSION,
         "frontend": "python",
     }
     return JSONResponse(info)
 
 
-def load_snapshot(state: SimState) -> dict[str, Any]:
-    """One `LoadSnapshot.to_dict()` entry (managers/load_snapshot.py)."""
-    cfg, eng = state.config, state.engine
+def load_snapshot(state: SimState, rank: DpRank) -> dict[str, Any]:
+    """One rank's `LoadSnapshot.to_dict()` entry (managers/load_snapshot.py)."""
+    cfg, eng = state.config, rank.engine
     used = eng.num_used_tokens
-    phases = [j.phase for j in state.jobs.values()]
+    phases = [j.phase for j in state.jobs.values() if j.rank == rank.index]
     in_mode = {"prefill": cfg.mode == "prefill", "decode": cfg.mode == "decode"}
     return {
-        "timestamp": time.time(), "dp_rank": 0,
+        "timestamp": time.time(), "dp_rank": rank.index,
         "num_running_reqs": eng.num_running, "num_waiting_reqs": len(eng.waiting),
         "num_waiting_uncached_tokens": eng.waiting_uncached_tokens,
-        "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": used,
+        "num_used_tokens": used, "num_total_tokens": eng.num_total_tokens,
+        "num_active_tokens": used,
         "num_prealloc_ready_tokens": 0, "max_total_num_tokens": cfg.max_total_tokens,
         "max_running_requests": cfg.max_running_requests,
         "token_usage": round(used / cfg.max_total_tokens, 6),
@@ -140,20 +146,40 @@ _SECTION_NAMES = {"memory": "memory", "disaggregation": "disagg", "queues": "que
 
 
 async def loads(request: Request) -> Response:
+    """GET /v1/loads[?include=..][&dp_rank=N]: one entry per DP rank (entrypoints/v1_loads.py).
+
+    mirrors TokenizerControlMixin.get_loads: a dp_rank out of range gives no entries.
+    """
+    state = _state(request)
     include_raw = request.query_params.get("include")
     include = {s.strip() for s in include_raw.split(",")} if include_raw else None
     if include is not None and not include <= _LOAD_SECTIONS:
         return _http_error(400, f"Invalid include sections: {include - _LOAD_SECTIONS}. "
                                 f"Valid options: {sorted(_LOAD_SECTIONS)}")
-    snap = load_snapshot(_state(request))
+    ranks = state.ranks
+    raw_rank = request.query_params.get("dp_rank")
+    if raw_rank is not None:
+        try:
+            wanted = int(raw_rank)
+        except ValueError:
+            return JSONResponse({"detail": [{
+                "type": "int_parsing", "loc": ["query", "dp_rank"], "input": raw_rank,
+                "msg": "Input should be a valid integer, unable to parse string as an integer"}]},
+                status_code=422)
+        ranks = [r for r in ranks if r.index == wanted]
+    snaps = [load_snapshot(state, r) for r in ranks]
     if include is not None and "all" not in include:
-        for key, name in _SECTION_NAMES.items():
-            if name not in include:
-                snap.pop(key)
+        for snap in snaps:
+            for key, name in _SECTION_NAMES.items():
+                if name not in include:
+                    snap.pop(key)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    # _num_accelerators_per_dp_rank: tp * pp, divided by the ranks under attention DP
+    cfg = state.config
+    per_rank = cfg.attn_dp_size // cfg.num_dp_ranks if cfg.attn_dp else 1
     return JSONResponse({"timestamp": stamp,
                          "version": SGLANG_VERSION, "accelerator": "SIM H100",
-                         "num_accelerators": 1, "loads": [snap]})
+                         "num_accelerators": per_rank, "loads": snaps})
 
 
 async def metrics(request: Request) -> Response:
@@ -161,13 +187,30 @@ async def metrics(request: Request) -> Response:
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _rank_stats(state: SimState, rank: DpRank) -> dict[str, Any]:
+    """What one DP rank served and holds (tests and benchmarks)."""
+    eng, cache = rank.engine, rank.cache
+    return {
+        "dp_rank": rank.index,
+        "dispatched": state.controller.dispatched[rank.index] if state.controller else None,
+        "requests": eng.requests_total, "prompt_tokens": eng.prompt_tokens_total,
+        "cached_tokens": eng.cached_tokens_total, "running": eng.num_running,
+        "waiting": len(eng.waiting),
+        "cache": {"size_tokens": cache.size, "capacity_tokens": cache.capacity,
+                  "evicted_tokens": cache.evicted_tokens},
+        "kv_events_published": rank.publisher.published if rank.publisher else 0,
+    }
+
+
 async def sim_stats(request: Request) -> Response:
     state = _state(request)
+    per_rank = [_rank_stats(state, r) for r in state.ranks]
     extra = {
         "faults": state.config.faults.as_dict(),
-        "cache": {"size_tokens": state.cache.size, "capacity_tokens": state.cache.capacity,
-                  "evicted_tokens": state.cache.evicted_tokens},
-        "kv_events_published": state.publisher.published if state.publisher else 0,
+        "cache": {key: sum(r["cache"][key] for r in per_rank)
+                  for key in ("size_tokens", "capacity_tokens", "evicted_tokens")},
+        "kv_events_published": sum(r["kv_events_published"] for r in per_rank),
+        "dp_ranks": per_rank,
     }
     return JSONResponse(state.stats.snapshot(state.config.mode, len(state.jobs), extra))
 

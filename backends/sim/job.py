@@ -49,6 +49,9 @@ class ItemSpec:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     stream: bool = False
+    routed_dp_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
+    sample_key: bytes | None = None  # None: greedy; else mixed into the seed (sampling)
 
 
 ABORT_REASON = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
@@ -74,11 +77,14 @@ class Job:
     finished_at: float | None = None
     changed: asyncio.Event | None = None
     task: asyncio.Task[Any] | None = None  # runs the flow; cancelled by abort or disconnect
+    rank: int = 0  # the DP rank serving it (dp.py)
     _waiter: asyncio.Future[None] | None = None
 
     def __post_init__(self) -> None:
         if not self.seed:
             self.seed = tokenizer.prompt_seed(self.spec.input_ids)
+            if self.spec.sample_key is not None:
+                self.seed = tokenizer.sample_seed(self.seed, self.spec.sample_key)
 
     async def wait(self) -> None:
         """Sleep until the next `wake()`; the caller rechecks what it waits for."""

@@ -1,6 +1,7 @@
 """KV cache events on ZMQ in SGLang's wire format (disaggregation/kv_events.py).
 
-PUB frames are `[topic, seq (8 bytes big-endian), msgpack([ts, events, 0])]`.
+PUB frames are `[topic, seq (8 bytes big-endian), msgpack([ts, events, rank])]`,
+one publisher per DP rank on the endpoint's port + rank (the replay port too).
 Events are maps tagged by "type" (msgspec `tag=True` structs, as in 0.5.23)
 or, with `--kv-events-encoding array`, the older positional arrays
 `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
@@ -42,6 +43,23 @@ def _tcp_host_port(endpoint: str) -> tuple[str, int] | None:
         return None
 
 
+def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """The endpoint of rank `rank`: tcp port + rank, inproc name + "_dp<rank>".
+
+    mirrors ZmqEventPublisher.offset_endpoint_port (disaggregation/kv_events.py).
+    """
+    if not endpoint or rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    if "tcp" in endpoint and ":" in endpoint:
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + rank}"
+    if "tcp" in endpoint:
+        return endpoint
+    raise ValueError("Invalid endpoint: must contain 'inproc' or 'tcp'")
+
+
 def encode_event(event: CacheEvent, page_size: int, array: bool) -> Any:
     """One event as SGLang's msgspec encoder would write it."""
     if event.kind == "BlockStored":
@@ -65,9 +83,13 @@ def encode_event(event: CacheEvent, page_size: int, array: bool) -> Any:
 class KvEventPublisher:
     """Owns the PUB (and optional replay ROUTER) sockets of one server."""
 
-    def __init__(self, settings: KvEventsSettings, page_size: int, encoding: str = "map") -> None:
+    def __init__(self, settings: KvEventsSettings, page_size: int, encoding: str = "map",
+                 dp_rank: int = 0) -> None:
         self.settings = settings
         self.page_size = page_size
+        self.dp_rank = dp_rank
+        self.endpoint = offset_endpoint(settings.endpoint, dp_rank) or settings.endpoint
+        self.replay_endpoint = offset_endpoint(settings.replay_endpoint, dp_rank)
         self.array = encoding == "array"
         self._topic = settings.topic.encode()
         self._seq = 0
@@ -76,11 +98,11 @@ class KvEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(settings.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        bind = settings.bind if settings.bind is not None else _should_bind(settings.endpoint)
+        bind = settings.bind if settings.bind is not None else _should_bind(self.endpoint)
         if bind:
-            self._pub.bind(settings.endpoint)
+            self._pub.bind(self.endpoint)
         else:
-            self._pub.connect(settings.endpoint)
+            self._pub.connect(self.endpoint)
         self._actx: zmq.asyncio.Context | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
@@ -88,17 +110,19 @@ class KvEventPublisher:
 
     def start_replay(self) -> None:
         """Bind the replay ROUTER, if configured; needs a running loop."""
-        if not self.settings.replay_endpoint:
+        if not self.replay_endpoint:
             return
         self._actx = zmq.asyncio.Context()
         self._replay = self._actx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
-        self._replay.bind(self.settings.replay_endpoint)
+        self._replay.bind(self.replay_endpoint)
         self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay(self._replay))
 
     def publish(self, events: list[CacheEvent]) -> None:
         """Send one batch; PUB never blocks (frames past HWM are dropped)."""
-        batch = [time.time(), [encode_event(e, self.page_size, self.array) for e in events], 0]
+        # EventBatch [ts, events, attn_dp_rank]: the publisher's rank (ZmqEventPublisher.publish)
+        batch = [time.time(), [encode_event(e, self.page_size, self.array) for e in events],
+                 self.dp_rank]
         payload = msgpack.packb(batch, use_bin_type=True)
         seq = self._seq
         self._seq += 1
@@ -121,8 +145,9 @@ class KvEventPublisher:
                     )
             await router.send_multipart([client, b"", b"", END_SEQ, b""])
 
-    def describe(self) -> dict[str, Any] | None:
-        """The `kv_events` block of /server_info (runtime_context.py)."""
+    def describe(self, num_dp_ranks: int) -> dict[str, Any] | None:
+        """The `kv_events` block of /server_info; mirrors describe_kv_events_publisher
+        (runtime_context.py): the base ports, and `dp_size` = the number of ranks."""
         parsed = _tcp_host_port(self.settings.endpoint)
         if parsed is None:
             return None
@@ -132,7 +157,7 @@ class KvEventPublisher:
             "endpoint_port_base": parsed[1],
             "topic": self.settings.topic,
             "block_size": self.page_size,
-            "dp_size": 1,
+            "dp_size": num_dp_ranks,
         }
         replay = _tcp_host_port(self.settings.replay_endpoint or "")
         if replay is not None:

@@ -88,14 +88,19 @@ class KvLink(asyncio.Protocol):
         self._answer: asyncio.Future[tuple[int, bytes]] | None = None
         self._reader = LineReader()
         self._writer: BatchWriter | None = None
+        self.prefill_dp_size = 1  # from the prefill's PrefillServerInfo (GET /route)
+        self.follow_bootstrap_room = True
 
     # ---- set-up: GET /route, then the upgrade ----------------------------
     async def setup(self) -> None:
         host = self.addr.encode()
         status, body = await self._request(
             f"GET /route?{_ROUTE_QUERY} HTTP/1.1\r\nHost: ".encode() + host + b"\r\n\r\n")
-        if status != 200 or "page_size" not in _json_object(body):
+        info = _json_object(body)
+        if status != 200 or "page_size" not in info:
             raise NotABootstrapServer(f"GET /route answered {status}")
+        self.prefill_dp_size = int(info.get("dp_size", 1) or 1)
+        self.follow_bootstrap_room = bool(info.get("follow_bootstrap_room", True))
         status, _ = await self._request(
             f"GET {CHANNEL_PATH} HTTP/1.1\r\nHost: ".encode() + host
             + b"\r\nConnection: Upgrade\r\nUpgrade: " + UPGRADE + b"\r\n\r\n")
@@ -150,13 +155,33 @@ class KvLink(asyncio.Protocol):
 
     # ---- the channel -----------------------------------------------------
     def join(self, job: Job, room: int, deadlines: DeadlineQueue) -> KvTransfer:
-        """Send the join; from here on the job waits for the KV (phase "transfer")."""
+        """Send the join to the prefill rank that holds the room's KV; from here on the
+        job waits for the KV (phase "transfer")."""
         assert self._writer is not None
         transfer = KvTransfer(self, next(self._tags), deadlines)
         self.transfers[transfer.tag] = transfer
-        self._writer.send(["join", transfer.tag, room, job.spec.rid])
+        rank = self.prefill_dp_rank(job.spec.disagg_prefill_dp_rank, room)
+        if rank == 0:
+            self._writer.send(["join", transfer.tag, room, job.spec.rid])
+        else:  # None: the prefill answers once it registered the room's rank
+            self._writer.send(["join", transfer.tag, room, job.spec.rid, rank])
         job.phase = "transfer"
         return transfer
+
+    def prefill_dp_rank(self, hint: int | None, room: int) -> int | None:
+        """The prefill rank of `room`, or None when only the prefill can tell.
+
+        mirrors DecodePreallocQueue._resolve_prefill_dp_rank (disaggregation/decode.py): the
+        request's disagg_prefill_dp_rank, 0 for a one-rank prefill, room % dp_size when the
+        prefill follows rooms; else SGLang asks /query_dp_ranks until the room is registered.
+        """
+        if hint is not None:
+            return hint
+        if self.prefill_dp_size == 1:
+            return 0
+        if self.follow_bootstrap_room:
+            return room % self.prefill_dp_size
+        return None
 
     def abort(self, tag: int, reason: str) -> None:
         self.transfers.pop(tag, None)

@@ -17,10 +17,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.sim import faults, flows
-from backends.sim.job import ItemSpec, Job
+from backends.sim.job import Job
 from backends.sim.outputs import native_output
-from backends.sim.requests import BadRequest, parse_generate
-from backends.sim.responses import DONE, first_error, respond, send_json, sse
+from backends.sim.requests import BadRequest, InternalError, ParsedRequest, parse_generate
+from backends.sim.responses import DONE, first_error, respond, send_json, send_text, sse
 from backends.sim.state import SimState
 
 ENDPOINT = "/generate"
@@ -88,12 +88,15 @@ def parse_json(body: bytes) -> Any:
         raise BadRequest(f"Invalid JSON body: {exc}") from None
 
 
-def make_jobs(state: SimState, specs: list[ItemSpec]) -> list[Job]:
-    """The jobs of one request; a rid still running is refused, as SGLang does."""
-    live = [s.rid for s in specs if s.rid in state.jobs]
+def make_jobs(state: SimState, parsed: ParsedRequest) -> tuple[list[Job], list[Job]]:
+    """The jobs (and n > 1 warm-ups) of one request; a rid still running is refused.
+
+    mirrors TokenizerManager._init_req_state (managers/tokenizer_manager.py).
+    """
+    live = [rid for rid in parsed.rids if rid in state.jobs]
     if live:
         raise BadRequest(f"Duplicate request ID detected: {live[0]}")
-    return [Job(spec=s) for s in specs]
+    return [Job(spec=s) for s in parsed.items], [Job(spec=s) for s in parsed.warmups]
 
 
 async def generate_asgi(state: SimState, scope: Scope, receive: Receive, send: Send) -> None:
@@ -133,14 +136,18 @@ async def answer_generate(state: SimState, body: bytes, scope: Scope, receive: R
                           send: Send) -> None:
     try:
         parsed = parse_generate(parse_json(body), state.config)
-        jobs = make_jobs(state, parsed.items)
+        jobs, warmups = make_jobs(state, parsed)
     except BadRequest as exc:
         state.stats.record(ENDPOINT, "", None, "failed", str(exc))
         status, payload = native_error(400, str(exc))
         await send_json(send, status, payload)
         return
+    except InternalError as exc:  # an exception FastAPI answers with its bare 500
+        state.stats.record(ENDPOINT, "", None, "failed", str(exc))
+        await send_text(send, 500, b"Internal Server Error")
+        return
     formatter = NativeFormatter(state.config.mode, parsed.is_single)
-    response = respond(state, jobs, formatter, parsed.stream, ENDPOINT)
+    response = respond(state, jobs, formatter, parsed.stream, ENDPOINT, warmups)
     await response(scope, receive, send)
 
 
@@ -159,10 +166,11 @@ async def abort_request(request: Request) -> Response:
 
 async def flush_cache(request: Request) -> Response:
     state: SimState = request.app.state.sim
-    if state.engine.num_running or state.engine.waiting:
+    if any(r.engine.num_running or r.engine.waiting for r in state.ranks):
         return PlainTextResponse(
             "Cache not flushed: there are running or waiting requests.\n", status_code=400)
-    state.cache.clear()
+    for rank in state.ranks:  # every scheduler flushes its own cache
+        rank.cache.clear()
     state.stats.flush_count += 1
     return PlainTextResponse(
         "Cache flushed.\nPlease check backend logs for more details. "

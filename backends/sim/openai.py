@@ -19,7 +19,7 @@ from backends.sim import faults, tokenizer
 from backends.sim.job import Job, SimError
 from backends.sim.native import make_jobs, read_json
 from backends.sim.outputs import input_logprobs, output_logprobs, output_top_logprobs, usage
-from backends.sim.requests import BadRequest, openai_to_generate, parse_generate
+from backends.sim.requests import BadRequest, InternalError, openai_to_generate, parse_generate
 from backends.sim.responses import DONE, first_error, respond, sse
 from backends.sim.state import SimState
 
@@ -218,12 +218,32 @@ async def _serve(request: Request, endpoint: str, chat: bool) -> ASGIApp:
         if not isinstance(body, dict):
             raise BadRequest("The request body should be a JSON object.")
         formatter, generate_body = (_chat if chat else _completion)(body, state)
+        header = request.headers.get("x-data-parallel-rank")
+        if header is not None:
+            rank = _header_rank(header)
+            if isinstance(rank, JSONResponse):
+                return rank
+            generate_body["routed_dp_rank"] = rank
         parsed = parse_generate(generate_body, state.config)
-        jobs = make_jobs(state, parsed.items)
+        jobs, warmups = make_jobs(state, parsed)
     except BadRequest as exc:
         state.stats.record(endpoint, "", None, "failed", str(exc))
         return JSONResponse(openai_error(400, str(exc)), status_code=400)
-    return respond(state, jobs, formatter, parsed.stream, endpoint)
+    except InternalError as exc:  # OpenAIServingBase.handle_request's catch-all
+        state.stats.record(endpoint, "", None, "failed", str(exc))
+        return JSONResponse(openai_error(500, f"Internal server error: {exc}",
+                                         "InternalServerError"), status_code=500)
+    return respond(state, jobs, formatter, parsed.stream, endpoint, warmups)
+
+
+def _header_rank(value: str) -> int | JSONResponse:
+    """X-Data-Parallel-Rank overrides the body's routed_dp_rank; mirrors
+    OpenAIServingBase.extract_routed_dp_rank_from_header (entrypoints/openai/serving_base.py)."""
+    try:
+        return int(value)
+    except ValueError:
+        message = f"Invalid X-Data-Parallel-Rank header: must be an integer, got '{value}'"
+        return JSONResponse(openai_error(400, message, "400"), status_code=400)
 
 
 def _completion(body: dict[str, Any], state: SimState) -> tuple[_OpenAIFormatter, dict[str, Any]]:

@@ -8,7 +8,9 @@ the endpoint's JSON shapes. A non-streaming answer is the finished state.
   The item's flow runs inside the request's own task, and the disconnect
   comes as a callback from our uvicorn protocol (httpproto.py): no extra task.
 - `JobsResponse`: batches, `n > 1` and streams: one task per item, and a
-  shared Event that wakes the writer on every token.
+  shared Event that wakes the writer on every token. For `n > 1` the
+  warm-ups run first, one after the other; the samples start once all
+  succeeded, and a failed warm-up fails the request (SGLang raises it).
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ class Formatter(Protocol):
 
 
 def respond(state: SimState, jobs: list[Job], formatter: Formatter, stream: bool,
-            endpoint: str) -> SingleResponse | JobsResponse:
-    if len(jobs) == 1 and not stream:
+            endpoint: str, warmups: list[Job] | None = None) -> SingleResponse | JobsResponse:
+    if len(jobs) == 1 and not stream and not warmups:
         return SingleResponse(state, jobs[0], formatter, endpoint)
-    return JobsResponse(state, jobs, formatter, stream, endpoint)
+    return JobsResponse(state, jobs, formatter, stream, endpoint, warmups or [])
 
 
 class SingleResponse:
@@ -95,25 +97,62 @@ class JobsResponse:
     """Serve `jobs` (one task each, one shared `changed` event) and answer the client."""
 
     def __init__(self, state: SimState, jobs: list[Job], formatter: Formatter, stream: bool,
-                 endpoint: str) -> None:
+                 endpoint: str, warmups: list[Job]) -> None:
         self.state, self.jobs, self.formatter = state, jobs, formatter
-        self.stream, self.endpoint = stream, endpoint
+        self.stream, self.endpoint, self.warmups = stream, endpoint, warmups
         self.changed = asyncio.Event()
-        for job in jobs:
+        for job in (*warmups, *jobs):
             job.changed = self.changed
         self.disconnected = False
+        self.started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.get_running_loop().create_task(self._watch(receive))
-        tasks = [launch(self.state, job, self.endpoint) for job in self.jobs]
+        tasks: list[asyncio.Task[None]] = []
         answered = False
         try:
+            if self.stream and not self.formatter.defer_headers:
+                await self._start(send)  # StreamingResponse sends its head before the warm-ups
+            if not await self._warm_up(send, tasks):
+                return
+            tasks += [launch(self.state, job, self.endpoint) for job in self.jobs]
             answered = await (self._stream(send) if self.stream else self._unary(send))
         finally:
             watcher.cancel()
             if not answered:  # client gone (or server stopping): cancel what still runs
                 for task in tasks:
                     task.cancel()
+
+    async def _start(self, send: Send) -> None:
+        if not self.started:
+            self.started = True
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+    async def _warm_up(self, send: Send, tasks: list[asyncio.Task[None]]) -> bool:
+        """Run the n > 1 warm-ups in order; False if the request ended with them.
+
+        mirrors TokenizerManager._handle_batch_request (managers/tokenizer_manager.py): each
+        warm-up is sent and awaited before the next; a failed one raises out of
+        generate_request, which is a JSON error answer, or, once a native stream has sent
+        its head, an exception that breaks the connection (nothing else catches it).
+        """
+        for job in self.warmups:
+            task = launch(self.state, job, self.endpoint)
+            tasks.append(task)
+            while True:
+                self.changed.clear()
+                if job.done or self.disconnected:
+                    break
+                await self.changed.wait()
+            if self.disconnected:
+                return False
+            if job.error is not None:
+                if self.started:
+                    raise RuntimeError(f"n > 1 warm-up failed: {job.error.message}")
+                status, payload = self.formatter.unary([job])
+                await send_json(send, status, payload)
+                return False
+        return True
 
     async def _watch(self, receive: Receive) -> None:
         while True:
@@ -125,26 +164,20 @@ class JobsResponse:
 
     async def _stream(self, send: Send) -> bool:
         """Write the SSE stream; False if the client left before the end."""
-        started = False
         if not self.formatter.defer_headers:
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            started = True
+            await self._start(send)
         while True:
             self.changed.clear()
             for job in self.jobs:
                 for chunk in self.formatter.updates(job):
-                    if not started:
-                        await send({"type": "http.response.start", "status": 200,
-                                    "headers": SSE_HEADERS})
-                        started = True
+                    await self._start(send)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if self.disconnected:
                 return False
             if all(self.formatter.closed(job) for job in self.jobs):
                 break
             await self.changed.wait()
-        if not started:
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await self._start(send)
         body = b"".join(self.formatter.trailer())
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return True
@@ -167,6 +200,13 @@ async def send_json(send: Send, status: int, payload: object) -> None:
     """One JSON answer with a Content-Length (uvicorn would chunk it otherwise)."""
     body = orjson.dumps(payload)
     headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_text(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"text/plain; charset=utf-8"),
                (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

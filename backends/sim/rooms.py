@@ -32,6 +32,7 @@ class Room:
     state: str = "open"  # open | ready | failed
     reason: str | None = None
     kv: dict[str, Any] | None = None
+    dp_rank: int = 0  # the prefill DP rank whose KV manager holds the room
     created: float = field(default_factory=time.monotonic)
     listeners: list[Callable[[Room], None]] = field(default_factory=list)
 
@@ -41,15 +42,16 @@ class Room:
 
     def view(self) -> dict[str, Any]:
         return {"room": self.room, "state": self.state, "prefill_rid": self.prefill_rid,
-                "decode_rid": self.decode_rid, "reason": self.reason}
+                "decode_rid": self.decode_rid, "reason": self.reason, "dp_rank": self.dp_rank}
 
 
 class RoomRegistry:
-    """All rooms a prefill server has heard of, oldest first."""
+    """All rooms one prefill DP rank has heard of, oldest first."""
 
-    def __init__(self, open_ttl: float) -> None:
+    def __init__(self, open_ttl: float, dp_rank: int = 0) -> None:
         self.rooms: OrderedDict[int, Room] = OrderedDict()
         self.open_ttl = open_ttl
+        self.dp_rank = dp_rank
 
     def _notify(self, room: Room) -> None:
         listeners = room.listeners
@@ -64,7 +66,7 @@ class RoomRegistry:
 
     def _create(self, number: int) -> Room:
         self._sweep()
-        room = Room(number)
+        room = Room(number, dp_rank=self.dp_rank)
         self.rooms[number] = room
         return room
 
@@ -85,7 +87,12 @@ class RoomRegistry:
         return self.rooms.get(number)
 
     def claim_prefill(self, number: int, rid: str) -> Room | str:
-        """Take the prefill half of a room, or return why it is refused."""
+        """Take the prefill half of a room, or return why it is refused.
+
+        mirrors CommonKVSender.__init__ with DeferredBootstrap.open
+        (disaggregation/common/conn.py, common/bootstrap.py): a room that has an owner or a
+        failed tombstone fails with "Duplicate or cancelled bootstrap room".
+        """
         room = self.rooms.get(number)
         if room is None:
             room = self._create(number)
@@ -95,14 +102,24 @@ class RoomRegistry:
         self._notify(room)
         return room
 
-    def join_decode(self, number: int, rid: str) -> Room | str:
-        """Take the decode half of a room (the bootstrap handshake)."""
+    def join_decode(self, number: int, rid: str) -> Room | str | None:
+        """Take the decode half of a room (the bootstrap handshake).
+
+        Returns the room, a refusal reason, or None: the room already sent its KV to
+        another decode request, so this one is accepted and never gets any. That is the
+        reused room of an n > 1 request (its warm-up took the KV): on SGLang's default
+        ("early") allocation policy the decode registers for the room, no sender ever
+        writes to it, and it waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT.
+        """
         room = self.rooms.get(number)
         if room is None:
             room = self._create(number)
         elif room.state == "failed":
             return room.reason or DUPLICATE_PREFILL
-        elif room.terminal or room.decode_rid is not None:
+        elif room.state == "ready":
+            return None
+        elif room.decode_rid is not None:
+            # mirrors CommonKVReceiver.__init__ (disaggregation/common/conn.py)
             return DUPLICATE_DECODE
         room.decode_rid = rid
         self._notify(room)

@@ -7,8 +7,9 @@ the SGLang block hash needs, and texts sharing a prefix share token ids.
 
 Model: every generated token is one of ~1000 three-letter words with a
 leading space (exactly 4 bytes, so one token each). The word at output
-position i depends only on the prompt token ids and i, so a prefill/decode
-pair and a plain server produce the same text for the same prompt.
+position i depends only on the prompt token ids and i (greedy), so a
+prefill/decode pair and a plain server produce the same text for the same
+prompt; a sampled request (temperature > 0) also mixes in its rid or seed.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def prompt_seed(token_ids: list[int]) -> bytes:
         chunk = [t & MAX_TOKEN_ID for t in token_ids[start : start + 4096]]
         h.update(struct.pack(f"<{len(chunk)}I", *chunk))
     return h.digest()
+
+
+def sample_seed(prompt: bytes, key: bytes) -> bytes:
+    """The seed of one sampled (temperature > 0) generation: the prompt's seed mixed with
+    what tells samples apart (their rid, or the request's sampling_seed)."""
+    return hashlib.blake2b(prompt + key, digest_size=16).digest()
 
 
 def _draw(seed: bytes, position: int, salt: int = 0) -> int:

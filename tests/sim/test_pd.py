@@ -303,10 +303,13 @@ def test_bootstrap_port_speaks_plain_http_and_refuses_foreign_upgrades(pd_pair, 
             "rank_ip": HOST, "rank_port": prefill.bootstrap_port}
         assert client.get(base + "/route", params={**ranks, "prefill_dp_rank": 3}).status_code == 404
         assert client.put(base + "/route").text == "OK"
-        assert client.post(base + "/register_dp_rank", json={}).text == "OK"
-        unknown = room()
+        assert client.post(base + "/register_dp_rank", json={}).status_code == 500  # KeyError
+        unknown, registered = room(), room()
+        assert client.post(base + "/register_dp_rank",
+                           json={"bootstrap_room": registered, "dp_rank": 0}).text == "OK"
         assert client.post(base + "/query_dp_ranks",
-                           json={"bootstrap_rooms": [unknown]}).json() == {}
+                           json={"bootstrap_rooms": [unknown, registered]}).json() == {
+            str(registered): 0}
         assert client.get(base + f"/sim/rooms/{unknown}").status_code == 404
         assert client.get(base + "/nowhere").status_code == 404
     with socket.create_connection((HOST, prefill.bootstrap_port), timeout=5) as s:

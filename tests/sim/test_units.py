@@ -11,7 +11,7 @@ from backends.sim import tokenizer
 from backends.sim.blockhash import chain_digests, digest_to_int64
 from backends.sim.config import Faults, config_from_args
 from backends.sim.radix import CacheEvent, RadixCache
-from backends.sim.requests import BadRequest, parse_generate
+from backends.sim.requests import BadRequest, InternalError, parse_generate
 
 
 @pytest.mark.parametrize("text", ["", "abc", "abcd", "héllo wörld", "emoji 🎉 ok", "x" * 37],
@@ -78,23 +78,35 @@ def _config(*flags: str):
 
 
 def test_rooms_expand_like_sglang():
+    """obj[i] keeps room i of the normalized list; warm-up and samples all reuse it."""
     cfg = _config()
     parsed = parse_generate({"text": ["a", "b"], "bootstrap_room": 10,
                              "sampling_params": {"n": 2}}, cfg)
-    assert [i.bootstrap_room for i in parsed.items] == [10, 11, 12, 13]
-    parsed = parse_generate({"text": ["a", "b"], "bootstrap_room": [7, 9],
+    assert [i.bootstrap_room for i in parsed.warmups] == [10, 11]
+    assert [i.bootstrap_room for i in parsed.items] == [10, 10, 11, 11]
+    parsed = parse_generate({"text": ["a", "b"], "bootstrap_room": [7, 9, 8, 6],
                              "sampling_params": {"n": 2}}, cfg)
-    assert [i.bootstrap_room for i in parsed.items] == [7, 7, 9, 9]  # duplicates, as SGLang does
+    assert [i.bootstrap_room for i in parsed.warmups] == [7, 9]
+    assert [i.bootstrap_room for i in parsed.items] == [7, 7, 9, 9]  # rooms 8 and 6 unused
     assert not parsed.is_single
+    parsed = parse_generate({"text": ["a", "b"], "bootstrap_room": 5}, cfg)
+    assert [i.bootstrap_room for i in parsed.items] == [5, 6] and not parsed.warmups
+    # SGLang checks no list length: extra rooms are ignored, a short list is an IndexError
+    parsed = parse_generate({"text": ["a"], "bootstrap_room": [1, 2]}, cfg)
+    assert [i.bootstrap_room for i in parsed.items] == [1]
+    with pytest.raises(InternalError):
+        parse_generate({"text": ["a", "b"], "bootstrap_room": [1]}, cfg)
 
 
 @pytest.mark.parametrize("body", [
     {},
     {"input_ids": []},
-    {"text": ["a"], "bootstrap_room": [1, 2]},
+    {"text": ["a", "b"], "rid": ["x"]},
     {"text": "a", "sampling_params": {"max_new_tokens": -1}},
     {"text": "a", "bootstrap_room": -5},
-], ids=["no-prompt", "empty-ids", "room-list-length", "negative-max-new", "negative-room"])
+    {"text": "a", "sampling_params": {"n": 2}, "return_logprob": [True]},
+], ids=["no-prompt", "empty-ids", "rid-list-length", "negative-max-new", "negative-room",
+        "logprob-list-with-n"])
 def test_bad_generate_bodies(body):
     with pytest.raises(BadRequest):
         parse_generate(body, _config())
