@@ -86,13 +86,16 @@ class PDDispatcher:
                 tracked: Tracked, rank: int | None = None) -> Attempt:
         """New rooms (never reused, also not on retry) and the body both legs receive.
 
-        `rank`: the prefill's DP rank the request must run on. A prefill that follows
-        bootstrap rooms (SGLang's default on a PD prefill) is steered by the room itself:
-        `room % ranks == rank` (`follow_bootstrap_room_scheduler`), which its decode also
-        computes (`_resolve_prefill_dp_rank`), so no extra field is needed on any SGLang
-        version. A prefill balancing otherwise gets `routed_dp_rank` (its prefill leg only:
-        on the decode leg it would pin the decode's own rank); it registers the rank with its
-        bootstrap server, where the decode looks it up."""
+        `rank`: the prefill's DP rank the request must run on. Both legs name it in
+        `disagg_prefill_dp_rank`: the decode then fetches the KV from that rank
+        (`_resolve_prefill_dp_rank`), and the prefill skips the room/rank check of
+        `CommonKVSender.__init__`, which in 0.5.23 compares against `attn_dp_rank` (0 on every
+        plain-DP replica) and so fails every room off rank 0 (seen on the CPU rig; older
+        servers ignore the unknown field). A prefill that follows bootstrap rooms (SGLang's
+        default on a PD prefill) is steered by the room itself: `room % ranks == rank`
+        (`follow_bootstrap_room_scheduler`). A prefill balancing otherwise also gets
+        `routed_dp_rank` on its leg only (on the decode leg it would pin the decode's own
+        rank, and a one-rank decode refuses it)."""
         if prefill.bootstrap_port is None:
             raise UpstreamError(f"prefill server {prefill.url} has no known bootstrap port",
                                 leg="prefill", worker_url=prefill.url, retryable=True)
@@ -113,6 +116,8 @@ class PDDispatcher:
         own_rid, rid_list = make_rids(body.get("rid"), count)
         if own_rid is not None:
             body["rid"] = own_rid
+        if rank is not None:
+            body["disagg_prefill_dp_rank"] = rank
         try:
             payload = orjson.dumps(body)
             prefill_payload = payload

@@ -193,14 +193,21 @@ def _place_room(state: SimState, job: Job, number: int) -> None:
     rank and no disagg_prefill_dp_rank, a prefill that does not follow rooms registers its
     rank with the bootstrap server (_register_prefill_dp_rank); one that follows rooms but
     was routed elsewhere (routed_dp_rank) fails the room.
+
+    The rank both compare and register is `kv_mgr.attn_dp_rank`, which in 0.5.23 is the rank
+    only under attention DP; on plain DP replicas (`--dp-size N`, attn_dp_size 1) it is 0 on
+    every replica. So on a plain-DP prefill any room with room % N != 0 fails the conflict check, and a non-following prefill registers rank 0 for
+    rooms served by other ranks (their decodes then wait on rank 0). Seen on real 0.5.23 on
+    the CPU rig (docs/SIMULATOR.md, "DP ranks"); only disagg_prefill_dp_rank avoids both.
     """
     ranks = state.config.num_dp_ranks
+    sender_rank = job.rank if state.config.attn_dp else 0  # kv_mgr.attn_dp_rank
     if not state.config.follow_bootstrap_room:
         if state.bootstrap is not None:
-            state.bootstrap.register_dp_rank(number, job.rank)
-    elif job.rank != number % ranks:
+            state.bootstrap.register_dp_rank(number, sender_rank)
+    elif sender_rank != number % ranks:
         raise SimError(500, prefill_failed(job.spec.rid, number, (
-            f"follow_bootstrap_room conflict: dispatched to dp_rank {job.rank} but "
+            f"follow_bootstrap_room conflict: dispatched to dp_rank {sender_rank} but "
             f"bootstrap_room {number} implies dp_rank {number % ranks}. Set "
             "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 to allow mixed routing.")))
 

@@ -126,11 +126,21 @@ def test_dp_attention_reports_attn_dp_size(sim_factory):
 
 # ---- routing ----
 
+def room_of(room, parity: int) -> int:
+    """A fresh room with room % 2 == parity."""
+    while (number := room()) % 2 != parity:
+        pass
+    return number
+
+
 def test_follow_bootstrap_room_spreads_rooms_by_modulo(dp_pair, room):
+    """With the rank named too (disagg_prefill_dp_rank, which a plain-DP prefill needs in
+    0.5.23: see the next test), room % 2 picks the rank."""
     prefill, decode = dp_pair
     before = rank_requests(prefill)
     numbers = [room() for _ in range(5)]
-    for p, d in pairs(prefill, decode, *[body(prefill, n) for n in numbers]):
+    for p, d in pairs(prefill, decode, *[body(prefill, n, disagg_prefill_dp_rank=n % 2)
+                                         for n in numbers]):
         assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
     after = rank_requests(prefill)
     odd = sum(n % 2 for n in numbers)
@@ -138,6 +148,23 @@ def test_follow_bootstrap_room_spreads_rooms_by_modulo(dp_pair, room):
     states = [httpx.get(f"http://{HOST}:{prefill.bootstrap_port}/sim/rooms/{n}").json()
               for n in numbers]
     assert [s["dp_rank"] for s in states] == [n % 2 for n in numbers]
+
+
+def test_plain_dp_prefill_fails_rooms_off_rank_0_without_the_rank_hint(dp_pair, room):
+    """0.5.23's CommonKVSender compares room % N with kv_mgr.attn_dp_rank, which is 0 on every
+    plain-DP replica: odd rooms fail at once (seen on real SGLang on the CPU rig)."""
+    prefill, decode = dp_pair
+    even, odd = room_of(room, 0), room_of(room, 1)
+    [(p, d)] = pairs(prefill, decode, body(prefill, even))
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    [(p, d)] = pairs(prefill, decode, body(prefill, odd))
+    assert p.status_code == 500
+    assert f"dispatched to dp_rank 0 but bootstrap_room {odd} implies dp_rank 1" \
+        in p.json()["message"]
+    assert d.status_code == 500  # its KV never comes
+    hinted = room_of(room, 1)
+    [(p, d)] = pairs(prefill, decode, body(prefill, hinted, disagg_prefill_dp_rank=1))
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
 
 
 def test_routed_dp_rank_out_of_range_is_a_400(dp_pair, null_sim, room):
@@ -155,8 +182,8 @@ def test_routed_dp_rank_out_of_range_is_a_400(dp_pair, null_sim, room):
 
 def test_routed_dp_rank_against_the_room_fails_the_prefill(dp_pair, room):
     prefill, decode = dp_pair
-    number = room()
-    wrong = 1 - number % 2
+    number = room_of(room, 1)
+    wrong = 0
     start = time.monotonic()
     [(p, d)] = pairs(prefill, decode, (body(prefill, number, routed_dp_rank=wrong),
                                        body(prefill, number)))
@@ -185,7 +212,7 @@ def test_routed_rank_with_disagg_prefill_dp_rank_pairs(dp_pair, room):
 
 def test_decode_with_a_wrong_prefill_rank_gets_no_kv(dp_pair, room):
     prefill, decode = dp_pair
-    number = room()
+    number = room_of(room, 0)
     start = time.monotonic()
     [(p, d)] = pairs(prefill, decode, (body(prefill, number),
                                        body(prefill, number, disagg_prefill_dp_rank=1 - number % 2)))
@@ -198,8 +225,9 @@ def test_decode_with_a_wrong_prefill_rank_gets_no_kv(dp_pair, room):
 
 
 def test_decode_asks_a_prefill_that_does_not_follow_rooms(sim_factory, room):
-    """round_robin prefill: it registers each room's rank; the decode waits for that."""
-    prefill = sim_factory("prefill", *PD_FLAGS, "--dp-size", "2",
+    """round_robin prefill under attention DP (where kv_mgr.attn_dp_rank is the rank): it
+    registers each room's rank; the decode waits for that."""
+    prefill = sim_factory("prefill", *PD_FLAGS, "--dp-size", "2", "--enable-dp-attention",
                           "--load-balance-method", "round_robin")
     decode = sim_factory("decode", *PD_FLAGS)
     first, _, third = room(), room(), room()

@@ -73,8 +73,12 @@ def test_follow_room_prefills_spread_unrelated_prompts_over_every_rank(policy):
         share = Counter(room % 4 for room in rooms)
         assert len(share) == 4, (policy, url, share)
         assert min(share.values()) >= 0.15 * len(rooms), (policy, url, share)
-    for body in cluster.servers[D1].received:  # the decode finds the rank by the same modulo
-        assert "routed_dp_rank" not in body and "disagg_prefill_dp_rank" not in body
+    for body in cluster.servers[D1].received:  # told the prefill rank; its own rank is free
+        assert "routed_dp_rank" not in body
+        assert body["disagg_prefill_dp_rank"] == body["bootstrap_room"] % 4
+    for url in (P1, P2):  # the prefill skips 0.5.23's broken room check with the same hint
+        assert all(b["disagg_prefill_dp_rank"] == b["bootstrap_room"] % 4
+                   for b in cluster.servers[url].received)
 
 
 def test_other_balance_methods_get_routed_dp_rank_on_the_prefill_leg_only():
@@ -89,7 +93,9 @@ def test_other_balance_methods_get_routed_dp_rank_on_the_prefill_leg_only():
     prefill_legs = cluster.servers[P1].received
     ranks = Counter(b["routed_dp_rank"] for b in prefill_legs)
     assert set(ranks) == {0, 1, 2, 3} and min(ranks.values()) >= 6
-    assert all("routed_dp_rank" not in b for b in cluster.servers[D1].received)
+    assert all(b["disagg_prefill_dp_rank"] == b["routed_dp_rank"] for b in prefill_legs)
+    assert all("routed_dp_rank" not in b and "disagg_prefill_dp_rank" in b
+               for b in cluster.servers[D1].received)
 
 
 def test_cache_aware_keeps_a_conversation_on_its_rank():
