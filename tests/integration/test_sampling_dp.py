@@ -103,7 +103,7 @@ def test_every_dp_rank_serves_and_every_pair_finds_its_rank(dp_cluster):
     before = {url: httpx.get(url + "/sim/stats", timeout=5).json()
               for url, _ in dp_cluster.prefill}
     with httpx.Client(timeout=TIMEOUT) as client:
-        for i in range(160):
+        for _ in range(160):
             r = client.post(dp_cluster.gateway + "/generate", json={
                 "text": f"{os.urandom(6).hex()} is unrelated to the others",
                 "sampling_params": {"max_new_tokens": 2}})
