@@ -46,6 +46,7 @@ class Attempt:
     started_at: float = 0.0
     progressed: bool = False  # the prefill answered or the decode sent its first byte
     deadline: object = None  # the asyncio.Timeout of the first progress
+    pair_verdict: str | None = None  # a failure was blamed on "pair" or "server"
     outcome: dict[str, bool | None] = field(default_factory=dict)
 
 

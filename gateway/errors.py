@@ -98,8 +98,10 @@ class UpstreamError(GatewayError):
         upstream_status: int | None = None,
         status: int | None = None,
         code: str | None = None,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message, status=status, code=code)
+        self.reason = reason  # metric label: why it failed, when not an HTTP status
         self.leg = leg
         self.worker_url = worker_url
         self.retryable = retryable

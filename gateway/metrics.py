@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.workers import WorkerPool, breaker_state_code
@@ -50,6 +50,9 @@ class Metrics:
         self.decisions = Counter(
             "gateway_routing_decisions", "Workers chosen, by role, policy and worker",
             ["role", "policy", "worker"], registry=registry)
+        self.pair_failures = Counter(
+            "gateway_pair_failures", "Failures blamed on one (prefill, decode) pair, not on "
+            "its servers", ["prefill", "decode"], registry=registry)
         self.rank_requests = Counter(
             "gateway_dp_rank_requests", "Prefill legs steered to each DP rank of a server",
             ["worker", "rank"], registry=registry)
@@ -77,6 +80,30 @@ class Metrics:
             "gateway_client_disconnects", "Clients that went away before the answer ended",
             ["endpoint"], registry=registry)
         registry.register(PoolCollector(pool))
+
+    def watch_scheduler(self, scheduler) -> None:
+        """Gauges of the scheduler's own state (quarantined pairs, panic picks)."""
+        self.registry.register(SchedulerCollector(scheduler))
+
+
+class SchedulerCollector(Collector):
+    """Quarantined pairs and panic-mode picks, read from the scheduler at scrape time."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        quarantined = GaugeMetricFamily(
+            "gateway_pair_quarantined", "1 while a (prefill, decode) pair is quarantined",
+            labels=["prefill", "decode"])
+        for prefill, decode in self.scheduler.pairs.quarantined():
+            quarantined.add_metric([prefill, decode], 1)
+        panics = CounterMetricFamily(
+            "gateway_panic_picks", "Servers picked with no fully usable one of their role "
+            "(their breakers open or half-open)", labels=["role"])
+        for role, count in self.scheduler.panics.items():
+            panics.add_metric([role], count)
+        yield from (quarantined, panics)
 
 
 class PoolCollector(Collector):

@@ -204,7 +204,8 @@ class PDDispatcher:
         stopped = 0
         for attempt in list(worker.attempts):
             error = UpstreamError(f"{worker.role} server {worker.url} {why}", leg=worker.role,
-                                  worker_url=worker.url, retryable=True, status=502)
+                                  worker_url=worker.url, retryable=True, status=502,
+                                  reason="rescued")
             if attempt.interrupt is not None and attempt.interrupt.fire(error):
                 stopped += 1
         return stopped

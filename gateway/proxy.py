@@ -41,11 +41,11 @@ class Proxy:
         self._policy_names = {role: p.name for role, p in scheduler.policies.items()}
 
     async def handle(self, view: RequestView, tracked: Tracked, placement=None,
-                     depth: int = 0) -> Answer:
+                     depth: int = 0, avoid: tuple[Worker, ...] = ()) -> Answer:
         """Serve one PD request; `placement` (parallel sampling) lets the samples of one
         request follow the first to its prefill server; `depth` counts continuations of a
-        broken stream."""
-        avoid = []
+        broken stream, `avoid` the servers it should not go to first."""
+        avoid = list(avoid)
         last_error: GatewayError | None = None
         try:
             async with asyncio.timeout(self.request_timeout):
@@ -107,7 +107,21 @@ class Proxy:
         _child(attempt.decode, decisions, "decode", self._policy_names["decode"]).inc()
 
     def leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
-        """Called once per leg by the dispatcher: release counters, feed breaker and policy."""
+        """Called once per leg by the dispatcher: release counters, feed breaker and policy.
+        A failure that is the pair's own (both servers work with other partners) feeds the
+        pair's health instead of the servers' breakers."""
+        pairs = self.scheduler.pairs
+        p_url, d_url = attempt.prefill.url, attempt.decode.url
+        if ok is False:
+            if attempt.pair_verdict is None:
+                attempt.pair_verdict = "pair" if pairs.record_failure(p_url, d_url) else "server"
+            if attempt.pair_verdict == "pair":
+                ok = None
+                _child(attempt.prefill, self.metrics.pair_failures, d_url, url_first=True).inc()
+        elif ok is True and leg == "decode":
+            pairs.record_success(p_url, d_url)
+        elif ok is None and leg == "decode" and attempt.pair_verdict is None:
+            pairs.release_probe(p_url, d_url)
         worker = attempt.prefill if leg == "prefill" else attempt.decode
         if worker.finish(attempt.view.prompt_tokens, ok):
             self.dispatcher.rescue(worker, "opened its circuit breaker")
@@ -158,7 +172,7 @@ class Resumed:
                 yield chunk
             return
         except StreamBroken as broken:
-            error = broken.error
+            error, failed = broken.error, broken.decode
         await self._close()
         cont = Continuation.build(view, self.seen.objects()) if self.seen.usable else None
         if cont is None:
@@ -169,7 +183,8 @@ class Resumed:
             yield cont.closing()
             return
         try:
-            nxt = await self.proxy.handle(cont.view, self.tracked, depth=self.depth + 1)
+            nxt = await self.proxy.handle(cont.view, self.tracked, depth=self.depth + 1,
+                                          avoid=(failed,))
         except GatewayError as exc:
             self.failovers.labels(view.endpoint, "failed").inc()
             yield error_end(exc)
@@ -197,6 +212,8 @@ def _child(worker: Worker, metric, *labels: str, url_first: bool = False):
 
 
 def _reason(exc: UpstreamError) -> str:
+    if exc.reason is not None:
+        return exc.reason
     if exc.upstream_status is not None:
         return str(exc.upstream_status)
     return "timeout" if exc.status == 504 else "connection"

@@ -36,9 +36,10 @@ class SlowClient(Exception):
 class StreamBroken(Exception):
     """The decode failed mid-stream and the stream may be continued on another pair."""
 
-    def __init__(self, error: UpstreamError) -> None:
+    def __init__(self, error: UpstreamError, decode) -> None:
         super().__init__(error.message)
         self.error = error
+        self.decode = decode  # the server that failed: the continuation avoids it
 
 
 class Capture:
@@ -173,7 +174,7 @@ class StreamRelay:
         except UpstreamError as exc:
             ok = False
             if exc.retryable and attempt.resumable:
-                raise StreamBroken(exc) from None
+                raise StreamBroken(exc, attempt.decode) from None
             yield frame(exc.body()) + DONE
         finally:
             watchdog.close()

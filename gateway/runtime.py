@@ -68,6 +68,7 @@ class Gateway:
             create_policy(prefill_name, "prefill", options.get(prefill_name)),
             create_policy(decode_name, "decode", options.get(decode_name)),
         )
+        self.metrics.watch_scheduler(self.scheduler)
         self.rooms = RoomAllocator(config.replica_id)
         self.admission = Admission(config.max_concurrency, config.max_queue,
                                    config.queue_timeout, self.metrics)

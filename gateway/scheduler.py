@@ -3,6 +3,9 @@
 A pair is chosen only when BOTH roles have a usable worker, so one leg is never sent alone.
 On a retry the workers that just failed are avoided while others remain.
 
+Pairs: a (prefill, decode) pair quarantined for failing on its own (gateway/pairs.py) is not
+chosen while the prefill has another usable partner.
+
 DP ranks: a prefill server with several DP ranks is offered to the prefill policy as its
 ranks (`workers.Rank`), each with its own load and its own prefix state, so a cache-aware
 choice picks the rank that holds the prefix, and a load-aware one spreads over all ranks
@@ -17,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from gateway.errors import ServiceUnavailable
+from gateway.pairs import PairHealth
 from gateway.policies import Policy
 from gateway.request import RequestView
 from gateway.workers import Rank, Worker, WorkerPool
@@ -36,8 +40,10 @@ def targets(workers: list[Worker]) -> list[Target]:
 
 
 class Scheduler:
-    def __init__(self, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy) -> None:
+    def __init__(self, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
+                 pairs: PairHealth | None = None) -> None:
         self.pool = pool
+        self.pairs = pairs or PairHealth()
         self.policies = {"prefill": prefill_policy, "decode": decode_policy}
         self.panics = {"prefill": 0, "decode": 0}  # picks made in panic mode, per role
         pool.on_change(self.workers_changed)
@@ -50,8 +56,9 @@ class Scheduler:
 
     def candidates(self, role: str, view: RequestView, avoid: Collection[Worker]) -> list[Worker]:
         """Usable workers of `role` (right model, not just failed); with none usable, the
-        ones that can still take a request: half-open, open or unhealthy (panic routing, as
-        Envoy does below its panic threshold): a suspect server is better than a 503."""
+        ones that can still take a request: healthy, but with an open or busy half-open
+        breaker (panic routing, as Envoy does below its panic threshold): a suspect server
+        is better than a 503."""
         self.pool.refresh_breakers(role)
         workers = self.pool.usable(role)
         if not workers:
@@ -89,7 +96,10 @@ class Scheduler:
                 else worker
         else:
             prefill = self.policies["prefill"].pick(targets(prefills), view)
-        decode = self.policies["decode"].pick(decodes, view)
+        server = prefill.server.url
+        partners = [d for d in decodes if not self.pairs.blocked(server, d.url)]
+        decode = self.policies["decode"].pick(partners or decodes, view)
+        self.pairs.probe(server, decode.url)  # a quarantined pair past its cooldown: a probe
         return prefill, decode
 
     def dispatched(self, prefill: Target, decode: Worker, view: RequestView) -> None:

@@ -141,11 +141,6 @@ class Worker:
             return self.serving and time.monotonic() - breaker.opened_at >= breaker.cooldown
         return self.serving and breaker.admits
 
-    @property
-    def can_take(self) -> bool:
-        """Could serve in a panic (no fully usable server of its role is left): known to be
-        an SGLang server of this role and not leaving, whatever its health and breaker say."""
-        return self.verified and not self.draining and self.misconfigured is None
 
     def apply_facts(self, facts: ServerFacts) -> None:
         """Adopt what the server says of itself; a port given by the operator wins."""
@@ -293,8 +288,10 @@ class WorkerPool:
         ]
 
     def panic(self, role: str) -> list[Worker]:
-        """Workers of `role` that can take a request when none is fully usable."""
-        return [w for w in self._by_role[role] if w.can_take]
+        """Workers of `role` that can take a request when none is fully usable: in rotation
+        (healthy, verified, not draining) whatever their breaker says. A server the health
+        checks mark down cannot take it: then the answer is a 503."""
+        return [w for w in self._by_role[role] if w.serving]
 
     def __iter__(self) -> Iterable[Worker]:
         return iter(list(self._workers.values()))

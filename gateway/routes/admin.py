@@ -31,7 +31,13 @@ MAX_DRAIN_WAIT = 3600.0
 
 async def list_servers(request: Request) -> Response:
     gw = request.app.state.gateway
-    return JSONResponse({"servers": [w.snapshot() for w in gw.pool]})
+    servers = []
+    for worker in gw.pool:
+        snapshot = worker.snapshot()
+        snapshot["learned_latency"] = gw.dispatcher.model.snapshot(worker.url)
+        servers.append(snapshot)
+    return JSONResponse({"servers": servers, "pairs": gw.scheduler.pairs.snapshot(),
+                         "panic_picks": dict(gw.scheduler.panics)})
 
 
 async def list_policies(request: Request) -> Response:

@@ -1,8 +1,8 @@
 """kill -9 of a prefill or a decode server under load, three rounds, restarting it each time.
 
 Expected: requests that can be retried (nothing streamed yet) succeed on the healthy pair; a
-stream the dead decode had started ends with one SSE error event naming the server, then
-[DONE]; nothing waits past its deadline; the dead server leaves rotation (admin API and
+stream the dead decode had started is continued on the healthy pair, whole; nothing waits
+past its deadline; the dead server leaves rotation (admin API and
 metrics) and rejoins after its restart; the gateway's memory does not grow round over round.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.load import STREAM_ERROR, Load, failures, summary
+from tests.reliability.load import Load, failures, summary
 from tests.reliability.rig import FAST_DETECTION, wait_until
 
 ROUNDS = 3
@@ -54,14 +54,11 @@ def test_kill_9_under_load(make_rig, timing, role):
     assert slowest < 5, "a request waited on the dead server (they take well under 1 s)"
     bad = failures(outcomes)
     timing(f"kill -9 {role}", "client-visible failures per round", len(bad) / ROUNDS)
-    if role == "prefill":
-        # a started stream already holds its KV: a prefill's death never reaches a client
-        assert not bad, summary(outcomes)
-    else:
-        # only streams the dead decode had started may fail, and only with a clear event
-        assert all(o.kind == STREAM_ERROR and o.stream for o in bad), bad
-        assert all(victim.url in o.detail and '"code":"502"' in o.detail for o in bad), bad
-        assert len(bad) <= 2 * ROUNDS, f"more failures than streams in flight: {bad}"
+    # a prefill's death never reaches a client (a started stream already holds its KV), and
+    # a stream the dead decode had started is continued on the other pair (failover)
+    assert not bad, summary(outcomes)
+    if role == "decode":
+        assert rig.metrics().total("gateway_stream_failovers_total", outcome="continued") >= 1
     timing(f"kill -9 {role}", "gateway RSS growth, round 1 to 3 (MiB)", rss[-1] - rss[1])
     assert rss[-1] - rss[1] < 5, f"gateway RSS grows round over round (MiB): {rss}"
     assert max(rss) - rss[0] < 15, f"gateway RSS (MiB): {rss}"

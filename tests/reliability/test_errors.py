@@ -2,8 +2,8 @@
 
 Expected: each failed leg is retried on another pair (counted in gateway_retries_total), so
 clients see nothing; after --breaker-failures consecutive failures the breaker opens
-(gateway_worker_breaker_state 2) and the server gets no traffic but one probe per
---breaker-cooldown; once the fault is cleared the next probe succeeds and the breaker closes.
+(gateway_worker_breaker_state 2) and the server gets no traffic but a few half-open probes
+per --breaker-cooldown; once the fault is cleared the next probe succeeds and the breaker closes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tests.reliability.rig import FAST_DETECTION, wait_until
 
 BREAKER_FAILURES = 3
 COOLDOWN = 2.0
+PROBES = 3  # requests a half-open breaker admits at once (gateway/breaker.py)
 GATEWAY_ARGS = (*FAST_DETECTION, "--breaker-failures", str(BREAKER_FAILURES),
                 "--breaker-cooldown", str(COOLDOWN))
 
@@ -40,7 +41,7 @@ def test_failing_server_opens_breaker_and_recovers(make_rig, timing, role):
         timing(f"500s from a {role}", "breaker open after (under load)", opened)
         assert rig.metrics().value("gateway_worker_usable", worker=victim.url) == 0
 
-        # while open: one probe per cooldown at most, nothing else
+        # while open: at most one half-open round of probes (3) per cooldown, nothing else
         count, since = received(), time.monotonic()
         probe = wait_until(lambda: received() > count, COOLDOWN + 10,
                            "a half-open probe after the cooldown")
@@ -49,7 +50,7 @@ def test_failing_server_opens_breaker_and_recovers(make_rig, timing, role):
         window = 2 * COOLDOWN + 0.5
         time.sleep(max(0.0, since + window - time.monotonic()))  # observe a fixed window
         probes = received() - count
-        assert 1 <= probes <= window / COOLDOWN + 1, f"{probes} requests while open"
+        assert 1 <= probes <= PROBES * (window / COOLDOWN + 1), f"{probes} requests while open"
 
         cleared = rig.fault(victim, error_rate=0.0)
         closed = wait_until(lambda: breaker_state(rig, victim) == 0, COOLDOWN + 10,
@@ -62,8 +63,15 @@ def test_failing_server_opens_breaker_and_recovers(make_rig, timing, role):
     assert not failures(load.outcomes), summary(load.outcomes)
     metrics = rig.metrics()
     retried = metrics.total("gateway_retries_total", leg=role, reason="500")
-    assert retried >= BREAKER_FAILURES + 1, "the failures that opened it plus a failed probe"
-    assert retried == metrics.total("gateway_upstream_failures_total", worker=victim.url)
+    blamed = metrics.total("gateway_upstream_failures_total", worker=victim.url)
+    # a first failure with one partner can look like that pair's (the server had just
+    # worked with the others): counted for the pair, not the server, and retried all the same
+    pair = metrics.total("gateway_pair_failures_total", prefill=victim.url) \
+        + metrics.total("gateway_pair_failures_total", decode=victim.url)
+    assert blamed >= BREAKER_FAILURES, "the failures that opened it"
+    # a request already on the server when its breaker opened is stopped and retried at once
+    rescued = metrics.total("gateway_retries_total", leg=role, reason="rescued")
+    assert retried + rescued >= blamed + pair, "a failed leg that was not retried"
 
 
 @pytest.mark.timeout(60)

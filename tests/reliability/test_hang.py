@@ -9,6 +9,7 @@ a 0.5 s timeout take a frozen server out.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -48,7 +49,9 @@ def test_hung_generation_is_cancelled_and_retried(make_rig, timing):
     timing("hang (fault knob)", "first hung request cancelled after", first)
     assert_clear_failures(load.outcomes)
     timing("hang (fault knob)", "504s seen by clients", len(failures(load.outcomes)))
-    assert rig.metrics().total("gateway_retries_total", reason="timeout") >= 3
+    metrics = rig.metrics()  # timed out, or stopped at once when the breaker opened (rescued)
+    assert metrics.total("gateway_retries_total", reason="timeout") \
+        + metrics.total("gateway_retries_total", reason="rescued") >= 3
     wait_until(lambda: rig.in_flight() == 0, 10, "gateway in-flight counters drain")
 
     before = rig.stats(victim)["completed"]
@@ -68,7 +71,7 @@ def test_hung_decode_is_blamed_and_opens_its_breaker(make_rig):
     with Load(rig.gateway, loops=4, max_new_tokens=8, timeout=20):
         wait_until(lambda: rig.stats(victim)["cancelled"] >= 3, 30,
                    "three requests timed out on the hung decode (breaker threshold: 2)")
-        assert rig.metrics().total("gateway_upstream_failures_total", worker=victim.url) >= 3, \
+        assert rig.metrics().total("gateway_upstream_failures_total", worker=victim.url) >= 2, \
             "timeouts on the hung decode are not counted against it"
         wait_until(lambda: not rig.usable(victim), 5, "the hung decode leaves rotation")
 
@@ -97,7 +100,9 @@ def test_frozen_server_is_taken_out_by_health_checks(make_rig, timing, role):
 
 
 @pytest.mark.timeout(60)
-def test_stalled_stream_ends_with_a_timeout_event(make_rig, timing):
+def test_stalled_stream_without_another_decode_ends_with_an_error_event(make_rig, timing):
+    """The only decode freezes mid-stream: nowhere to continue, so the stream ends with one
+    error event and [DONE] soon after the idle deadline."""
     rig = make_rig(*GATEWAY_ARGS, n_prefill=1, n_decode=1, sim_args=("--token-delay", "0.05"))
     body = {"text": "stall", "stream": True, "sampling_params": {"max_new_tokens": 200}}
     with httpx.stream("POST", rig.gateway + "/generate", json=body, timeout=20) as response:
@@ -106,7 +111,29 @@ def test_stalled_stream_ends_with_a_timeout_event(make_rig, timing):
         stalled_at = rig.freeze(rig.decode[0])
         rest = b"".join(chunks)
     ended = time.monotonic() - stalled_at
-    timing("stream stalls (SIGSTOP decode)", "stream ended after", ended)
-    assert ended < RESPONSE_TIMEOUT + 3
-    assert rest.endswith(b"data: [DONE]\n\n")
-    assert b'"type":"timeout_error"' in rest and b"sent nothing for" in rest, rest[-300:]
+    timing("stream stalls (SIGSTOP the only decode)", "stream ended after", ended)
+    assert ended < 3 * RESPONSE_TIMEOUT + 3
+    assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"[DONE]") == 1
+    assert b'{"error":{"message":' in rest, rest[-300:]
+
+
+@pytest.mark.timeout(60)
+def test_stalled_stream_continues_on_another_pair(make_rig, timing):
+    """A decode freezes mid-stream: the rest of the answer comes from the other decode, and
+    the client's stream is the plain server's answer, whole."""
+    rig = make_rig(*GATEWAY_ARGS, n_prefill=1, n_decode=2, sim_args=("--token-delay", "0.05"))
+    body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 60}}
+    with httpx.stream("POST", rig.gateway + "/generate", json=body, timeout=30) as response:
+        chunks = response.iter_raw()
+        head = next(chunks)
+        busy = max(rig.decode, key=lambda s: rig.snapshot(s)["in_flight"])
+        stalled_at = rig.freeze(busy)
+        rest = b"".join(chunks)
+    ended = time.monotonic() - stalled_at
+    timing("stream stalls (SIGSTOP decode, another left)", "stream complete after", ended)
+    rig.thaw(busy)
+    events = [e for e in (head + rest).split(b"\n\n") if e.strip()]
+    assert events[-1] == b"data: [DONE]" and b'"error"' not in head + rest
+    last = json.loads(events[-2][len(b"data: "):])
+    assert last["meta_info"]["completion_tokens"] == 60 and len(last["output_ids"]) == 60
+    assert ended < RESPONSE_TIMEOUT + 8

@@ -30,6 +30,7 @@ class FakeServer:
     cancelled: int = 0
     aborts: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)  # more /server_info fields (dp_size, ...)
+    fail_if: Callable[[dict], bool] | None = None  # answer 500 to the bodies it selects
 
 
 class FakeCluster:
@@ -60,6 +61,8 @@ class FakeCluster:
         except asyncio.CancelledError:
             server.cancelled += 1
             raise
+        if server.fail_if is not None and server.fail_if(body):
+            return httpx.Response(500, json={"error": {"message": f"{server.role} pair broken"}})
         if server.status >= 400:
             return httpx.Response(server.status, json={"error": {"message": f"{server.role} boom"}})
         if server.chunks is not None and body.get("stream"):

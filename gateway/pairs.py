@@ -1,0 +1,126 @@
+"""Health per (prefill, decode) pair: SGLang PD can fail for one pair only.
+
+A broken Mooncake session between one prefill and one decode makes that pair answer 500s
+while each server works with its other partners (SGLang issue #13054). Blaming the servers
+would open both breakers and take healthy capacity away; ignoring it would keep sending
+requests into a pair that cannot work. So a failure of an attempt is first checked against
+the two servers' last outcomes with OTHER partners: if each server's last attempt with some
+other partner succeeded, within `window` seconds, the failure is the pair's, not theirs, and
+it counts only against the pair (`record_failure` returns True: the caller keeps it away
+from the servers' breakers). A server that fails with everyone loses that evidence with its
+first failure per partner, so its breaker still opens.
+
+After `threshold` pair failures in a row the pair is quarantined: the scheduler does not pair
+those two servers while another partner is usable. After `cooldown` seconds one probe request
+may use the pair again; its success clears the quarantine, its failure renews it (the cooldown
+doubles, up to `max_cooldown`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+Key = tuple[str, str]
+
+
+@dataclass
+class _Pair:
+    failures: int = 0  # pair-specific failures in a row
+    quarantined_until: float = 0.0  # 0: not quarantined
+    cooldown: float = 0.0
+    probing: bool = False
+    quarantines: int = 0
+
+
+class PairHealth:
+    def __init__(self, threshold: int = 3, cooldown: float = 10.0, max_cooldown: float = 120.0,
+                 window: float = 30.0, clock=time.monotonic) -> None:
+        self.threshold = threshold
+        self.base_cooldown = cooldown
+        self.max_cooldown = max_cooldown
+        self.window = window
+        self._clock = clock
+        self._pairs: dict[Key, _Pair] = {}
+        # url -> partner url -> (last outcome with that partner, when)
+        self._partners: dict[str, dict[str, tuple[bool, float]]] = {}
+
+    def _note(self, prefill: str, decode: str, ok: bool, now: float) -> None:
+        self._partners.setdefault(prefill, {})[decode] = (ok, now)
+        self._partners.setdefault(decode, {})[prefill] = (ok, now)
+
+    def record_success(self, prefill: str, decode: str) -> None:
+        self._note(prefill, decode, True, self._clock())
+        pair = self._pairs.get((prefill, decode))
+        if pair is not None:
+            del self._pairs[(prefill, decode)]  # healthy again (a probe succeeded)
+
+    def record_failure(self, prefill: str, decode: str) -> bool:
+        """A failed attempt of the pair; True when it is the pair's fault (both servers
+        succeed with other partners), so the servers' breakers should not hear of it."""
+        now = self._clock()
+        specific = (self._works_elsewhere(prefill, decode, now)
+                    and self._works_elsewhere(decode, prefill, now))
+        self._note(prefill, decode, False, now)
+        pair = self._pairs.get((prefill, decode))
+        if not specific:
+            if pair is not None and pair.probing:  # the probe failed: quarantine again
+                self._quarantine(pair, now)
+            return False
+        if pair is None:
+            pair = self._pairs[(prefill, decode)] = _Pair()
+        pair.failures += 1
+        if pair.probing or pair.failures >= self.threshold:
+            self._quarantine(pair, now)
+        return True
+
+    def _quarantine(self, pair: _Pair, now: float) -> None:
+        pair.cooldown = min(self.max_cooldown, pair.cooldown * 2 if pair.probing
+                            else self.base_cooldown)
+        pair.quarantined_until = now + pair.cooldown
+        pair.probing = False
+        pair.quarantines += 1
+
+    def _works_elsewhere(self, url: str, partner: str, now: float) -> bool:
+        """The server's last outcome with some other partner was a success, recently: a
+        server failing with every partner soon has no such partner left."""
+        return any(other != partner and ok and now - at <= self.window
+                   for other, (ok, at) in self._partners.get(url, {}).items())
+
+    def blocked(self, prefill: str, decode: str) -> bool:
+        """Should the scheduler avoid pairing these two now? (No side effect.)"""
+        pair = self._pairs.get((prefill, decode))
+        if pair is None or not pair.quarantined_until:
+            return False
+        return pair.probing or self._clock() < pair.quarantined_until
+
+    def probe(self, prefill: str, decode: str) -> None:
+        """The scheduler sends a request through a quarantined pair whose cooldown is over."""
+        pair = self._pairs.get((prefill, decode))
+        if pair is not None and pair.quarantined_until and not pair.probing:
+            pair.probing = True
+
+    def release_probe(self, prefill: str, decode: str) -> None:
+        """The probe ended without a verdict (cancelled): the next request may probe."""
+        pair = self._pairs.get((prefill, decode))
+        if pair is not None:
+            pair.probing = False
+
+    def quarantined(self) -> list[Key]:
+        return [key for key, pair in self._pairs.items() if pair.quarantined_until]
+
+    def forget(self, url: str) -> None:
+        self._partners.pop(url, None)
+        for partners in self._partners.values():
+            partners.pop(url, None)
+        for key in [k for k in self._pairs if url in k]:
+            del self._pairs[key]
+
+    def snapshot(self) -> list[dict]:
+        now = self._clock()
+        return [{"prefill": p, "decode": d, "failures": pair.failures,
+                 "quarantined": bool(pair.quarantined_until),
+                 "retry_in": round(max(0.0, pair.quarantined_until - now), 3)
+                 if pair.quarantined_until else None,
+                 "probing": pair.probing, "quarantines": pair.quarantines}
+                for (p, d), pair in self._pairs.items()]
