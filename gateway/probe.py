@@ -8,6 +8,7 @@ sending it the other half of a PD request would fail or, worse, answer empty tex
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 import httpx
@@ -105,4 +106,20 @@ def _positive_int(value: object) -> int | None:
 
 
 async def probe(client: httpx.AsyncClient, url: str, role: str, timeout: float) -> ServerFacts:
-    return facts_from_info(await fetch_server_info(client, url, timeout), url, role)
+    facts = facts_from_info(await fetch_server_info(client, url, timeout), url, role)
+    if facts.context_length is None:  # 0.5.23 reports it in /v1/models, not /server_info
+        facts = dataclasses.replace(facts, context_length=await _max_model_len(client, url,
+                                                                               timeout))
+    return facts
+
+
+async def _max_model_len(client: httpx.AsyncClient, url: str, timeout: float) -> int | None:
+    try:
+        async with asyncio.timeout(timeout):
+            response = await client.get(url + "/v1/models")
+        cards = response.json().get("data") if response.status_code == 200 else None
+    except (httpx.HTTPError, TimeoutError, ValueError, AttributeError):
+        return None
+    if isinstance(cards, list) and cards and isinstance(cards[0], dict):
+        return _positive_int(cards[0].get("max_model_len"))
+    return None

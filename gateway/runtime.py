@@ -21,6 +21,7 @@ from gateway.auth import Auth
 from gateway.bootstrap import RoomAllocator
 from gateway.breaker import CircuitBreaker
 from gateway.config import GatewayConfig
+from gateway.context import ContextCheck
 from gateway.deadlines import DeadlineOptions, LatencyModel
 from gateway.discovery import KubernetesDiscovery
 from gateway.errors import BadRequest, GatewayError
@@ -75,6 +76,7 @@ class Gateway:
         self.auth = Auth(config.api_keys, config.admin_api_keys, config.rate_limit,
                          config.rate_burst, self.metrics)
         self.inflight = InFlight()
+        self.context = ContextCheck(self.pool, None)
         self.shutting_down = False
         self.serving: dict = {}  # how the server side listens (set by the command line)
         self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)
@@ -153,6 +155,7 @@ class Gateway:
     async def start(self) -> None:
         c = self.config
         self.client = build_client(c.connect_timeout, c.max_connections, self.transport)
+        self.context.client = self.client
         control = HttpxUpstream(self.client)
         if self.transport is not None or c.upstream_client == "httpx":
             self.upstream = control

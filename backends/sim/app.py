@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from backends.sim import info, native, openai
+from backends.sim import info, native, openai, tokenize_api
 from backends.sim.config import SimConfig
 from backends.sim.httpproto import CoalescingHttpToolsProtocol
 from backends.sim.state import SimState
@@ -40,6 +40,10 @@ _ROUTES = [
     Route("/server_info", info.server_info),
     Route("/get_server_info", info.server_info),
     Route("/v1/loads", info.loads),
+    Route("/v1/tokenize", tokenize_api.tokenize, methods=["POST"]),
+    Route("/tokenize", tokenize_api.tokenize, methods=["POST"]),
+    Route("/v1/detokenize", tokenize_api.detokenize, methods=["POST"]),
+    Route("/detokenize", tokenize_api.detokenize, methods=["POST"]),
     Route("/metrics", info.metrics),
     Route("/sim/stats", info.sim_stats),
     Route("/sim/reset", info.sim_reset, methods=["POST"]),

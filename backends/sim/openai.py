@@ -273,7 +273,7 @@ def _chat(body: dict[str, Any], state: SimState) -> tuple[_OpenAIFormatter, dict
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages should be a non-empty list")
-    prompt = tokenizer.render_chat(messages)
+    prompt = tokenizer.render_chat(messages, bool(body.get("continue_final_message")))
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     want = bool(body.get("logprobs"))
     top = int(body.get("top_logprobs") or 0) if want else 0

@@ -274,9 +274,19 @@ def _item(config: SimConfig, index: int, rid: str, ids: list[int], text: str | N
     max_new = config.default_max_new_tokens if max_new is None else max_new
     if not isinstance(max_new, int) or max_new < 0:
         raise BadRequest("max_new_tokens must be a non-negative integer.")
-    if len(ids) >= config.context_length:
+    context = config.context_length
+    # mirrors TokenizerManager._validate_one_request (without --allow-auto-truncate): the
+    # input must be shorter than the context, and input + an explicit max_new_tokens fit it
+    if len(ids) >= context:
         raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's "
-                         f"context length ({config.context_length} tokens).")
+                         f"context length ({context} tokens).")
+    if sp.get("max_new_tokens") is not None and max_new + len(ids) > context:
+        raise BadRequest(
+            f"Requested token count exceeds the model's maximum context length of {context} "
+            f"tokens. You requested a total of {max_new + len(ids)} tokens: {len(ids)} tokens "
+            f"from the input messages and {max_new} tokens for the completion. Please reduce "
+            "the number of tokens in the input messages or the completion to fit within the "
+            "limit.")
     return ItemSpec(
         index=index, rid=rid, input_ids=ids, text=text,
         max_new_tokens=min(max_new, config.context_length - len(ids)),

@@ -119,10 +119,20 @@ def _content_text(content: Any) -> str:
     return str(content)
 
 
-def render_chat(messages: list[dict[str, Any]]) -> str:
-    """The sim's chat template: role-tagged turns, then the assistant tag."""
+def render_chat(messages: list[dict[str, Any]], continue_final: bool = False) -> str:
+    """The sim's chat template: role-tagged turns, then the assistant tag.
+
+    With `continue_final` and a last assistant message of text, that message is the start of
+    the answer: the turn stays open after its text (mirrors
+    OpenAIServingChat._handle_last_assistant_message and _append_assistant_prefix_to_prompt_ids).
+    """
+    prefix = ""
+    if continue_final and messages and messages[-1].get("role") == "assistant" \
+            and isinstance(messages[-1].get("content"), str):
+        prefix = messages[-1]["content"]
+        messages = messages[:-1]
     lines = [
         f"<|{m.get('role', 'user')}|>\n{_content_text(m.get('content'))}<|end|>\n" for m in messages
     ]
-    lines.append("<|assistant|>\n")
+    lines.append("<|assistant|>\n" + prefix)
     return "".join(lines)

@@ -80,6 +80,7 @@ class InferenceEndpoint:
                 if items is not None and items > gw.config.max_items:
                     raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
                                      f"{gw.config.max_items} per request")
+                await gw.context.check(view)
                 tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt)
                 gw.inflight.add(tracked)
                 try:

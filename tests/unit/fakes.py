@@ -31,6 +31,7 @@ class FakeServer:
     aborts: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)  # more /server_info fields (dp_size, ...)
     fail_if: Callable[[dict], bool] | None = None  # answer 500 to the bodies it selects
+    tokenized: int = 0  # /v1/tokenize calls
 
 
 class FakeCluster:
@@ -47,6 +48,14 @@ class FakeCluster:
                                              "served_model_name": "fake", **server.info})
         if path in ("/health", "/v1/loads"):
             return httpx.Response(200, json={"loads": []})
+        if path == "/v1/tokenize":  # one token per 2 characters of the prompt
+            asked = json.loads(request.content)
+            prompt = asked.get("prompt")
+            if isinstance(prompt, list):
+                return httpx.Response(200, json={"count": [len(p) // 2 for p in prompt]})
+            server.tokenized += 1
+            text = prompt if prompt is not None else json.dumps(asked.get("messages"))
+            return httpx.Response(200, json={"count": len(text) // 2})
         if path == "/abort_request":
             server.aborts.append(json.loads(request.content)["rid"])
             return httpx.Response(200, json={})

@@ -1,0 +1,128 @@
+"""Pre-dispatch context check: a request that cannot fit the model's context gets a 400 at
+once, naming the numbers, instead of going to both legs to fail there.
+
+The rule is SGLang's (`TokenizerManager._validate_one_request`, without auto-truncation): the
+prompt must be shorter than the context length, and prompt + an explicit `max_new_tokens`
+(`max_tokens`, `max_completion_tokens`) must fit it. The context length is the servers'
+(`/v1/models` `max_model_len`, learned by the probe).
+
+Counting tokens costs nothing for token-id prompts. For text, the gateway has no tokenizer
+(yet), so a cheap estimate decides whether to look closer: only a prompt whose estimate
+comes within `NEAR` of the limit is counted exactly by one server's `/v1/tokenize` (a
+short, bounded call; the chat template included for chat). If that call fails, the request
+goes on and the servers decide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.errors import BadRequest
+from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
+
+NEAR = 0.5  # estimates above this share of the context are counted exactly
+TOKENIZE_TIMEOUT = 2.0
+
+
+def requested_new_tokens(view: RequestView) -> int | None:
+    """The explicit output budget of the request (per item), if it sets one."""
+    body = view.body
+    if view.endpoint == GENERATE:
+        params = body.get("sampling_params")
+        if isinstance(params, list):
+            params = params[0] if params else {}
+        value = (params or {}).get("max_new_tokens")
+    elif view.endpoint == CHAT:
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        value = body.get("max_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def exact_lengths(view: RequestView) -> list[int] | None:
+    """Prompt lengths per item when the request carries token ids."""
+    body = view.body
+    ids = body.get("input_ids") if view.endpoint == GENERATE else body.get("prompt")
+    if view.endpoint == CHAT or not isinstance(ids, list) or not ids:
+        return None
+    if all(isinstance(t, int) for t in ids):
+        return [len(ids)]
+    if all(isinstance(x, list) for x in ids):
+        return [len(x) for x in ids]
+    return None
+
+
+class ContextCheck:
+    def __init__(self, pool, client: httpx.AsyncClient | None) -> None:
+        self.pool = pool
+        self.client = client
+
+    def context_length(self, view: RequestView) -> int | None:
+        lengths = [w.context_length for w in self.pool.usable("prefill", view.model)
+                   if w.context_length]
+        return min(lengths) if lengths else None
+
+    async def check(self, view: RequestView) -> None:
+        context = self.context_length(view)
+        if context is None:
+            return
+        new = requested_new_tokens(view)
+        lengths = exact_lengths(view)
+        if lengths is None:
+            per_item = view.prompt_tokens / (view.batch_size or 1)
+            if per_item + (new or 0) < NEAR * context:
+                return
+            lengths = await self._count(view)
+            if lengths is None:
+                return
+        for prompt in lengths:
+            if prompt >= context:
+                raise BadRequest(f"the prompt has {prompt} tokens, and the model's context "
+                                 f"length is {context} tokens: it does not fit",
+                                 code="context_length_exceeded")
+            if new is not None and prompt + new > context:
+                raise BadRequest(f"the prompt has {prompt} tokens and {new} new tokens were "
+                                 f"asked for: {prompt + new} tokens do not fit the model's "
+                                 f"context length of {context} tokens",
+                                 code="context_length_exceeded")
+
+    async def _count(self, view: RequestView) -> list[int] | None:
+        """Exact prompt lengths from a server's own tokenizer, or None if it cannot say."""
+        body = self._tokenize_body(view)
+        if body is None or self.client is None:
+            return None
+        for worker in self.pool.usable("decode", view.model) + self.pool.usable("prefill"):
+            try:
+                async with asyncio.timeout(TOKENIZE_TIMEOUT):
+                    response = await self.client.post(worker.url + "/v1/tokenize",
+                                                      content=orjson.dumps(body))
+                if response.status_code != 200:
+                    continue
+                count = response.json().get("count")
+            except (httpx.HTTPError, TimeoutError, ValueError, AttributeError):
+                continue
+            if isinstance(count, int):
+                return [count]
+            if isinstance(count, list) and all(isinstance(c, int) for c in count):
+                return count
+        return None
+
+    @staticmethod
+    def _tokenize_body(view: RequestView) -> dict[str, Any] | None:
+        body = view.body
+        if view.endpoint == CHAT:
+            out = {"messages": body["messages"]}
+            for key in ("tools", "chat_template_kwargs", "continue_final_message"):
+                if body.get(key) is not None:
+                    out[key] = body[key]
+            return out
+        prompt = body.get("text") if view.endpoint == GENERATE else body.get("prompt")
+        if view.endpoint == COMPLETIONS or isinstance(prompt, (str, list)):
+            if isinstance(prompt, str) or (isinstance(prompt, list)
+                                           and all(isinstance(p, str) for p in prompt)):
+                return {"prompt": prompt}
+        return None

@@ -1,0 +1,71 @@
+"""Pre-dispatch context check: prompts that cannot fit get a 400 naming the numbers, before
+either leg is sent; text prompts near the limit are counted by a server's /v1/tokenize."""
+
+import asyncio
+import contextlib
+
+import httpx
+import pytest
+
+from tests.unit.fakes import FakeCluster, FakeServer, make_app
+
+P1, D1 = "http://127.0.0.1:30000", "http://127.0.0.1:30001"
+CONTEXT = 100
+
+
+@contextlib.asynccontextmanager
+async def gateway(cluster):
+    app = make_app(cluster)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            yield client
+
+
+def cluster() -> FakeCluster:
+    info = {"context_length": CONTEXT}
+    return FakeCluster({P1: FakeServer("prefill", info=info),
+                        D1: FakeServer("decode", info=info)})
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/generate", {"input_ids": list(range(100))}, 400, ["100 tokens", "100 tokens"]),
+    ("/generate", {"input_ids": list(range(90)), "sampling_params": {"max_new_tokens": 20}},
+     400, ["90 tokens", "20 new tokens", "100"]),
+    ("/generate", {"input_ids": list(range(90)), "sampling_params": {"max_new_tokens": 10}},
+     200, []),
+    ("/generate", {"input_ids": [[1] * 10, [2] * 120]}, 400, ["120 tokens"]),
+    ("/v1/completions", {"prompt": list(range(99)), "max_tokens": 5}, 400, ["99 tokens"]),
+    ("/generate", {"text": "short prompt"}, 200, []),
+    ("/generate", {"text": "x" * 260}, 400, ["130 tokens"]),  # counted by /v1/tokenize: 130
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 300}]}, 400,
+     ["tokens"]),
+], ids=["ids-at-context", "ids-plus-budget-over", "ids-plus-budget-fits", "batch-item-over",
+        "completions-token-prompt", "short-text-no-count", "long-text-counted",
+        "long-chat-counted"])
+def test_context_check(path, body, status, words):
+    fake = cluster()
+
+    async def go():
+        async with gateway(fake) as client:
+            return await client.post(path, json={"model": "fake", **body})
+
+    r = asyncio.run(asyncio.wait_for(go(), 20))
+    assert r.status_code == status, r.text
+    if status == 400:
+        error = r.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert all(w in error["message"] for w in words), error["message"]
+        assert not fake.servers[D1].received and not fake.servers[P1].received
+
+
+def test_short_text_costs_no_tokenize_call():
+    fake = cluster()
+
+    async def go():
+        async with gateway(fake) as client:
+            for _ in range(5):
+                assert (await client.post("/generate", json={"text": "hi"})).status_code == 200
+
+    asyncio.run(asyncio.wait_for(go(), 20))
+    assert fake.servers[D1].tokenized == 0
