@@ -73,7 +73,7 @@ class SimApp:
 
     def _faulty(self) -> bool:
         f = self.state.config.faults
-        return bool(f.error_rate or f.hang or f.crash_after)
+        return bool(f.error_rate or f.hang or f.crash_after or f.fail_bootstrap_port)
 
 
 def build_app(state: SimState) -> SimApp:

@@ -43,6 +43,7 @@ class Faults:
     slow_start: float = 0.0
     health_fail: bool = False
     first_token_delay: float = 0.0
+    fail_bootstrap_port: int = 0  # 500 for requests paired with this bootstrap port (0: off)
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply a JSON body of knob changes; unknown names raise ValueError."""

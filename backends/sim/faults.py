@@ -4,6 +4,9 @@
 --error-rate P    a fraction P of requests is answered 500 at once; the
                   request never reaches the scheduler, so no room is touched
 --hang            requests are read and never answered (until the client leaves)
+fail_bootstrap_port (POST /sim/faults only)  requests whose bootstrap_port is this one get a
+                  500 as SGLang answers a broken transfer session between one prefill and
+                  one decode (SGLang issue #13054): a pair fault, the server is fine otherwise
 --first-token-delay S, --slow-start S, --health-fail act in flows.py/state.py
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -52,4 +56,17 @@ async def before_generation(state: SimState, request: Request, endpoint: str) ->
     if f.hang:
         await request.body()
         return _Hang(state, endpoint)
+    if f.fail_bootstrap_port:
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            body = None
+        port = body.get("bootstrap_port") if isinstance(body, dict) else None
+        if f.fail_bootstrap_port in (port if isinstance(port, list) else [port]):
+            state.stats.record(endpoint, "", None, "failed", "pair fault")
+            message = (f"Decode transfer failed for request rank=0 with exception KVTransferError: "
+                       f"transfer session to {body.get('bootstrap_host')}:{f.fail_bootstrap_port} "
+                       "is broken (pair fault)")
+            return JSONResponse({"object": "error", "message": message, "type": "500",
+                                 "param": None, "code": 500}, status_code=500)
     return None

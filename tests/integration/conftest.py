@@ -11,7 +11,7 @@ import pytest
 from tests.procs import HOST, free_port, python, running
 
 NO_FAULTS = {"error_rate": 0.0, "hang": False, "crash_after": 0, "slow_start": 0.0,
-             "health_fail": False, "first_token_delay": 0.0}
+             "health_fail": False, "first_token_delay": 0.0, "fail_bootstrap_port": 0}
 SIM_FAST = ["--bootstrap-timeout", "5", "--waiting-timeout", "5",
             "--bootstrap-retries", "3", "--bootstrap-retry-interval", "0.2"]
 
