@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import orjson
+
 from tests.reliability.load import OK, SHAPES, Outcome, send
 from tests.security.rig import HOST, Gateway
 
@@ -118,3 +120,83 @@ def closed_within(sock: socket.socket, timeout: float) -> float | None:
     started = time.monotonic()
     _, closed = read_until_closed(sock, timeout)
     return time.monotonic() - started if closed else None
+
+
+class Stream(threading.Thread):
+    """One long streaming /generate in its own thread (the victim of an attack, or a request
+    its own client aborts): `events` are its parsed SSE events, `started` is set when the
+    first event with a `meta_info.id` came."""
+
+    def __init__(self, gateway: Gateway, headers: dict | None, tokens: int = 200,
+                 request_id: str | None = None, rid: str | None = None) -> None:
+        super().__init__(daemon=True)
+        self.gateway, self.tokens = gateway, tokens
+        self.headers = dict(headers or {})
+        if request_id is not None:
+            self.headers["x-request-id"] = request_id
+        self.body = {"text": f"{os.urandom(4).hex()} a long story", "stream": True,
+                     "sampling_params": {"max_new_tokens": tokens}}
+        if rid is not None:
+            self.body["rid"] = rid
+        self.started = threading.Event()
+        self.status: int | None = None
+        self.request_id: str | None = None
+        self.meta_id: str | None = None
+        self.events: list = []
+        self.done = False  # the stream ended with [DONE]
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            with self.gateway.client() as client, client.stream(
+                    "POST", "/generate", json=self.body, headers=self.headers) as r:
+                self.status = r.status_code
+                self.request_id = r.headers.get("x-request-id")
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        self.done = True
+                        continue
+                    event = orjson.loads(data)
+                    self.events.append(event)
+                    meta = event.get("meta_info") or {}
+                    if self.meta_id is None and meta.get("id"):
+                        self.meta_id = meta["id"]
+                        self.started.set()
+        except Exception as exc:  # noqa: BLE001 - reported through `error`
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.started.set()
+
+    def begin(self, timeout: float = 20.0) -> Stream:
+        if self.ident is None:
+            self.start()
+        assert self.started.wait(timeout), "the stream never started"
+        assert self.meta_id is not None, (self.status, self.error, self.events[:1])
+        return self
+
+    def finish(self, timeout: float = 30.0) -> Stream:
+        self.join(timeout)
+        assert not self.is_alive(), "the stream did not end"
+        return self
+
+    @property
+    def finish_reason(self) -> dict | None:
+        for event in reversed(self.events):
+            reason = (event.get("meta_info") or {}).get("finish_reason")
+            if reason:
+                return reason
+        return None
+
+    @property
+    def completed(self) -> bool:
+        """Ran to its natural end: every token, no error event, [DONE]."""
+        reason = self.finish_reason or {}
+        return (self.done and self.status == 200 and reason.get("type") == "length"
+                and not any("error" in e for e in self.events))
+
+    @property
+    def error_event(self) -> dict | None:
+        return next((e["error"] for e in self.events if "error" in e), None)
