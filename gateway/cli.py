@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_gc()
     server = GatewayServer(uvicorn.Config(
         app, host=config.host.strip("[]"), port=config.port, loop="uvloop",
-        http=guarded_protocol(limits), lifespan="on", log_level=config.log_level,
+        http=guarded_protocol(limits), ws="none", lifespan="on", log_level=config.log_level,
         access_log=False, proxy_headers=False, server_header=False,
         timeout_graceful_shutdown=config.shutdown_grace, backlog=2048,
         limit_concurrency=connections, ssl_certfile=config.ssl_certfile,

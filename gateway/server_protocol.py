@@ -11,15 +11,19 @@ at a time (slowloris) or not at all. This subclass adds, per connection:
 * at most `max_header_count` headers, `max_head_bytes` bytes of URL + headers: beyond that
   the answer is 431 (or 414 for the URL alone) and the connection closes.
 
-Everything else (parsing, flow control, keep-alive, pipelining) stays uvicorn's. The limits
-are tested at the socket level in tests/security/.
+Refusals (400 for a request httptools cannot parse, 414, 431) answer in the gateway's error
+shape and close the connection. Everything else (parsing, flow control, keep-alive,
+pipelining) stays uvicorn's. The limits are tested at the socket level in tests/security/.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.errors import error_body
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class ServerLimits:
     max_url_bytes: int = 8 * 1024
 
 
-REASONS = {414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
 
 
 class _Refused(Exception):
@@ -72,21 +76,23 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
                     self.cycle.disconnected = True  # the app sees http.disconnect
                 self.transport.close()
 
-        def _refuse(self, status: int) -> None:
+        def _answer(self, status: int, message: str) -> None:
+            """Write a refusal in the gateway's error shape and close the connection."""
             self._refused = True
             self._disarm()
-            reason = REASONS[status]
-            body = b'{"error": {"message": "' + reason + b'", "type": "invalid_request_error", ' \
-                b'"code": ' + str(status).encode() + b'}}'
+            body = orjson.dumps(error_body(message, "invalid_request_error", str(status)))
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+                b"connection: close\r\n\r\n%s" % (status, REASONS[status], len(body), body))
             self.transport.close()
+
+        def _refuse(self, status: int) -> None:
+            self._answer(status, REASONS[status].decode())
             raise _Refused
 
         def send_400_response(self, msg: str) -> None:
             if not self._refused:  # our own refusal already answered
-                super().send_400_response(msg)
+                self._answer(400, "malformed HTTP request")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
