@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     limits = ServerLimits(head_timeout=config.head_timeout, body_timeout=config.body_timeout,
                           max_header_count=config.max_header_count,
-                          max_head_bytes=config.max_header_bytes)
+                          max_head_bytes=config.max_header_bytes,
+                          send_timeout=config.send_timeout)
     connections = connection_limit(config.max_client_connections)
     app.state.gateway.serving = {"connections": connections, "tls": bool(config.ssl_certfile),
                                  "mtls": bool(config.ssl_ca_certs)}
