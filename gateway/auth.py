@@ -7,8 +7,9 @@ Roles (docs/SECURITY.md):
 * `INFERENCE`: generation, models, tokenizer, `/server_info`, aborting one's own requests.
   Open when no inference key is configured; otherwise an inference key.
 * `ADMIN`: changing the server set, draining, flushing caches, aborting anyone's request
-  (`/abort_request` takes an admin or an inference caller: `app.ABORTERS`), the status data. Needs an admin key; an inference key never grants it, and an admin key
-  grants nothing else (least privilege: an operator's credential is not a client's). Without
+  (`/abort_request` takes an admin or an inference caller: `app.ABORTERS`), the status data.
+  Needs an admin key; an inference key never grants it, and an admin key grants nothing
+  else (least privilege: an operator's credential is not a client's). Without
   any admin key configured, the admin API answers loopback clients only (the operator on the
   host), so a gateway listening on 0.0.0.0 without keys cannot be reconfigured from the
   network.

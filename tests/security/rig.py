@@ -146,7 +146,8 @@ class Gateway:
 
 def start_gateway(log_dir: Path, name: str, sims: Sims | None, args: Sequence[str] = (),
                   env: dict | None = None, scheme: str = "http",
-                  verify: ssl.SSLContext | bool = True, headers: dict | None = None, admin_headers: dict | None = None) -> Gateway:
+                  verify: ssl.SSLContext | bool = True, headers: dict | None = None,
+                  admin_headers: dict | None = None) -> Gateway:
     """Start `python -m gateway` on a free loopback port and wait until it is ready."""
     port = free_port()
     argv = python("-m", "gateway", "--host", HOST, "--port", str(port))

@@ -28,7 +28,8 @@ AUTH = b"authorization: Bearer " + UNICODE_KEY.encode() + b"\r\n"
 def request(extra: bytes = b"", path: bytes = b"/generate", body: bytes = BODY,
             auth: bytes = AUTH) -> bytes:
     return (b"POST " + path + b" HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n"
-            b"content-type: application/json\r\n" + auth + extra + b"content-length: %d\r\n\r\n" % len(body) + body)
+            b"content-type: application/json\r\n" + auth + extra
+            + b"content-length: %d\r\n\r\n" % len(body) + body)
 
 
 def head_and_body(answer: bytes) -> tuple[dict[bytes, bytes], bytes]:
@@ -81,7 +82,8 @@ MALFORMED = {
     "space before the colon": (request(b"x-request-id : evil\r\n"), 400),
     "Transfer-Encoding and Content-Length": (request(b"transfer-encoding: chunked\r\n"), 400),
     "two Content-Lengths": (request(b"content-length: 5\r\n"), 400),
-    "absurd Content-Length": (request(body=b"").replace(b"length: 0", b"length: " + b"9" * 25), 400),
+    "absurd Content-Length": (request(body=b"").replace(b"length: 0",
+                                                        b"length: " + b"9" * 25), 400),
     "HTTP/2 preface": (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),
     "control byte in the method": (b"G\x01T /health HTTP/1.1\r\nhost: x\r\n\r\n", 400),
     "over --max-header-count headers": (request(FILLER), 431),

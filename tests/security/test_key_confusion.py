@@ -100,7 +100,8 @@ def test_long_binary_and_unicode_keys(keyed):
         assert call(keyed, "POST", "/generate", bearer("k" * 20_000)).status_code == 401
         long = call(keyed, "POST", "/generate", bearer("k" * 40_000))
         assert long.status_code == 431  # over --max-header-bytes (32 KiB) before any check
-        for raw in (b"Bearer \xff\xfe\xfd", b"Bearer " + UNICODE_KEY.encode().decode("latin-1").encode(),
+        mojibake = UNICODE_KEY.encode().decode("latin-1").encode()  # UTF-8 read as latin-1
+        for raw in (b"Bearer \xff\xfe\xfd", b"Bearer " + mojibake,
                     b"Bearer " + UNICODE_KEY.encode("utf-8")[:-1]):
             assert call(keyed, "POST", "/generate", {"authorization": raw}).status_code == 401
         # the configured non-ASCII key works as its UTF-8 bytes (the honest clients use it)
