@@ -32,7 +32,10 @@ INFERENCE_PATHS = {"/generate": GENERATE, "/v1/chat/completions": CHAT,
                    "/v1/completions": COMPLETIONS}
 
 PUBLIC, INFERENCE, ADMIN = Role.PUBLIC, Role.INFERENCE, Role.ADMIN
-ROUTES: list[tuple[str, tuple[str, ...], Handler, Role]] = [
+# An admin aborts anyone's requests (or all), an inference caller its own: either role will do,
+# admin first so that an admin key is recognised as one (an inference key never becomes admin).
+ABORTERS = (ADMIN, INFERENCE)
+ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
     ("/health", ("GET",), info.health, PUBLIC),
     ("/readiness", ("GET",), info.readiness, PUBLIC),
     ("/health_generate", ("GET",), info.health_generate, PUBLIC),
@@ -47,7 +50,7 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role]] = [
     ("/v1/detokenize", ("POST",), operations.relay, INFERENCE),
     ("/tokenize", ("POST",), operations.relay, INFERENCE),
     ("/detokenize", ("POST",), operations.relay, INFERENCE),
-    ("/abort_request", ("POST",), operations.abort_request, INFERENCE),
+    ("/abort_request", ("POST",), operations.abort_request, ABORTERS),
     ("/flush_cache", ("POST",), operations.broadcast, ADMIN),
     ("/start_profile", ("POST",), operations.broadcast, ADMIN),
     ("/stop_profile", ("POST",), operations.broadcast, ADMIN),
@@ -64,7 +67,7 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role]] = [
 ]
 
 
-def guarded(handler: Handler, role: Role) -> Handler:
+def guarded(handler: Handler, role: Role | tuple[Role, ...]) -> Handler:
     """The handler behind the role check; the caller is left in `request.state.caller`."""
 
     async def endpoint(request: Request) -> Response:

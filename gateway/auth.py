@@ -6,21 +6,28 @@ Roles (docs/SECURITY.md):
   `/health_generate`): never a key.
 * `INFERENCE`: generation, models, tokenizer, `/server_info`, aborting one's own requests.
   Open when no inference key is configured; otherwise an inference key.
-* `ADMIN`: changing the server set, draining, flushing caches, aborting anyone's request,
-  the status data. Needs an admin key; an inference key never grants it, and an admin key
-  grants nothing else (least privilege: an operator's credential is not a client's). Without
+* `ADMIN`: changing the server set, draining, flushing caches, aborting anyone's request
+  (`/abort_request` takes an admin or an inference caller: `app.ABORTERS`), the status data.
+  Needs an admin key; an inference key never grants it, and an admin key grants nothing
+  else (least privilege: an operator's credential is not a client's). Without
   any admin key configured, the admin API answers loopback clients only (the operator on the
   host), so a gateway listening on 0.0.0.0 without keys cannot be reconfigured from the
   network.
 
-Keys are compared in constant time against every configured key (no early exit), presented as
-`Authorization: Bearer <key>` or `x-api-key: <key>`. Inference keys may carry a rate limit
-(token bucket per key; buckets exist only for configured keys, so their number is bounded).
+Keys are presented as `Authorization: Bearer <key>` or `x-api-key: <key>`, never in the URL.
+A request carrying two `Authorization` (or two `x-api-key`) headers is ambiguous and holds no
+valid key: proxies disagree on which one counts, so the gateway takes neither. Keys are
+compared as SHA-256 digests (equal length whatever was sent) in constant time against every
+configured key, with no early exit. Callers without a key own their requests per client
+address (`anonymous@<ip>`), so with inference open one stranger still cannot abort
+another's. Inference keys may carry a rate limit (token bucket per key; buckets exist only
+for configured keys, so their number is bounded).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
 import ipaddress
 import time
@@ -46,11 +53,12 @@ class Caller:
     roles: frozenset[Role]  # what its credentials grant (PUBLIC always)
     key_id: str | None  # "inference:3" / "admin:0"; None without a key
     loopback: bool
+    address: str = ""  # the client's IP address as the socket says (no forwarded headers)
 
     @property
     def owner(self) -> str:
-        """Who owns the requests this caller makes (for abort): its key, else anyone."""
-        return self.key_id or "anonymous"
+        """Who owns the requests this caller makes (for abort): its key, else its address."""
+        return self.key_id or f"anonymous@{self.address}"
 
     @property
     def is_admin(self) -> bool:
@@ -66,27 +74,43 @@ def is_loopback(client: tuple | None) -> bool:
         return False
 
 
+AMBIGUOUS = "\x00ambiguous"  # never a configured key: config refuses non-printable keys
+
+
 def presented_key(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The key a request carries: `Authorization: Bearer` first, then `x-api-key`."""
-    api_key = None
+    """The key a request carries: `Authorization: Bearer` first, then `x-api-key`;
+    `AMBIGUOUS` when either header comes twice."""
+    bearer = api_key = None
+    authorizations = api_keys = 0
     for name, value in headers:
-        if name == b"authorization" and value[:7].lower() == b"bearer ":
-            return value[7:].strip().decode("latin-1")
-        if name == b"x-api-key":
-            api_key = value.strip().decode("latin-1")
-    return api_key
+        if name == b"authorization":
+            authorizations += 1
+            if value[:7].lower() == b"bearer ":
+                bearer = value[7:].strip(b" \t").decode("latin-1")
+        elif name == b"x-api-key":
+            api_keys += 1
+            api_key = value.strip(b" \t").decode("latin-1")
+    if authorizations > 1 or api_keys > 1:
+        return AMBIGUOUS
+    return bearer if bearer is not None else api_key
+
+
+def digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
 
 
 class _KeySet:
-    """Constant-time membership over a fixed list of keys."""
+    """Constant-time membership over a fixed list of keys: the candidate's digest is compared
+    with every key's digest (32 bytes each, so neither length nor content leaks)."""
 
     def __init__(self, keys: tuple[str, ...]) -> None:
-        self.keys = [k.encode() for k in keys]
+        self.keys = [digest(k.encode()) for k in keys]
 
     def index(self, candidate: bytes) -> int:
+        wanted = digest(candidate)
         found = -1
         for index, key in enumerate(self.keys):  # no early exit: constant time over keys
-            if hmac.compare_digest(candidate, key):
+            if hmac.compare_digest(wanted, key):
                 found = index
         return found
 
@@ -112,19 +136,30 @@ class Auth:
     def admin_keys_set(self) -> bool:
         return bool(self.admin.keys)
 
-    def caller(self, scope: dict, needed: Role) -> Caller:
-        """The caller of `scope`, or an error if it lacks role `needed`."""
-        loopback = is_loopback(scope.get("client"))
+    def caller(self, scope: dict, needed: Role | tuple[Role, ...]) -> Caller:
+        """The caller of `scope`, or an error if it lacks role `needed` (a tuple: the first
+        of those roles it has, else the error of the last one)."""
+        if isinstance(needed, tuple):
+            for role in needed[:-1]:
+                try:
+                    return self.caller(scope, role)
+                except (Unauthorized, Forbidden):
+                    continue
+            needed = needed[-1]
+        client = scope.get("client")
+        loopback = is_loopback(client)
+        address = str(client[0]) if client else ""
         key = presented_key(scope["headers"])
         if key is not None and (self.inference.keys or self.admin.keys):
-            caller = self._by_key(key, loopback, needed)
+            caller = self._by_key(key, loopback, address, needed)
         else:
-            caller = Caller(self._open, None, loopback)
+            caller = Caller(self._open, None, loopback, address)
         if needed in caller.roles:
             return caller
         if needed is Role.ADMIN:
             if not self.admin_keys_set and loopback:
-                return Caller(caller.roles | {Role.ADMIN}, caller.key_id, loopback)  # operator
+                return Caller(caller.roles | {Role.ADMIN}, caller.key_id, loopback,
+                              address)  # the operator on the host
             if caller.key_id is not None:
                 raise Forbidden("this API key has no admin rights")
             if not self.admin_keys_set:
@@ -139,18 +174,23 @@ class Auth:
         """What a caller without a key may do."""
         return _PUBLIC_INFERENCE if self.inference_open else _PUBLIC
 
-    def _by_key(self, key: str, loopback: bool, needed: Role) -> Caller:
+    def _by_key(self, key: str, loopback: bool, address: str, needed: Role) -> Caller:
+        if key == AMBIGUOUS:
+            if needed is Role.PUBLIC:
+                return Caller(_PUBLIC, None, loopback, address)
+            raise Unauthorized("several Authorization or x-api-key headers; send one key")
         candidate = key.encode("latin-1")
         admin = self.admin.index(candidate)
         inference = self.inference.index(candidate)
         if admin >= 0:
-            return Caller(self._open | {Role.ADMIN}, f"admin:{admin}", loopback)
+            return Caller(self._open | {Role.ADMIN}, f"admin:{admin}", loopback, address)
         if inference >= 0:
             if self.rate > 0 and needed is Role.INFERENCE:
                 self._take(inference)
-            return Caller(_PUBLIC_INFERENCE, f"inference:{inference}", loopback)
-        if needed is Role.PUBLIC:
-            return Caller(_PUBLIC, None, loopback)
+            return Caller(_PUBLIC_INFERENCE, f"inference:{inference}", loopback, address)
+        if needed is Role.PUBLIC or (needed is Role.INFERENCE and self.inference_open):
+            # an unknown key where none is needed (OpenAI clients always send one)
+            return Caller(self._open, None, loopback, address)
         raise Unauthorized("invalid API key")
 
     def _take(self, index: int) -> None:

@@ -14,6 +14,7 @@ from gateway.app import build_app
 from gateway.config import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILURE, ConfigError, load_config
 from gateway.server_protocol import ServerLimits, guarded_protocol
 
+KEY_FLAGS = ("--api-keys", "--api-key", "--admin-api-keys")
 FD_RESERVE = 128  # descriptors kept for logs, probes, KV-event sockets and the like
 MAX_OPEN_FILES = 1 << 20
 
@@ -57,7 +58,17 @@ class GatewayServer(uvicorn.Server):
             print(f"gateway: {self.gateway.announcement()}", file=sys.stderr, flush=True)
 
 
+def keys_on_command_line(argv: list[str]) -> list[str]:
+    """The key flags given as arguments: their values show in `ps` and /proc/<pid>/cmdline."""
+    return [a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in KEY_FLAGS]
+
+
 def main(argv: list[str] | None = None) -> int:
+    flags = keys_on_command_line(sys.argv[1:] if argv is None else argv)
+    if flags:
+        print(f"gateway: warning: API keys given with {', '.join(flags)} are visible to every "
+              "user of this host (ps); use --api-key-file/--admin-api-key-file or "
+              "GATEWAY_API_KEYS/GATEWAY_ADMIN_API_KEYS", file=sys.stderr)
     try:
         config = load_config(argv)
     except (ConfigError, ValueError) as exc:  # ValueError: bad policy options
@@ -72,14 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     limits = ServerLimits(head_timeout=config.head_timeout, body_timeout=config.body_timeout,
                           max_header_count=config.max_header_count,
-                          max_head_bytes=config.max_header_bytes)
+                          max_head_bytes=config.max_header_bytes,
+                          send_timeout=config.send_timeout)
     connections = connection_limit(config.max_client_connections)
     app.state.gateway.serving = {"connections": connections, "tls": bool(config.ssl_certfile),
                                  "mtls": bool(config.ssl_ca_certs)}
     tune_gc()
     server = GatewayServer(uvicorn.Config(
         app, host=config.host.strip("[]"), port=config.port, loop="uvloop",
-        http=guarded_protocol(limits), lifespan="on", log_level=config.log_level,
+        http=guarded_protocol(limits), ws="none", lifespan="on", log_level=config.log_level,
         access_log=False, proxy_headers=False, server_header=False,
         timeout_graceful_shutdown=config.shutdown_grace, backlog=2048,
         limit_concurrency=connections, ssl_certfile=config.ssl_certfile,

@@ -379,7 +379,10 @@ def load_config(argv: list[str] | None = None,
         values["replica_id"] = replica_id_from_pod_name(environ.get("POD_NAME"))
     for keys, path in (("api_keys", "api_key_file"), ("admin_api_keys", "admin_api_key_file")):
         if values.get(path):
-            values[keys] = tuple(values.get(keys, ())) + read_lines(values[path], "API key")
+            lines = read_lines(values[path], "API key")
+            if not lines:  # an empty Secret would silently leave the routes open
+                raise ConfigError(f"setting {path!r}: {values[path]} holds no key")
+            values[keys] = tuple(values.get(keys, ())) + lines
     cfg = _construct(values, prefill, decode)
     _validate(cfg)
     return cfg

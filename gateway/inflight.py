@@ -1,8 +1,9 @@
 """Requests in flight, by the ids their callers know, so that callers can abort their own.
 
-Each inference request is registered under its request id (`x-request-id`) and the rids its
-items carry (the client's own `rid`, or the random ones the gateway made), with its owner (the
-caller's API key; "anonymous" without keys) and the attempts now running on servers.
+Each inference request is registered under its request id (`x-request-id`) and the client's
+own rids, with its owner (the caller's API key; `anonymous@<address>` without keys) and the
+attempts now running on servers; the random rids the gateway made for an attempt (SGLang's
+`meta_info.id`) are found through the attempts.
 
 Aborting (`POST /abort_request`) goes through this table, never straight to the servers: a
 caller reaches only requests it owns (an admin reaches any), and the gateway forwards to the
@@ -88,7 +89,16 @@ class InFlight:
                 del self._by_key[key]
 
     def find(self, key: str) -> Tracked | None:
-        return self._by_key.get(key)
+        """The request known by `key`: its request id or own rid, else the upstream rid of one
+        of its running attempts (what SGLang reports as `meta_info.id`), matched exactly."""
+        tracked = self._by_key.get(key)
+        if tracked is not None:
+            return tracked
+        for tracked in set(self._by_key.values()):
+            for attempt in tracked.attempts:
+                if key in attempt.rid_list:
+                    return tracked
+        return None
 
     def prefix_safe(self, rid: str, of: Tracked) -> bool:
         """No other request in flight has an upstream rid that starts with `rid`."""

@@ -9,17 +9,27 @@ at a time (slowloris) or not at all. This subclass adds, per connection:
   next request on a kept-alive connection) to the end of the headers, `head_timeout`;
 * a deadline for the body, from the end of the headers, `body_timeout`;
 * at most `max_header_count` headers, `max_head_bytes` bytes of URL + headers: beyond that
-  the answer is 431 (or 414 for the URL alone) and the connection closes.
+  the answer is 431 (or 414 for the URL alone) and the connection closes;
+* a deadline for a stalled response, `send_timeout`: when the client stops reading, the
+  transport's write buffer passes its high-water mark and uvicorn's `send` waits for it to
+  drain; if it stays paused that long, the connection is aborted (unflushed bytes dropped),
+  the app sees `http.disconnect` and the scope carries `STALLED`, so the inference endpoints
+  count a slow client and abort both PD legs. This holds for every response, streamed or not,
+  whatever the relay's own watchdog does.
 
-Everything else (parsing, flow control, keep-alive, pipelining) stays uvicorn's. The limits
-are tested at the socket level in tests/security/.
+Refusals (400 for a request httptools cannot parse, 414, 431) answer in the gateway's error
+shape and close the connection. Everything else (parsing, flow control, keep-alive,
+pipelining) stays uvicorn's. The limits are tested at the socket level in tests/security/.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.errors import error_body
 
 
 @dataclass(frozen=True)
@@ -29,9 +39,11 @@ class ServerLimits:
     max_header_count: int = 100
     max_head_bytes: int = 32 * 1024
     max_url_bytes: int = 8 * 1024
+    send_timeout: float = 30.0
 
 
-REASONS = {414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+STALLED = "gateway.stalled"  # scope key set when the response stalled past send_timeout
 
 
 class _Refused(Exception):
@@ -50,11 +62,32 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self._header_count = 0
             self._refused = False
             self._deadline = None
+            self._stall = None
             self._arm(self._limits.head_timeout)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stall is None:
+                self._stall = self.loop.call_later(self._limits.send_timeout, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
+
+        def _stalled(self) -> None:
+            self._stall = None
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.scope[STALLED] = True
+            self.transport.abort()  # close() would wait for the client to read the buffer
 
         def _arm(self, seconds: float) -> None:
             self._disarm()
@@ -72,21 +105,23 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
                     self.cycle.disconnected = True  # the app sees http.disconnect
                 self.transport.close()
 
-        def _refuse(self, status: int) -> None:
+        def _answer(self, status: int, message: str) -> None:
+            """Write a refusal in the gateway's error shape and close the connection."""
             self._refused = True
             self._disarm()
-            reason = REASONS[status]
-            body = b'{"error": {"message": "' + reason + b'", "type": "invalid_request_error", ' \
-                b'"code": ' + str(status).encode() + b'}}'
+            body = orjson.dumps(error_body(message, "invalid_request_error", str(status)))
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+                b"connection: close\r\n\r\n%s" % (status, REASONS[status], len(body), body))
             self.transport.close()
+
+        def _refuse(self, status: int) -> None:
+            self._answer(status, REASONS[status].decode())
             raise _Refused
 
         def send_400_response(self, msg: str) -> None:
             if not self._refused:  # our own refusal already answered
-                super().send_400_response(msg)
+                self._answer(400, "malformed HTTP request")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

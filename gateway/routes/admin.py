@@ -8,14 +8,18 @@ drain servers at runtime; the policies' figures.
     POST   /admin/servers/undrain {url}
     GET    /admin/policies                     each role's policy, options and own figures
 
-A server is added only once its `/server_info` answers with the role it is added as (the
-probe), so an unreachable or foreign URL is refused rather than kept in the pool.
+A server is added only once its `/server_info` answers a JSON object whose
+`disaggregation_mode` is the role it is added as, so an unreachable or foreign URL (any HTTP
+server answering 200 `{}` or HTML, the gateway itself) is refused rather than kept in the
+pool; the URL must be exactly `http(s)://host[:port]` (no user, path, query or fragment).
+Redirects are not followed. docs/SECURITY.md ("Admin API and SSRF").
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 
 from starlette.requests import Request
@@ -23,10 +27,14 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.config_servers import ConfigError, validate_url
 from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.probe import fetch_server_info
 from gateway.routes.asgi import read_json
 from gateway.workers import ROLES
 
 MAX_DRAIN_WAIT = 3600.0
+# scheme, then a DNS name, an IPv4 address or a bracketed IPv6 address, then an optional port
+SERVER_URL = re.compile(r"https?://(?:[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])"
+                        r"(?::[0-9]{1,5})?/?")
 
 
 async def list_servers(request: Request) -> Response:
@@ -54,8 +62,12 @@ async def add_server(request: Request) -> Response:
     role = body.get("role")
     if role not in ROLES:
         raise BadRequest("'role' must be 'prefill' or 'decode'")
+    raw = body.get("url")
+    if not isinstance(raw, str) or SERVER_URL.fullmatch(raw) is None:
+        raise BadRequest("'url' must be http(s)://host[:port] with nothing else (no user, "
+                         "path, query or fragment)")
     try:
-        url = validate_url(str(body.get("url", "")))
+        url = validate_url(raw)
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
     port = body.get("bootstrap_port")
@@ -64,8 +76,22 @@ async def add_server(request: Request) -> Response:
         raise BadRequest("'bootstrap_port' must be a port number")
     if gw.pool.get(url) is not None:
         raise GatewayError(f"{url} is already registered", status=409)
+    await _require_sglang(gw, url, role)
     worker = await gw.register(url, role, port, require_probe=True)
     return JSONResponse({"server": worker.snapshot()}, status_code=201)
+
+
+async def _require_sglang(gw, url: str, role: str) -> None:
+    """Refuse a URL whose /server_info does not name this PD role (startup lists may hold
+    servers without a mode; the admin API, reachable by a stolen key, may not)."""
+    try:
+        info = await fetch_server_info(gw.client, url, gw.config.probe_timeout)
+    except ConnectionError as exc:
+        raise BadRequest(f"{url} did not answer as an SGLang {role} server: {exc}") from None
+    mode = info.get("disaggregation_mode")
+    if mode != role:
+        raise BadRequest(f"{url} is not an SGLang {role} server (its /server_info says "
+                         f"disaggregation_mode {str(mode)[:40]!r})")
 
 
 def _worker(gw, body: dict):

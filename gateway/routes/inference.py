@@ -4,7 +4,9 @@ auth -> read body -> parse once -> in-flight table -> admission slot -> serve (o
 or n single-sample ones for n > 1) -> answer. The work runs in the request's own task, under
 one `Interrupt`: a watcher task fires it when the client disconnects, `/abort_request` fires
 it when it must stop the request itself, and the stream relay fires it when the client stops
-reading (`--send-timeout`); whatever fired, both upstream legs are cancelled.
+reading (`--send-timeout`); the server protocol also cuts a connection whose response stalls
+that long (`server_protocol.STALLED`: counted as a slow client too). Whatever fired, both
+upstream legs are cancelled.
 """
 
 from __future__ import annotations
@@ -23,25 +25,28 @@ from gateway.inflight import Tracked, new_id, safe_id
 from gateway.relay import SlowClient
 from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
+from gateway.server_protocol import STALLED
 from gateway.sse import DONE, frame
 
 log = logging.getLogger("gateway.inference")
 
 
 class _Watch:
-    """Fires the request's interrupt when the client disconnects, unless the answer is sent."""
+    """Fires the request's interrupt when the client disconnects, unless the answer is sent;
+    a connection the server cut because the client stopped reading counts as a slow client."""
 
-    __slots__ = ("interrupt", "done")
+    __slots__ = ("interrupt", "done", "scope")
 
-    def __init__(self, interrupt: Interrupt) -> None:
+    def __init__(self, interrupt: Interrupt, scope: Scope) -> None:
         self.interrupt = interrupt
         self.done = False
+        self.scope = scope
 
     async def __call__(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         if not self.done:
-            self.interrupt.fire(ClientGone())
+            self.interrupt.fire(SlowClient() if self.scope.get(STALLED) else ClientGone())
 
 
 def request_id_of(scope: Scope) -> str:
@@ -85,7 +90,8 @@ class InferenceEndpoint:
                 gw.inflight.add(tracked)
                 try:
                     async with gw.admission.slot():
-                        status = await self._serve(view, tracked, receive, send, started, state)
+                        status = await self._serve(view, tracked, scope, receive, send,
+                                                   started, state)
                 finally:
                     gw.inflight.remove(tracked)
             except asyncio.CancelledError:
@@ -125,10 +131,10 @@ class InferenceEndpoint:
             if status == 499:
                 self._disconnects.inc()
 
-    async def _serve(self, view, tracked: Tracked, receive: Receive, send: Send,
+    async def _serve(self, view, tracked: Tracked, scope: Scope, receive: Receive, send: Send,
                      started: float, state: dict) -> int:
         """Run the request and send its answer while a watcher listens for a disconnect."""
-        watch = _Watch(tracked.interrupt)
+        watch = _Watch(tracked.interrupt, scope)
         watcher = asyncio.get_running_loop().create_task(watch(receive))
         try:
             answer: Answer = await self.gw.serve(view, tracked)

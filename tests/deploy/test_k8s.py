@@ -130,8 +130,9 @@ def test_container_args_parse_with_the_gateway_cli(tmp_path):
     docs = render(EXAMPLE)
     sts = gateway_of(docs)
     c = container(sts)
+    config = secret_files_under(gateway_config_file(docs), tmp_path)
     config_file = tmp_path / "gateway.yaml"
-    config_file.write_text(yaml.safe_dump(gateway_config_file(docs)))
+    config_file.write_text(yaml.safe_dump(config))
     args = [str(config_file) if a == CONFIG_PATH else a for a in c["args"]]
     assert CONFIG_PATH in c["args"]
     mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
@@ -144,6 +145,55 @@ def test_container_args_parse_with_the_gateway_cli(tmp_path):
     assert cfg.replica_id == 2
     assert cfg.k8s_api_server == "https://10.96.0.1:443"
     assert cfg.prefill_selector and cfg.decode_selector
+    assert cfg.api_keys == ("inference-key-from-the-secret",)
+    assert cfg.admin_api_keys == ("admin-key-from-the-secret",)
+
+
+KEY_FILES = {"api_key_file": "inference-key-from-the-secret",
+             "admin_api_key_file": "admin-key-from-the-secret"}
+KEY_SETTINGS = ("api_keys", "api_key", "admin_api_keys")
+SECRET = "pd-gateway-keys"
+
+
+def secret_files_under(config: dict, root) -> dict:
+    """The config with its key files moved under `root`, holding one key each, as the
+    Secret's volume gives them in the pod."""
+    config = dict(config)
+    for setting, key in KEY_FILES.items():
+        path = root / config[setting].lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(key + "\n")
+        config[setting] = str(path)
+    return config
+
+
+@pytest.mark.parametrize("tree", ["base", EXAMPLE])
+def test_api_keys_come_from_a_secret_volume_never_from_args_env_or_the_config_map(tree):
+    docs = render(tree)
+    sts = gateway_of(docs)
+    c = container(sts)
+    flags = [a for a in c.get("args", []) + c.get("command", [])
+             if a.lstrip("-").split("=")[0].replace("-", "_") in KEY_SETTINGS]
+    assert not flags, f"keys on the command line show in ps: {flags}"
+    for env in c.get("env", []):
+        name = env["name"].removeprefix("GATEWAY_").lower()
+        if name in KEY_SETTINGS:
+            assert "value" not in env and "secretKeyRef" in env.get("valueFrom", {}), env
+    config = gateway_config_file(docs)
+    assert not set(KEY_SETTINGS) & set(config), "keys in the ConfigMap"
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    for setting in KEY_FILES:
+        path = config[setting]
+        mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        assert mount.get("readOnly") is True
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["secretName"] == SECRET and secret.get("optional") is not True
+        assert secret["defaultMode"] & 0o007 == 0, "the key files are readable by others"
+        item = path[len(mount["mountPath"]) + 1:]
+        assert item in {i["path"] for i in secret.get("items", [])} or not secret.get("items")
+    assert not [d for d in docs if d["kind"] == "Secret"], "a Secret (with keys) in git"
+    rendered = yaml.safe_dump_all(docs)
+    assert "Bearer " not in rendered and "sk-" not in rendered
 
 
 def test_selectors_pick_the_sglang_pods_of_their_role():

@@ -66,10 +66,11 @@ def test_roles(auth, headers, client, needed, outcome):
     assert caller.key_id == outcome
 
 
-def test_owner_is_the_key_and_anonymous_without():
+def test_owner_is_the_key_and_the_address_without():
     caller = KEYS.caller(scope(authorization="Bearer inf-key-1"), Role.INFERENCE)
     assert caller.owner == "inference:0"
-    assert Auth((), ()).caller(scope(), Role.INFERENCE).owner == "anonymous"
+    assert Auth((), ()).caller(scope(), Role.INFERENCE).owner == "anonymous@203.0.113.9"
+    assert Auth((), ()).caller(scope(LOCAL), Role.INFERENCE).owner == "anonymous@127.0.0.1"
 
 
 def test_rate_limit_per_key_with_burst_and_refill():
