@@ -24,15 +24,15 @@ class Timeouts:
 class Attempt:
     """One dispatch on a pair, with its rooms and rids; `outcome` records what each leg did.
 
-    `rid_list` holds the rid of every item as the servers know it; `rid` is set only when the
-    gateway made them (random, so aborting them by rid can hit nothing else: see
-    gateway/inflight.py on SGLang's prefix match)."""
+    `rid` is the rid field both legs carry and `rid_list` the rid of every item as the servers
+    know it: random, or a client's rid with a random suffix (`unsuffix`, cut from answers),
+    so aborting by them can hit nothing else (SGLang aborts by prefix; gateway/inflight.py)."""
 
     view: RequestView
     prefill: Worker
     decode: Worker
     rooms: int | list[int]
-    rid: str | list[str] | None
+    rid: str | list[str]
     rid_list: tuple[str, ...]
     payload: bytes
     request_id: str
@@ -43,6 +43,7 @@ class Attempt:
     prefill_future: asyncio.Future | None = None  # told (worker, rank) or None when done
     interrupt: object = None  # cancel.Interrupt of whatever waits on the servers now
     resumable: bool = False  # a broken stream may be continued on another pair
+    unsuffix: bytes | None = None  # the suffix of a client's rid, cut from the answers
     started_at: float = 0.0
     progressed: bool = False  # the prefill answered or the decode sent its first byte
     deadline: object = None  # the asyncio.Timeout of the first progress
@@ -61,20 +62,27 @@ class Answer:
     close: Callable[[], Awaitable[None]] | None = None  # always awaited by the responder
 
 
-def make_rids(client_rid: object, count: int | None) -> tuple[str | list[str] | None,
-                                                            tuple[str, ...]]:
-    """(rid field to send when the gateway makes it, every item's rid on the servers).
+def make_rids(client_rid: object, count: int | None) -> tuple[str | list[str],
+                                                            tuple[str, ...], bytes | None]:
+    """(the rid field to send, every item's rid on the servers, bytes to cut from answers).
 
-    A client's rid is sent as it came; SGLang turns a string rid of a batch into
-    f"{rid}_{i}" (`GenerateReqInput._normalize_rid`). Otherwise every item gets a new random
-    rid, per attempt, so a retry never meets its predecessor on a server."""
+    Without a client rid every item gets a new random rid, per attempt, so a retry never
+    meets its predecessor on a server. A client's rid goes upstream with a random suffix:
+    SGLang's scheduler aborts by rid PREFIX (`Scheduler.abort_request`, also when a client
+    disconnects), so a client rid "a" sent as is would let that client end every request on
+    the server whose rid starts with "a". The suffix is cut from the answers again, so
+    `meta_info.id` (and OpenAI ids made from it) read as the client's own rid. SGLang turns a
+    string rid of a batch into f"{rid}_{i}" (`GenerateReqInput._normalize_rid`)."""
     if client_rid is None:
         if count is None:
             rid = new_id()
-            return rid, (rid,)
+            return rid, (rid,), None
         rids = [new_id() for _ in range(count)]
-        return rids, tuple(rids)
+        return rids, tuple(rids), None
+    suffix = "-" + new_id()
     if isinstance(client_rid, str):
-        return None, ((client_rid,) if count is None
-                      else tuple(f"{client_rid}_{i}" for i in range(count)))
-    return None, tuple(client_rid)
+        sent = client_rid + suffix
+        items = (sent,) if count is None else tuple(f"{sent}_{i}" for i in range(count))
+        return sent, items, suffix.encode()
+    sent_list = [r + suffix for r in client_rid]
+    return sent_list, tuple(sent_list), suffix.encode()

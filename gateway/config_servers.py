@@ -45,7 +45,7 @@ def validate_url(url: str) -> str:
         _ = parts.port
     except ValueError as exc:
         raise ConfigError(f"bad server URL {url!r}: {exc}") from exc
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+    if parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc:
         raise ConfigError(f"bad server URL {url!r}: no path, query, fragment or user allowed")
     return url.rstrip("/")
 

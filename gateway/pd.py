@@ -113,9 +113,8 @@ class PDDispatcher:
             body["bootstrap_host"] = [prefill.bootstrap_host] * count
             body["bootstrap_port"] = [prefill.bootstrap_port] * count
         body["bootstrap_room"] = rooms
-        own_rid, rid_list = make_rids(body.get("rid"), count)
-        if own_rid is not None:
-            body["rid"] = own_rid
+        rid, rid_list, unsuffix = make_rids(body.get("rid"), count)
+        body["rid"] = rid
         if rank is not None:
             body["disagg_prefill_dp_rank"] = rank
         try:
@@ -126,8 +125,8 @@ class PDDispatcher:
                 prefill_payload = orjson.dumps(body)
         except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
             raise BadRequest(f"request body cannot be forwarded: {exc}") from None
-        attempt = Attempt(view, prefill, decode, rooms, own_rid, rid_list, payload,
-                          tracked.request_id, tracked, prefill_rank=rank)
+        attempt = Attempt(view, prefill, decode, rooms, rid, rid_list, payload,
+                          tracked.request_id, tracked, prefill_rank=rank, unsuffix=unsuffix)
         attempt.prefill_payload = prefill_payload
         attempt.prefill_target = prefill if rank is None else prefill.ranks[rank]
         return attempt
@@ -237,13 +236,13 @@ class PDDispatcher:
             response.abort()
         if "decode" not in attempt.outcome:
             self.leg_done(attempt, "decode", None)
-            self.abort(attempt.decode, attempt.rid)
+            self.abort(attempt.decode, attempt.rid_list)
         if not p_task.done():
             if decode_ok and response is None:
                 self.finish_tail(attempt, p_task)
             else:
                 p_task.cancel()
-                self.abort(attempt.prefill, attempt.rid)
+                self.abort(attempt.prefill, attempt.rid_list)
 
     def finish_tail(self, attempt: Attempt, p_task: asyncio.Task) -> None:
         """The decode is done; give the prefill's own answer a bounded time to arrive.
@@ -257,7 +256,7 @@ class PDDispatcher:
     def _tail_expired(self, attempt: Attempt, p_task: asyncio.Task) -> None:
         if not p_task.done():
             p_task.cancel()
-            self.abort(attempt.prefill, attempt.rid)
+            self.abort(attempt.prefill, attempt.rid_list)
 
     # -- the legs ----------------------------------------------------------------------------
 
@@ -306,6 +305,8 @@ class PDDispatcher:
             with translate_errors("decode", attempt.decode):
                 if not attempt.view.stream:
                     body = await response.read()
+                    if attempt.unsuffix is not None:
+                        body = body.replace(attempt.unsuffix, b"")
                     response = None
                     self.leg_done(attempt, "decode", True)
                     return None, Answer(200, content_type, body)
@@ -336,12 +337,10 @@ class PDDispatcher:
 
     # -- background chores ----------------------------------------------------------------------
 
-    def abort(self, worker: Worker, rid: str | list[str] | None) -> None:
-        """Ask `worker` to stop the attempt's items, only by rids the gateway made (a client's
-        rid may prefix-match other requests in SGLang's scheduler)."""
-        if rid is None:
-            return
-        for one in (rid,) if isinstance(rid, str) else rid:
+    def abort(self, worker: Worker, rids: tuple[str, ...]) -> None:
+        """Ask `worker` to stop the attempt's items by their upstream rids (unique: random,
+        or a client's rid with a random suffix, so SGLang's prefix match hits nothing else)."""
+        for one in rids:
             self._spawn(self._post_abort(worker, one))
 
     async def _post_abort(self, worker: Worker, rid: str) -> None:

@@ -80,40 +80,44 @@ class StreamWatchdog:
     """The deadlines of one relayed stream with ONE timer, not one per chunk (a timer per
     chunk was a fifth of the relay's CPU). While the relay waits for the server, the server
     has `idle` seconds per chunk; while the client is being sent a chunk, the client has
-    `send` seconds to take it. Waiting only moves a deadline; the timer re-arms itself until
-    a deadline really passed, then fires the interrupt that stops the waiting."""
+    `send` seconds to take it. Each phase only notes when it began; the timer wakes at the
+    current phase's deadline or after `period` (half the shorter limit), whichever is first,
+    so a phase that began between two checks is caught at most `period` late, and the
+    interrupt that stops the waiting fires."""
 
-    __slots__ = ("idle", "send", "loop", "deadline", "reading", "handle", "upstream", "client",
-                 "stalled")
+    __slots__ = ("idle", "send", "period", "loop", "since", "reading", "handle", "upstream",
+                 "client", "stalled")
 
     def __init__(self, idle: float, send: float, client: Interrupt | None,
                  stalled: UpstreamError) -> None:
         self.idle = idle
         self.send = send
+        self.period = min(idle, send) / 2
         self.loop = asyncio.get_running_loop()
-        self.deadline = self.loop.time() + idle
-        self.reading = False
+        self.since = self.loop.time()
+        self.reading = True
         self.upstream = Interrupt()  # the relay's task, stopped when the server goes silent
         self.client = client  # the request's interrupt, fired when the client stops reading
         self.stalled = stalled
-        self.handle = self.loop.call_at(self.deadline, self._check)
+        self.handle = self.loop.call_at(self.since + self.period, self._check)
 
     def waiting(self) -> float:
         """The relay waits for the server's next chunk; returns the time now."""
-        now = self.loop.time()
-        self.deadline = now + self.idle
+        self.since = now = self.loop.time()
         self.reading = True
         return now
 
     def handing_out(self) -> None:
         """The relay gave a chunk to the sender: now the client must take it."""
-        self.deadline = self.loop.time() + self.send
+        self.since = self.loop.time()
         self.reading = False
 
     def _check(self) -> None:
         now = self.loop.time()
-        if now < self.deadline:
-            self.handle = self.loop.call_at(self.deadline, self._check)
+        limit = self.idle if self.reading else self.send
+        due = self.since + limit
+        if now < due:
+            self.handle = self.loop.call_at(min(due, now + self.period), self._check)
         elif self.reading:
             self.upstream.fire(self.stalled)
         elif self.client is not None:
@@ -146,10 +150,13 @@ class StreamRelay:
         attempt.interrupt = watchdog.upstream  # a rescue now stops the relay's wait
         held = b""
         tail = b""
+        unsuffix = attempt.unsuffix
         try:
             chunk: bytes | None = first
             while chunk is not None:
                 out = _merge_events(splitter, merger, chunk) if splitter else chunk
+                if unsuffix is not None:
+                    out = out.replace(unsuffix, b"")
                 if held:
                     out, held = held + out, b""
                 if out and not out.endswith(b"\n\n"):  # hold back a partial event
@@ -205,7 +212,7 @@ class StreamRelay:
         if not p_task.done():
             d.finish_tail(attempt, p_task)
         if ok is None:  # the client went away mid-stream
-            d.abort(attempt.decode, attempt.rid)
+            d.abort(attempt.decode, attempt.rid_list)
 
     def closer(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
                stream: AsyncIterator[bytes]) -> Callable[[], Awaitable[None]]:

@@ -192,12 +192,6 @@ def test_keys_on_the_command_line_are_flagged():
     assert keys_on_command_line(["--api-key-file", "/run/keys", "--port", "1"]) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gateway/config_servers.validate_url checks `parts.username`, which is '' (falsy) for "
-    "'http://:secret@host' and 'http://@host', so a password-only userinfo passes for URLs "
-    "given by flags, config files or discovery (httpx then sends it as Basic auth). The "
-    "admin API has its own strict pattern (routes/admin.SERVER_URL). Fix: refuse any '@' "
-    "in the netloc."))
 @pytest.mark.parametrize("url", ["http://:secret@127.0.0.1:30000", "http://@127.0.0.1:30000"])
 def test_server_urls_from_the_config_carry_no_userinfo(url):
     with pytest.raises(ConfigError):

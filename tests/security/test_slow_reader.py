@@ -14,11 +14,11 @@ import os
 import time
 
 import orjson
-import pytest
 
 from gateway.cancel import Interrupt
 from gateway.config import GatewayConfig
-from gateway.pd import _StreamWatchdog
+from gateway.errors import UpstreamError
+from gateway.relay import StreamWatchdog
 from tests.security.honest import Honest, connect
 from tests.security.rig import wait_for
 
@@ -69,18 +69,12 @@ def test_a_client_that_stops_reading_loses_its_stream_and_both_legs(fast, fast_s
     assert slow() == before + 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gateway/pd.py _StreamWatchdog arms ONE timer at the idle deadline (120 s) and only moves "
-    "deadlines when it fires, so a send deadline shorter than the idle one (30 s by default) "
-    "is noticed only at the next idle check: a client that stops reading keeps its stream "
-    "and both PD legs for up to --stream-idle-timeout. handing_out() must re-arm the timer "
-    "when the new deadline is earlier. The connection-level stall deadline in "
-    "gateway/server_protocol.py covers this meanwhile (the test above)."))
 def test_the_relay_watchdog_honours_a_send_timeout_shorter_than_the_idle_one():
     async def main() -> bool:
         victim = asyncio.get_running_loop().create_task(asyncio.sleep(5))
         client = Interrupt(victim)
-        watchdog = _StreamWatchdog(idle=120.0, send=0.1, client=client)
+        stalled = UpstreamError("stalled", leg="decode", worker_url="u", retryable=True)
+        watchdog = StreamWatchdog(idle=120.0, send=0.1, client=client, stalled=stalled)
         watchdog.handing_out()  # a chunk was handed to a client that never takes it
         await asyncio.sleep(0.5)
         watchdog.close()
