@@ -5,7 +5,7 @@ the room list n times and `TokenizerManager._handle_batch_request` sends a warm-
 then all n samples with prompt i's room, so one room serves n + 1 requests, which the PD
 handshake cannot pair (the request hangs on 0.5.23). The gateway therefore sends n requests with
 n = 1, each with its own rooms, and merges their answers into exactly what one server returns
-for n > 1 (`docs/SAMPLING.md`):
+for n > 1 (docs/FIDELITY.md):
 
 * order: prompt-major, item i * n + j is sample j of prompt i (`_handle_batch_request`);
   native lists and streamed `index`, OpenAI `choices[].index` follow it;
