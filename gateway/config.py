@@ -121,7 +121,8 @@ class GatewayConfig:
     hang_floor: Annotated[float, Field(gt=0, le=3600)] = _opt(
         5.0, "seconds: never suspect a hang sooner than this")
     hang_cold: Annotated[float, Field(gt=0, le=3600)] = _opt(
-        20.0, "seconds before suspecting a hang while nothing was learned yet")
+        10.0, "seconds before suspecting a hang while nothing was learned yet (plus the "
+        "prompt at 2000 tokens/s)")
     midstream_failover: bool = _opt(
         True, "continue a stream whose decode died on another pair (greedy: the same answer; "
         "sampled: another valid sample)")
@@ -137,7 +138,7 @@ class GatewayConfig:
     # Health and circuit breaking
     health_interval: Seconds = _opt(2.0, "seconds between health checks of each server")
     health_timeout: Seconds = _opt(
-        3.0, "seconds before a health check counts as failed (SGLang's /health takes about 1 s)")
+        2.5, "seconds before a health check counts as failed (SGLang's /health takes about 1 s)")
     health_endpoint: Literal["/health", "/health_generate", "/ready", "/ping"] = _opt(
         "/health", "path probed on each server")
     health_failures: Annotated[int, Field(ge=1, le=100)] = _opt(

@@ -13,7 +13,8 @@ A deadline is `factor` x the `percentile` of the recent observations (a ring of 
 values), at least `floor`, at most the configured hard timeout. Until a bucket has
 `min_samples` observations, the nearest smaller bucket of the same server counts, scaled by
 the prompt-size ratio (prefill time is at most linear in the prompt), else the same bucket of
-any server, else `cold`. How the defaults were chosen is in docs/RELIABILITY.md.
+any server, else `cold` plus the prompt at a slow `cold_tokens_per_second` (`gap_cold` for
+stream gaps, which any server's gaps also inform). How the defaults were chosen is in docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ class DeadlineOptions:
     percentile: float = 0.99
     factor: float = 4.0
     floor: float = 5.0  # seconds: below this, normal jitter (GC, a batch boundary) would cut
-    cold: float = 20.0  # seconds, before anything was learned
-    min_samples: int = 20
+    cold: float = 10.0  # seconds, before anything was learned of first progress (short prompt)
+    cold_tokens_per_second: float = 2000.0  # ...plus the prompt at this (slow) prefill speed
+    gap_cold: float = 10.0  # seconds, before any stream gap was learned
+    min_samples: int = 8
     window: int = 256
 
 
@@ -80,6 +83,7 @@ class LatencyModel:
         self._first: dict[tuple[str, int], _Ring] = {}
         self._first_any: dict[int, _Ring] = {}
         self._gaps: dict[str, _Ring] = {}
+        self._gaps_any = _Ring(self.options.window)
 
     def _ring(self, table: dict, key) -> _Ring:
         ring = table.get(key)
@@ -96,13 +100,14 @@ class LatencyModel:
 
     def gap(self, url: str, seconds: float) -> None:
         self._ring(self._gaps, url).add(seconds)
+        self._gaps_any.add(seconds)
 
     # -- deadlines ----------------------------------------------------------------------------
 
-    def _bounded(self, learned: float | None, limit: float) -> float:
+    def _bounded(self, learned: float | None, limit: float, cold: float | None = None) -> float:
         o = self.options
         if learned is None:
-            return min(limit, max(o.cold, o.floor))
+            return min(limit, max(o.cold if cold is None else cold, o.floor))
         return min(limit, max(o.floor, o.factor * learned))
 
     def first_progress_deadline(self, url: str, tokens: int, limit: float) -> float:
@@ -116,13 +121,15 @@ class LatencyModel:
         ring = self._first_any.get(bucket)
         if ring is not None and ring.count >= o.min_samples:
             return self._bounded(ring.quantile(o.percentile), limit)
-        return self._bounded(None, limit)
+        return self._bounded(None, limit, o.cold + tokens / o.cold_tokens_per_second)
 
     def gap_deadline(self, url: str, limit: float) -> float:
-        ring = self._gaps.get(url)
-        if ring is None or ring.count < self.options.min_samples:
-            return self._bounded(None, limit)
-        return self._bounded(ring.quantile(self.options.percentile), limit)
+        """This server's gaps, else every server's (decode steps are alike), else cold."""
+        o = self.options
+        for ring in (self._gaps.get(url), self._gaps_any):
+            if ring is not None and ring.count >= o.min_samples:
+                return self._bounded(ring.quantile(o.percentile), limit)
+        return self._bounded(None, limit, o.gap_cold)
 
     def forget(self, url: str) -> None:
         for key in [k for k in self._first if k[0] == url]:

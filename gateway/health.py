@@ -62,10 +62,13 @@ class HealthChecker:
         self._tasks.clear()
 
     async def _loop(self, worker: Worker) -> None:
+        previous = 0.0
         while True:
             started = time.monotonic()
             ok = await self.check(worker)
-            self.record(worker, ok, since=started - self.interval)
+            # a request success counts for one check: the first one begun after it
+            self.record(worker, ok, since=previous)
+            previous = started
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
     async def check(self, worker: Worker) -> bool:

@@ -61,7 +61,7 @@ class _PrefillWatch:
         error = None if prefill.cancelled() else prefill.exception()  # always retrieved
         self.attempt.prefill.attempts.discard(self.attempt)
         if error is None and not prefill.cancelled():
-            self.dispatcher.progress(self.attempt)
+            self.dispatcher.progress(self.attempt, by_prefill=True)
         elif self.armed and error is not None:
             self.armed = False
             self.interrupt.fire(error)
@@ -76,6 +76,7 @@ class PDDispatcher:
         self.timeouts = timeouts
         self.model = model or LatencyModel()
         self.relay = StreamRelay(self)
+        self.suspect_seconds = 10.0  # how long a suspected hang keeps new requests away
         self.on_leg_done: LegCallback = lambda attempt, leg, ok: None
         self.on_prefill_body: Callable[[Attempt, bytes], None] = lambda attempt, body: None
         self._background: set[asyncio.Task] = set()
@@ -150,8 +151,13 @@ class PDDispatcher:
         try:
             async with asyncio.timeout(first) as deadline:
                 attempt.deadline = deadline
-                if attempt.progressed:
+                if attempt.progressed:  # the prefill answered before we got here
                     deadline.reschedule(attempt.started_at + self.timeouts.response)
+                    if attempt.view.stream:
+                        deadline.reschedule(min(
+                            attempt.started_at + self.timeouts.response,
+                            loop.time() + self.model.gap_deadline(attempt.decode.url,
+                                                                  self.timeouts.response)))
                 response, answer = await self._decode_leg(attempt)
                 self.progress(attempt)
                 attempt.decode.last_success = time.monotonic()  # alive: it is answering
@@ -172,10 +178,20 @@ class PDDispatcher:
             return answer
         except asyncio.CancelledError:
             if (reason := interrupt.reason()) is not None:
+                if isinstance(reason, UpstreamError):
+                    self._suspect_if_hung(attempt, loop.time(), first)
                 raise reason from None
             raise
         except TimeoutError:
+            if not attempt.progressed:  # a suspected hang: its cohort on the pair too
+                self._rescue_cohort(attempt)
+                self._suspect_if_hung(attempt, loop.time(), first)
+            elif attempt.view.stream and "prefill" in attempt.outcome:
+                self._decode_hung(attempt)  # the KV is there and the decode says nothing
             raise self._timed_out(attempt, p_task, first) from None
+        except UpstreamError:
+            self._suspect_if_hung(attempt, loop.time(), first)
+            raise
         finally:
             watch.armed = False
             attempt.deadline = None
@@ -185,9 +201,12 @@ class PDDispatcher:
                 attempt.prefill.attempts.discard(attempt)
                 self._settle(attempt, p_task, response)
 
-    def progress(self, attempt: Attempt) -> None:
+    def progress(self, attempt: Attempt, by_prefill: bool = False) -> None:
         """The pair works (prefill answered, or the decode's first byte): learn how long it
-        took, and from now on allow the hard response timeout."""
+        took. From now on a non-streaming answer has the hard response timeout (its decode
+        shows nothing until it is done); a stream whose prefill answered must see its first
+        chunk within the decode's learned gap deadline (the KV is there: a silent decode now
+        is a hung one)."""
         if attempt.progressed:
             return
         attempt.progressed = True
@@ -195,7 +214,11 @@ class PDDispatcher:
         self.model.first_progress(attempt.prefill.url, attempt.view.prompt_tokens,
                                   now - attempt.started_at)
         if attempt.deadline is not None:
-            attempt.deadline.reschedule(attempt.started_at + self.timeouts.response)
+            limit = attempt.started_at + self.timeouts.response
+            if by_prefill and attempt.view.stream:
+                limit = min(limit, now + self.model.gap_deadline(attempt.decode.url,
+                                                                 self.timeouts.response))
+            attempt.deadline.reschedule(limit)
 
     def rescue(self, worker: Worker, why: str) -> int:
         """Stop every attempt waiting on `worker` (marked down, or its breaker opened) so it
@@ -208,6 +231,43 @@ class PDDispatcher:
             if attempt.interrupt is not None and attempt.interrupt.fire(error):
                 stopped += 1
         return stopped
+
+    def _suspect_if_hung(self, attempt: Attempt, now: float, first: float) -> None:
+        """An attempt that failed without progress after waiting its learned deadline (or
+        about as long: a prefill's bootstrap timeout, its decode never came) looks like a
+        hang: both servers become suspects, and new requests avoid them for a while."""
+        if not attempt.progressed and now - attempt.started_at >= 0.9 * first:
+            until = time.monotonic() + self.suspect_seconds
+            attempt.prefill.suspect_until = attempt.decode.suspect_until = until
+
+    def _decode_hung(self, attempt: Attempt) -> None:
+        """A stream's prefill answered and its decode sent no first chunk within the decode's
+        learned gap deadline: the decode, not the pair, is hung. It becomes a suspect and
+        every attempt waiting on it now is stopped, to be retried elsewhere."""
+        decode = attempt.decode
+        decode.suspect_until = time.monotonic() + self.suspect_seconds
+        for other in list(decode.attempts):
+            if other is not attempt and other.interrupt is not None:
+                other.interrupt.fire(UpstreamError(
+                    f"decode server {decode.url} is suspected hung (a stream got no first "
+                    "token after its KV arrived)", leg="decode", worker_url=decode.url,
+                    retryable=True, status=504, reason="rescued"))
+
+    def _rescue_cohort(self, attempt: Attempt) -> None:
+        """An attempt made no progress within its learned deadline: the attempts on the same
+        pair that have waited about as long are stopped now too (they are in the same
+        situation), rather than each waiting out its own deadline on a pair likely hung.
+        Attempts of other pairs are left alone: which of the two servers hangs is unknown."""
+        cutoff = attempt.started_at + 1.0
+        decode = attempt.decode
+        for other in list(attempt.prefill.attempts):
+            if (other is not attempt and other.decode is decode and not other.progressed
+                    and other.started_at <= cutoff and other.interrupt is not None):
+                other.interrupt.fire(UpstreamError(
+                    f"the pair of prefill {attempt.prefill.url} and decode {decode.url} is "
+                    "suspected hung (a request waiting as long timed out)", leg="both",
+                    worker_url=attempt.prefill.url, retryable=True, status=504,
+                    reason="rescued"))
 
     def _timed_out(self, attempt: Attempt, p_task: asyncio.Task, first: float) -> UpstreamError:
         """No answer in time. Each leg still waiting is a suspect (a hung decode keeps its

@@ -75,10 +75,11 @@ class Proxy:
                         last_error = exc
                         if not exc.retryable or number == self.max_attempts:
                             raise
-                        if exc.leg in ("prefill", "both"):
-                            avoid.append(prefill)
-                        if exc.leg in ("decode", "both"):
-                            avoid.append(decode)
+                        # both servers are avoided (softly: the scheduler ignores `avoid`
+                        # when it would leave no candidate): which one failed is not always
+                        # the leg that reported it (a prefill's "bootstrap failed" means its
+                        # decode never came for the KV)
+                        avoid += (prefill, decode)
                         self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
                         delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
                         await asyncio.sleep(delay * (0.5 + random.random() / 2))

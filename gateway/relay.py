@@ -88,11 +88,12 @@ class StreamWatchdog:
     __slots__ = ("idle", "send", "period", "loop", "since", "reading", "handle", "upstream",
                  "client", "stalled")
 
-    def __init__(self, idle: float, send: float, client: Interrupt | None,
-                 stalled: UpstreamError) -> None:
-        self.idle = idle
+    def __init__(self, idle, send: float, client: Interrupt | None,
+                 stalled: UpstreamError, period: float | None = None) -> None:
+        self.idle = idle  # seconds, or a callable giving the current limit (learned)
         self.send = send
-        self.period = min(idle, send) / 2
+        limit = idle() if callable(idle) else idle
+        self.period = period if period is not None else min(limit, send) / 2
         self.loop = asyncio.get_running_loop()
         self.since = self.loop.time()
         self.reading = True
@@ -114,7 +115,10 @@ class StreamWatchdog:
 
     def _check(self) -> None:
         now = self.loop.time()
-        limit = self.idle if self.reading else self.send
+        if self.reading:
+            limit = self.idle() if callable(self.idle) else self.idle
+        else:
+            limit = self.send
         due = self.since + limit
         if now < due:
             self.handle = self.loop.call_at(min(due, now + self.period), self._check)
@@ -141,12 +145,18 @@ class StreamRelay:
         ok: bool | None = None
         splitter = EventSplitter() if merger else None
         url = attempt.decode.url
-        idle = d.model.gap_deadline(url, d.timeouts.stream_idle)
-        stalled = UpstreamError(f"decode server {url} sent nothing for {idle:.3g}s",
-                                leg="decode", worker_url=url, retryable=True, status=504)
+        model, hard = d.model, d.timeouts.stream_idle
+
+        def idle() -> float:  # re-read at every check: the model learns while we stream
+            return model.gap_deadline(url, hard)
+
+        stalled = UpstreamError(f"decode server {url} went silent mid-stream (longer than its "
+                                "learned gap deadline)", leg="decode", worker_url=url,
+                                retryable=True, status=504)
         tracked = attempt.tracked
         watchdog = StreamWatchdog(idle, d.timeouts.send,
-                                  tracked.interrupt if tracked is not None else None, stalled)
+                                  tracked.interrupt if tracked is not None else None, stalled,
+                                  period=min(model.options.floor, d.timeouts.send, hard) / 2)
         attempt.interrupt = watchdog.upstream  # a rescue now stops the relay's wait
         held = b""
         tail = b""

@@ -17,6 +17,7 @@ only sees late, and what the decode caches is what the prefill sends it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 
 from gateway.errors import ServiceUnavailable
@@ -73,6 +74,11 @@ class Scheduler:
             fresh = [w for w in workers if w not in avoid]
             if fresh:
                 workers = fresh
+        now = time.monotonic()
+        if any(w.suspect_until > now for w in workers):
+            trusted = [w for w in workers if w.suspect_until <= now]
+            if trusted:  # a suspected hang: keep new requests off it while others can serve
+                workers = trusted
         return workers
 
     def pick(self, view: RequestView, avoid: Collection[Worker] = (),

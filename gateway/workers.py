@@ -106,6 +106,7 @@ class Worker:
     context_length: int | None = None  # the model's, from /server_info
     ranks: list[Rank] = field(default_factory=list)  # DP ranks, when it has more than one
     attempts: set = field(default_factory=set)  # attempts waiting on this server now (rescue)
+    suspect_until: float = 0.0  # a request here timed out without progress: avoid until then
     metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
 
     def __post_init__(self) -> None:
@@ -196,6 +197,7 @@ class Worker:
             return False
         if success:
             self.last_success = time.monotonic()
+            self.suspect_until = 0.0
         else:
             self.total_failures += 1
         return self.breaker.record(success)
@@ -211,6 +213,7 @@ class Worker:
             "misconfigured": self.misconfigured,
             "draining": self.draining,
             "breaker": self.breaker.state.value,
+            "suspect": self.suspect_until > time.monotonic(),
             "usable": self.usable_now,
             "in_flight": self.in_flight,
             "in_flight_tokens": self.in_flight_tokens,
