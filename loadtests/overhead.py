@@ -45,6 +45,7 @@ from loadtests.procstat import WindowMeter, peak_rss_mb, wait_quiet
 from loadtests.report import (
     Run,
     as_json,
+    clients_table,
     goals_table,
     noise_table,
     ratios_table,
@@ -327,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         f"`{command.strip()}` (backend {args.backend}, 1 prefill + {args.decodes} decode, "
         f"{args.rounds} rounds, medians; proxy on CPU {args.proxy_cpu}, servers and load "
         f"generator on CPU {args.load_cpu})",
-        results_table(summary), ratios_table(summary), goals_table(summary),
+        results_table(summary),
+        "Data-path clients (our gateway with each `--upstream-client`), relative to the own "
+        "client:\n\n" + clients_table(summary),
+        ratios_table(summary), goals_table(summary),
         "CPU use in cores (proxy, servers, load generator: closed loop; other processes: "
         "the whole measurement), and each core's busy share:\n\n"
         + noise_table(summary)])

@@ -165,6 +165,41 @@ def goals_table(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+CLIENTS = (("gateway-own", "own (fast)"), ("gateway-aiohttp", "aiohttp"),
+           ("gateway-httpx", "httpx"))
+AIOHTTP_BAR = 1.15  # aiohttp becomes the default client if its CPU per request is within this
+
+
+def clients_table(summary: dict[str, dict]) -> str:
+    """The three data-path clients side by side, each relative to the own client."""
+    present = [(name, label) for name, label in CLIENTS if name in summary]
+    if not present:
+        return "(no gateway-own / gateway-aiohttp / gateway-httpx target measured)"
+    own = summary.get("gateway-own")
+    head = ["data-path client", "req/s (64 conn)", "proxy CPU-s / 1k req", "vs own",
+            "SSE events/s", "vs own", "proxy CPU-s / 1k events", "vs own", "peak RSS MB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, label in present:
+        row = summary[name]
+        cells = [f"{label} (`{name}`)", _fmt(row["rps"]), _fmt(row["cpu_per_1k"], 3),
+                 _fmt(_ratio(row["cpu_per_1k"], own and own["cpu_per_1k"]), 2, "x"),
+                 _fmt(row["events_per_s"]),
+                 _fmt(_ratio(row["events_per_s"], own and own["events_per_s"]), 2, "x"),
+                 _fmt(row["stream_cpu_per_1k_events"], 4),
+                 _fmt(_ratio(row["stream_cpu_per_1k_events"],
+                             own and own["stream_cpu_per_1k_events"]), 2, "x"),
+                 _fmt(row["rss_mb"], 0)]
+        lines.append("| " + " | ".join(cells) + " |")
+    aio = summary.get("gateway-aiohttp")
+    ratio = _ratio(aio and aio["cpu_per_1k"], own and own["cpu_per_1k"])
+    if ratio is not None:
+        verdict = "within" if ratio <= AIOHTTP_BAR else "over"
+        lines.append("")
+        lines.append(f"aiohttp costs {ratio:.2f}x the own client's CPU per request: {verdict} "
+                     f"the {AIOHTTP_BAR:.2f}x bar for making it the default.")
+    return "\n".join(lines)
+
+
 def noise_table(summary: dict[str, dict]) -> str:
     """Where the CPU went, in cores (1.0 = one core fully busy), and how busy each core was."""
     cores = sorted({c for row in summary.values() for c in row["cores"]})
