@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         f"generator on CPU {args.load_cpu})",
         results_table(summary),
         "Data-path clients (our gateway with each `--upstream-client`), relative to the own "
-        "client:\n\n" + clients_table(summary),
+        "client:\n\n" + clients_table(summary, runs),
         ratios_table(summary), goals_table(summary),
         "CPU use in cores (proxy, servers, load generator: closed loop; other processes: "
         "the whole measurement), and each core's busy share:\n\n"
