@@ -97,7 +97,7 @@ class AiohttpUpstream:
             response = await self.session.post(url, data=body, headers=headers,
                                                allow_redirects=False)
         except aiohttp.ConnectionTimeoutError as exc:
-            if time.monotonic() - started >= self.pool_timeout:
+            if time.monotonic() - started + 0.02 >= self.pool_timeout:  # the wait, not connect
                 raise PoolTimeout(
                     f"no connection to {base_url} within {self.pool_timeout:g}s "
                     f"({self.max_connections} in use: --upstream-max-connections)") from None

@@ -278,7 +278,7 @@ class Response:
         """Done with this response: reuse the connection if the body was read to the end."""
         connection, self.connection = self.connection, None
         if connection is not None:
-            if self._paused:
+            if self._paused and not connection.closed:
                 self._paused = False
                 connection.transport.resume_reading()
             connection.finish()

@@ -52,9 +52,12 @@ class Gateway:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
         self.transport = transport
+        if config.upstream_max_connections < 1 or config.upstream_pool_timeout <= 0:
+            raise ConfigError("upstream_max_connections must be at least 1 and "
+                              "upstream_pool_timeout positive")
         try:  # TLS of every upstream client (https servers); a bad CA bundle is a config error
             self.tls = ssl_context(config.upstream_ca_file, config.upstream_insecure)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # missing, unreadable, not a certificate
             raise ConfigError(f"upstream_ca_file {config.upstream_ca_file!r}: {exc}") from None
         self.pool = WorkerPool()
         for spec in config.prefill + config.decode:
