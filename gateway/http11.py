@@ -1,12 +1,12 @@
 """A lean HTTP/1.1 client for the data path: keep-alive pool, streamed bodies, no copies.
 
 Why not a library here: each PD request makes two upstream requests, and the client is a
-large share of the gateway's CPU per request. httpx costs more than the rest of the gateway
-together, and aiohttp's client (same llhttp parser as this one) costs markedly more CPU per
-request than this client in `loadtests.overhead` (docs/BENCHMARKS.md, "Data-path client"). This
-client does only what the two legs need: POST a prepared body, read the status and headers,
-then hand body chunks over as they arrive. httpx stays in use for the control path (probes,
-health, info), where cost is moot; aiohttp is the `--upstream-client aiohttp` alternative.
+large share of the gateway's CPU per request. In `loadtests.overhead` the gateway on aiohttp's
+client (same llhttp parser) costs 1.8-2.4x the CPU per request of the gateway on this one, on
+httpx 57-68x (docs/BENCHMARKS.md, "Data-path client"). This client does only what the two legs
+need: POST a prepared body, read the status and headers, then hand body chunks over as they
+arrive. httpx stays for the control path (probes, health, info), where cost is moot; aiohttp
+is the `--upstream-client aiohttp` alternative.
 
 Parsing uses httptools (installed with uvicorn[standard]). What it handles, each with a
 socket-level test in tests/upstream/:
