@@ -101,7 +101,7 @@ class HostPool:
             async with asyncio.timeout(timeout):
                 return await waiter
         except BaseException:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self.give_back(waiter.result())  # handed over just as we gave up
             else:
                 waiter.cancel()
