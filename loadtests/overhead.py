@@ -1,7 +1,9 @@
 """Gateway overhead, side by side: our gateway, sglang-router 0.3.2 (Rust) and mini_lb.
 
-    python -m loadtests.overhead                # full run (about 10 minutes), Markdown tables
-    python -m loadtests.overhead --quick        # one short round (about 1 minute)
+    python -m loadtests.overhead                # full run (about 15 minutes), Markdown tables
+    python -m loadtests.overhead --quick        # one short round (about 2 minutes)
+    python -m loadtests.overhead --quick --targets gateway-own,gateway-aiohttp,gateway-httpx
+                                                # the three data-path clients side by side
 
 One run starts the PD servers once (`--backend stub`: a zero-cost PD pair that enforces room
 pairing; `--backend sim`: the SGLang simulator with `--fast`), then measures each target in
