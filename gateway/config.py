@@ -107,8 +107,13 @@ class GatewayConfig:
         "reading longer loses its stream and both legs are aborted")
     request_timeout: Seconds = _opt(1800.0, "total deadline of one request, retries included")
     max_connections: Count = _opt(1024, "control-path (httpx) connection pool size")
-    upstream_client: Literal["fast", "httpx"] = _opt(
-        "fast", "data-path HTTP client: fast (built-in) or httpx")
+    upstream_client: Literal["fast", "aiohttp", "httpx"] = _opt(
+        "fast", "data-path HTTP client: fast (built-in, measured fastest), aiohttp, httpx")
+    upstream_max_connections: Annotated[int, Field(ge=1, le=65536)] = _opt(
+        512, "data-path connections per server; more legs wait")
+    upstream_pool_timeout: Seconds = _opt(30.0, "seconds a leg may wait for a free connection")
+    upstream_ca_file: str | None = _opt(None, "CA bundle for https servers (default: system's)")
+    upstream_insecure: bool = _opt(False, "do not verify https servers' certificates (unsafe)")
     probe_timeout: Seconds = _opt(10.0, "seconds for startup probes of /server_info")
     skip_probe: bool = _opt(False, "do not probe servers at startup (bootstrap port 8998)")
 

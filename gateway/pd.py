@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import orjson
 
+from gateway import rescue
 from gateway.attempt import Answer, Attempt, Timeouts, make_rids
 from gateway.bootstrap import RoomAllocator
 from gateway.cancel import Interrupt
@@ -179,18 +180,18 @@ class PDDispatcher:
         except asyncio.CancelledError:
             if (reason := interrupt.reason()) is not None:
                 if isinstance(reason, UpstreamError):
-                    self._suspect_if_hung(attempt, loop.time(), first)
+                    rescue.suspect_if_hung(attempt, loop.time(), first, self.suspect_seconds)
                 raise reason from None
             raise
         except TimeoutError:
             if not attempt.progressed:  # a suspected hang: its cohort on the pair too
-                self._rescue_cohort(attempt)
-                self._suspect_if_hung(attempt, loop.time(), first)
+                rescue.pair_cohort(attempt)
+                rescue.suspect_if_hung(attempt, loop.time(), first, self.suspect_seconds)
             elif attempt.view.stream and "prefill" in attempt.outcome:
-                self._decode_hung(attempt)  # the KV is there and the decode says nothing
+                rescue.decode_hung(attempt, self.suspect_seconds)  # KV there, decode silent
             raise self._timed_out(attempt, p_task, first) from None
         except UpstreamError:
-            self._suspect_if_hung(attempt, loop.time(), first)
+            rescue.suspect_if_hung(attempt, loop.time(), first, self.suspect_seconds)
             raise
         finally:
             watch.armed = False
@@ -221,53 +222,8 @@ class PDDispatcher:
             attempt.deadline.reschedule(limit)
 
     def rescue(self, worker: Worker, why: str) -> int:
-        """Stop every attempt waiting on `worker` (marked down, or its breaker opened) so it
-        is retried on another pair now; returns how many."""
-        stopped = 0
-        for attempt in list(worker.attempts):
-            error = UpstreamError(f"{worker.role} server {worker.url} {why}", leg=worker.role,
-                                  worker_url=worker.url, retryable=True, status=502,
-                                  reason="rescued")
-            if attempt.interrupt is not None and attempt.interrupt.fire(error):
-                stopped += 1
-        return stopped
-
-    def _suspect_if_hung(self, attempt: Attempt, now: float, first: float) -> None:
-        """An attempt that failed without progress after waiting its learned deadline (or
-        about as long: a prefill's bootstrap timeout, its decode never came) looks like a
-        hang: both servers become suspects, and new requests avoid them for a while."""
-        if not attempt.progressed and now - attempt.started_at >= 0.9 * first:
-            until = time.monotonic() + self.suspect_seconds
-            attempt.prefill.suspect_until = attempt.decode.suspect_until = until
-
-    def _decode_hung(self, attempt: Attempt) -> None:
-        """A stream's prefill answered and its decode sent no first chunk within the decode's
-        learned gap deadline: the decode, not the pair, is hung. It becomes a suspect and
-        every attempt waiting on it now is stopped, to be retried elsewhere."""
-        decode = attempt.decode
-        decode.suspect_until = time.monotonic() + self.suspect_seconds
-        for other in list(decode.attempts):
-            if other is not attempt and other.interrupt is not None:
-                other.interrupt.fire(UpstreamError(
-                    f"decode server {decode.url} is suspected hung (a stream got no first "
-                    "token after its KV arrived)", leg="decode", worker_url=decode.url,
-                    retryable=True, status=504, reason="rescued"))
-
-    def _rescue_cohort(self, attempt: Attempt) -> None:
-        """An attempt made no progress within its learned deadline: the attempts on the same
-        pair that have waited about as long are stopped now too (they are in the same
-        situation), rather than each waiting out its own deadline on a pair likely hung.
-        Attempts of other pairs are left alone: which of the two servers hangs is unknown."""
-        cutoff = attempt.started_at + 1.0
-        decode = attempt.decode
-        for other in list(attempt.prefill.attempts):
-            if (other is not attempt and other.decode is decode and not other.progressed
-                    and other.started_at <= cutoff and other.interrupt is not None):
-                other.interrupt.fire(UpstreamError(
-                    f"the pair of prefill {attempt.prefill.url} and decode {decode.url} is "
-                    "suspected hung (a request waiting as long timed out)", leg="both",
-                    worker_url=attempt.prefill.url, retryable=True, status=504,
-                    reason="rescued"))
+        """Stop every attempt waiting on `worker` (marked down, or its breaker opened)."""
+        return rescue.stop_all(worker, f"{worker.role} server {worker.url} {why}")
 
     def _timed_out(self, attempt: Attempt, p_task: asyncio.Task, first: float) -> UpstreamError:
         """No answer in time. Each leg still waiting is a suspect (a hung decode keeps its

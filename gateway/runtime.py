@@ -17,10 +17,11 @@ from prometheus_client import CollectorRegistry
 
 from gateway.aborts import Aborts
 from gateway.admission import Admission
+from gateway.aiohttp_upstream import AiohttpUpstream
 from gateway.auth import Auth
 from gateway.bootstrap import RoomAllocator
 from gateway.breaker import CircuitBreaker
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
 from gateway.context import ContextCheck
 from gateway.deadlines import DeadlineOptions, LatencyModel
 from gateway.discovery import KubernetesDiscovery
@@ -35,7 +36,7 @@ from gateway.proxy import Proxy
 from gateway.samples import Samples
 from gateway.scheduler import Scheduler
 from gateway.ttlcache import TtlCache
-from gateway.upstream import FastUpstream, HttpxUpstream, build_client
+from gateway.upstream import FastUpstream, HttpxUpstream, build_client, ssl_context
 from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger("gateway")
@@ -56,6 +57,10 @@ class Gateway:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
         self.transport = transport
+        try:  # TLS of every upstream client (https servers); a bad CA bundle is a config error
+            self.tls = ssl_context(config.upstream_ca_file, config.upstream_insecure)
+        except (OSError, ValueError) as exc:  # missing, unreadable, not a certificate
+            raise ConfigError(f"upstream_ca_file {config.upstream_ca_file!r}: {exc}") from None
         self.pool = WorkerPool()
         for spec in config.prefill + config.decode:
             self.pool.add(self._new_worker(spec.url, spec.role, spec.bootstrap_port))
@@ -154,13 +159,21 @@ class Gateway:
 
     async def start(self) -> None:
         c = self.config
-        self.client = build_client(c.connect_timeout, c.max_connections, self.transport)
+        if c.upstream_insecure:
+            log.warning("--upstream-insecure: certificates of https servers are NOT verified")
+        self.client = build_client(c.connect_timeout, c.max_connections, self.transport,
+                                   self.tls)
         self.context.client = self.client
         control = HttpxUpstream(self.client)
         if self.transport is not None or c.upstream_client == "httpx":
             self.upstream = control
+        elif c.upstream_client == "aiohttp":
+            self.upstream = AiohttpUpstream(c.connect_timeout, c.upstream_max_connections,
+                                            c.upstream_pool_timeout, self.tls)
+            await self.upstream.start()
         else:
-            self.upstream = FastUpstream(c.connect_timeout)
+            self.upstream = FastUpstream(c.connect_timeout, c.upstream_max_connections,
+                                         c.upstream_pool_timeout, self.tls)
         self.dispatcher = PDDispatcher(
             self.upstream, control, self.rooms,
             Timeouts(c.response_timeout, c.stream_idle_timeout, send=c.send_timeout),

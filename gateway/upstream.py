@@ -1,11 +1,14 @@
 """Upstream clients and the translation of their errors at the boundary.
 
-Two clients behind one small interface (`Upstream.post` -> `UpstreamResponse`):
+Three data-path clients behind one small interface (`Upstream.post` -> `UpstreamResponse`),
+chosen by `--upstream-client` (see docs/ARCHITECTURE.md, "Data-path client"):
 
-* `FastUpstream` (default, data path): the lean keep-alive client of `http11.py`;
-* `HttpxUpstream`: httpx, for the control path, and for the data path in unit tests
-  (`httpx.MockTransport`) or with `--upstream-client httpx`.
+* `FastUpstream` ("fast", default): the lean keep-alive client of `http11.py`;
+* `AiohttpUpstream` ("aiohttp"): aiohttp's client (`aiohttp_upstream.py`);
+* `HttpxUpstream` ("httpx"): httpx, also used in unit tests (`httpx.MockTransport`).
 
+All three verify https servers against `--upstream-ca-file` (default: the system store) unless
+`--upstream-insecure`, and keep at most `--upstream-max-connections` per server.
 `build_client` makes the process's one httpx client (probes, health, info, admin).
 """
 
@@ -13,15 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import ssl
 from collections.abc import Iterator
 from typing import Protocol
 
+import aiohttp
 import httpx
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.errors import UpstreamError
-from gateway.http11 import ConnectFailed, HTTPClient, HTTPClientError
+from gateway.http11 import ConnectFailed, HTTPClient, HTTPClientError, PoolTimeout
 from gateway.workers import Worker
+
+log = logging.getLogger("gateway")
 
 RETRYABLE_STATUSES = frozenset({408, 429})
 
@@ -45,9 +54,21 @@ class Upstream(Protocol):
     async def close(self) -> None: ...
 
 
+def ssl_context(ca_file: str | None = None, insecure: bool = False) -> ssl.SSLContext:
+    """The TLS settings of every upstream client: verify against `ca_file` (default: the
+    system store), or not at all when `insecure`."""
+    context = ssl.create_default_context(cafile=ca_file)
+    if insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 class FastUpstream:
-    def __init__(self, connect_timeout: float) -> None:
-        self.client = HTTPClient(connect_timeout)
+    def __init__(self, connect_timeout: float, max_connections: int = 512,
+                 pool_timeout: float = 30.0, tls: ssl.SSLContext | None = None) -> None:
+        self.client = HTTPClient(connect_timeout, limit=max_connections,
+                                 pool_timeout=pool_timeout, ssl_context=tls)
 
     async def post(self, base_url: str, path: str, body: bytes,
                    request_id: str) -> UpstreamResponse:
@@ -117,6 +138,7 @@ def build_client(
     connect_timeout: float,
     max_connections: int,
     transport: httpx.AsyncBaseTransport | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> httpx.AsyncClient:
     """The process's httpx client. Reads are bounded by callers' own deadlines."""
     timeout = httpx.Timeout(connect=connect_timeout, read=None, write=connect_timeout,
@@ -124,6 +146,7 @@ def build_client(
     limits = httpx.Limits(max_connections=max_connections,
                           max_keepalive_connections=max_connections, keepalive_expiry=4)
     return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport,
+                             verify=tls if tls is not None else True,
                              follow_redirects=False, trust_env=False)
 
 
@@ -132,15 +155,22 @@ def translate_errors(leg: str, worker: Worker) -> Iterator[None]:
     """Turn client and transport errors into an UpstreamError naming the leg and server."""
     try:
         yield
+    except (PoolTimeout, httpx.PoolTimeout) as exc:
+        raise UpstreamError(f"{leg} server {worker.url} is busy: {exc}", leg=leg,
+                            worker_url=worker.url, retryable=True, status=503) from exc
+    except aiohttp.ServerTimeoutError as exc:  # a TimeoutError, but not the caller's own
+        raise UpstreamError(f"{leg} server {worker.url} timed out ({type(exc).__name__})",
+                            leg=leg, worker_url=worker.url, retryable=True, status=504) from exc
     except TimeoutError:
         raise  # the caller's own deadline: it knows which timeout and answers 504
-    except (httpx.ConnectError, ConnectFailed) as exc:
+    except (httpx.ConnectError, ConnectFailed, aiohttp.ClientConnectorError) as exc:
         raise UpstreamError(f"{leg} server {worker.url} refused or dropped the connection: {exc}",
                             leg=leg, worker_url=worker.url, retryable=True) from exc
     except httpx.TimeoutException as exc:
         raise UpstreamError(f"{leg} server {worker.url} timed out ({type(exc).__name__})",
                             leg=leg, worker_url=worker.url, retryable=True, status=504) from exc
-    except (httpx.HTTPError, HTTPClientError, OSError) as exc:
+    except (httpx.HTTPError, HTTPClientError, aiohttp.ClientError, HttpProcessingError,
+            OSError) as exc:
         raise UpstreamError(f"{leg} server {worker.url} failed: {type(exc).__name__}: {exc}",
                             leg=leg, worker_url=worker.url, retryable=True) from exc
 

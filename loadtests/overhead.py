@@ -1,7 +1,9 @@
 """Gateway overhead, side by side: our gateway, sglang-router 0.3.2 (Rust) and mini_lb.
 
-    python -m loadtests.overhead                # full run (about 10 minutes), Markdown tables
-    python -m loadtests.overhead --quick        # one short round (about 1 minute)
+    python -m loadtests.overhead                # full run (about 15 minutes), Markdown tables
+    python -m loadtests.overhead --quick        # one short round (about 2 minutes)
+    python -m loadtests.overhead --quick --targets gateway-own,gateway-aiohttp,gateway-httpx
+                                                # the three data-path clients side by side
 
 One run starts the PD servers once (`--backend stub`: a zero-cost PD pair that enforces room
 pairing; `--backend sim`: the SGLang simulator with `--fast`), then measures each target in
@@ -45,6 +47,7 @@ from loadtests.procstat import WindowMeter, peak_rss_mb, wait_quiet
 from loadtests.report import (
     Run,
     as_json,
+    clients_table,
     goals_table,
     noise_table,
     ratios_table,
@@ -327,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         f"`{command.strip()}` (backend {args.backend}, 1 prefill + {args.decodes} decode, "
         f"{args.rounds} rounds, medians; proxy on CPU {args.proxy_cpu}, servers and load "
         f"generator on CPU {args.load_cpu})",
-        results_table(summary), ratios_table(summary), goals_table(summary),
+        results_table(summary),
+        "Data-path clients (our gateway with each `--upstream-client`), relative to the own "
+        "client:\n\n" + clients_table(summary, runs),
+        ratios_table(summary), goals_table(summary),
         "CPU use in cores (proxy, servers, load generator: closed loop; other processes: "
         "the whole measurement), and each core's busy share:\n\n"
         + noise_table(summary)])

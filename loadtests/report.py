@@ -165,6 +165,60 @@ def goals_table(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+CLIENTS = (("gateway-own", "own (fast)"), ("gateway-aiohttp", "aiohttp"),
+           ("gateway-httpx", "httpx"))
+AIOHTTP_BAR = 1.15  # aiohttp becomes the default client if its CPU per request is within this
+
+
+def clients_table(summary: dict[str, dict], runs: list[Run] | None = None) -> str:
+    """The three data-path clients side by side, each relative to the own client; with the
+    runs, also aiohttp's CPU per request over the own client's in each round (both measured
+    minutes apart, so other work on the machine disturbs them alike)."""
+    present = [(name, label) for name, label in CLIENTS if name in summary]
+    if not present:
+        return "(no gateway-own / gateway-aiohttp / gateway-httpx target measured)"
+    own = summary.get("gateway-own")
+    head = ["data-path client", "req/s (64 conn)", "proxy CPU-s / 1k req", "vs own",
+            "SSE events/s", "vs own", "proxy CPU-s / 1k events", "vs own", "peak RSS MB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, label in present:
+        row = summary[name]
+        cells = [f"{label} (`{name}`)", _fmt(row["rps"]), _fmt(row["cpu_per_1k"], 3),
+                 _fmt(_ratio(row["cpu_per_1k"], own and own["cpu_per_1k"]), 2, "x"),
+                 _fmt(row["events_per_s"]),
+                 _fmt(_ratio(row["events_per_s"], own and own["events_per_s"]), 2, "x"),
+                 _fmt(row["stream_cpu_per_1k_events"], 4),
+                 _fmt(_ratio(row["stream_cpu_per_1k_events"],
+                             own and own["stream_cpu_per_1k_events"]), 2, "x"),
+                 _fmt(row["rss_mb"], 0)]
+        lines.append("| " + " | ".join(cells) + " |")
+    aio = summary.get("gateway-aiohttp")
+    ratio = _ratio(aio and aio["cpu_per_1k"], own and own["cpu_per_1k"])
+    if ratio is not None:
+        verdict = "within" if ratio <= AIOHTTP_BAR else "over"
+        lines.append("")
+        lines.append(f"aiohttp costs {ratio:.2f}x the own client's CPU per request: {verdict} "
+                     f"the {AIOHTTP_BAR:.2f}x bar for making it the default.")
+        per_round = _round_ratios(runs or [], "gateway-aiohttp", "gateway-own")
+        if per_round:
+            lines.append("")
+            lines.append("Per round (aiohttp / own, CPU per request; CPU per event): "
+                         + ", ".join(f"{a:.2f}x; {b:.2f}x" for a, b in per_round) + ".")
+    return "\n".join(lines)
+
+
+def _round_ratios(runs: list[Run], a: str, b: str) -> list[tuple[float, float]]:
+    out = []
+    for number in sorted({r.round for r in runs}):
+        mine = {r.target: r for r in runs if r.round == number}
+        if a in mine and b in mine:
+            cpu = _ratio(mine[a].cpu_per_1k, mine[b].cpu_per_1k)
+            events = _ratio(mine[a].stream_cpu_per_1k_events, mine[b].stream_cpu_per_1k_events)
+            if cpu is not None and events is not None:
+                out.append((cpu, events))
+    return out
+
+
 def noise_table(summary: dict[str, dict]) -> str:
     """Where the CPU went, in cores (1.0 = one core fully busy), and how busy each core was."""
     cores = sorted({c for row in summary.values() for c in row["cores"]})

@@ -1,4 +1,8 @@
-"""What is measured: the floor (no proxy), our gateway in two configurations, and the peers.
+"""What is measured: the floor (no proxy), our gateway in several configurations, and the peers.
+
+`gateway` is the default configuration; `gateway-own`, `gateway-aiohttp` and `gateway-httpx`
+pin the data-path client (`--upstream-client fast|aiohttp|httpx`) so that one run compares
+the three side by side (`report.clients_table`).
 
 A target is a name, whether it needs the peers' venv, and how to build its command line for a
 cluster and a port. Every proxy listens on 127.0.0.1 and logs at warning level where it can
@@ -60,6 +64,12 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            _gateway(), ours=True, ready_path="/readiness"),
     Target("gateway-rr", "our gateway, --policy round_robin",
            _gateway("--policy", "round_robin"), ours=True, ready_path="/readiness"),
+    Target("gateway-own", "our gateway, --upstream-client fast (the own HTTP/1.1 client)",
+           _gateway("--upstream-client", "fast"), ours=True, ready_path="/readiness"),
+    Target("gateway-aiohttp", "our gateway, --upstream-client aiohttp",
+           _gateway("--upstream-client", "aiohttp"), ours=True, ready_path="/readiness"),
+    Target("gateway-httpx", "our gateway, --upstream-client httpx",
+           _gateway("--upstream-client", "httpx"), ours=True, ready_path="/readiness"),
     Target("sglang-router", "sglang-router 0.3.2 (Rust), --policy random",
            _rust_router, peer=True, ready_path="/readiness"),
     Target("mini-lb", "sglang-router 0.3.2 --mini-lb (Python, FastAPI + aiohttp)",
