@@ -104,9 +104,9 @@ def build_routes(endpoints: dict[str, InferenceEndpoint]) -> list[Route]:
     return routes
 
 
-def build_app(config: GatewayConfig,
-              transport: httpx.AsyncBaseTransport | None = None) -> HotPaths:
-    gateway = Gateway(config, transport)
+def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None = None,
+              worker=None) -> HotPaths:
+    gateway = Gateway(config, transport, worker)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

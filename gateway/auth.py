@@ -119,7 +119,8 @@ class Auth:
     """Identifies callers and enforces the role a route needs."""
 
     def __init__(self, inference_keys: tuple[str, ...], admin_keys: tuple[str, ...],
-                 rate: float = 0.0, burst: int = 1, metrics=None, clock=time.monotonic) -> None:
+                 rate: float = 0.0, burst: int = 1, metrics=None, clock=time.monotonic,
+                 shared=None) -> None:
         self.inference = _KeySet(inference_keys)
         self.admin = _KeySet(admin_keys)
         self.rate = rate
@@ -127,6 +128,7 @@ class Auth:
         self._metrics = metrics
         self._clock = clock
         self._buckets = [[float(self.burst), clock()] for _ in inference_keys]
+        self.shared = shared  # SharedState with --workers: one bucket per key, gateway-wide
 
     @property
     def inference_open(self) -> bool:
@@ -194,18 +196,22 @@ class Auth:
         raise Unauthorized("invalid API key")
 
     def _take(self, index: int) -> None:
-        bucket = self._buckets[index]
-        now = self._clock()
-        bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-        bucket[1] = now
-        if bucket[0] < 1.0:
-            wait = (1.0 - bucket[0]) / self.rate
+        if self.shared is not None:
+            wait = self.shared.take_token(index, self.rate, float(self.burst), self._clock())
+        else:
+            bucket = self._buckets[index]
+            now = self._clock()
+            bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+            bucket[1] = now
+            wait = 0.0 if bucket[0] >= 1.0 else (1.0 - bucket[0]) / self.rate
+            if not wait:
+                bucket[0] -= 1.0
+        if wait:
             if self._metrics is not None:
                 self._metrics.rejections.labels("rate_limit").inc()
             raise TooManyRequests(
                 f"rate limit of {self.rate:g} requests/s for this API key exceeded",
                 headers={"retry-after": str(max(1, round(wait + 0.5)))})
-        bucket[0] -= 1.0
 
     def describe(self) -> str:
         """One line for the startup log."""

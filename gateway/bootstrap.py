@@ -25,18 +25,33 @@ import time
 REPLICA_BITS = 12
 COUNTER_BITS = 51
 MAX_REPLICA = (1 << REPLICA_BITS) - 1
-_COUNTER_MASK = (1 << COUNTER_BITS) - 1
+
+
+WORKER_BITS = 5  # with --workers: up to 32 worker processes, each with its own rooms
 
 
 class RoomAllocator:
-    def __init__(self, replica_id: int | None = None, start: int | None = None) -> None:
+    """Rooms of one gateway process. A worker of `--workers N` puts its id in the 5 bits
+    under the replica id, so its counter has 46 bits (2.2 years of microseconds before it
+    wraps within its own bits) and no two workers or replicas can make the same room."""
+
+    def __init__(self, replica_id: int | None = None, start: int | None = None,
+                 worker_id: int | None = None) -> None:
         if replica_id is None:
             replica_id = secrets.randbelow(MAX_REPLICA + 1)
         if not 0 <= replica_id <= MAX_REPLICA:
             raise ValueError(f"replica id must be in 0..{MAX_REPLICA}")
         self.replica_id = replica_id
+        self.worker_id = worker_id
+        counter_bits = COUNTER_BITS
         self._base = replica_id << COUNTER_BITS
-        self._next = (time.time_ns() // 1000 if start is None else start) & _COUNTER_MASK
+        if worker_id is not None:
+            if not 0 <= worker_id < (1 << WORKER_BITS):
+                raise ValueError(f"worker id must be in 0..{(1 << WORKER_BITS) - 1}")
+            counter_bits = COUNTER_BITS - WORKER_BITS
+            self._base |= worker_id << counter_bits
+        self._mask = (1 << counter_bits) - 1
+        self._next = (time.time_ns() // 1000 if start is None else start) & self._mask
 
     def take(self, count: int | None = None, modulus: int = 1,
              residue: int = 0) -> int | list[int]:
@@ -45,11 +60,11 @@ class RoomAllocator:
         if modulus <= 1:
             if count is None:
                 room = self._base | self._next
-                self._next = (self._next + 1) & _COUNTER_MASK
+                self._next = (self._next + 1) & self._mask
                 return room
             first = self._next
-            self._next = (first + count) & _COUNTER_MASK
-            return [self._base | ((first + i) & _COUNTER_MASK) for i in range(count)]
+            self._next = (first + count) & self._mask
+            return [self._base | ((first + i) & self._mask) for i in range(count)]
         rooms = [self._in_class(modulus, residue) for _ in range(count or 1)]
         return rooms[0] if count is None else rooms
 
@@ -57,9 +72,9 @@ class RoomAllocator:
         """The next room at or above the counter with room % modulus == residue."""
         while True:
             room = self._base | self._next
-            self._next = (self._next + (residue - room) % modulus) & _COUNTER_MASK
+            self._next = (self._next + (residue - room) % modulus) & self._mask
             room = self._base | self._next
-            self._next = (self._next + 1) & _COUNTER_MASK
+            self._next = (self._next + 1) & self._mask
             if room % modulus == residue:  # false only when the counter wrapped just now
                 return room
 

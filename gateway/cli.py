@@ -13,6 +13,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.config import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILURE, ConfigError, load_config
 from gateway.server_protocol import ServerLimits, guarded_protocol
+from gateway.supervisor import Supervisor, worker_count
 
 KEY_FLAGS = ("--api-keys", "--api-key", "--admin-api-keys")
 FD_RESERVE = 128  # descriptors kept for logs, probes, KV-event sockets and the like
@@ -54,8 +55,15 @@ class GatewayServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
-        if self.started:
+        if not self.started:
+            return
+        worker = self.gateway.worker
+        if worker is None:
             print(f"gateway: {self.gateway.announcement()}", file=sys.stderr, flush=True)
+        else:
+            if worker.id == 0:  # one line for the whole gateway, from its first worker
+                print(f"gateway: {self.gateway.announcement()}", file=sys.stderr, flush=True)
+            worker.control.ready()
 
 
 def keys_on_command_line(argv: list[str]) -> list[str]:
@@ -64,7 +72,8 @@ def keys_on_command_line(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    flags = keys_on_command_line(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    flags = keys_on_command_line(argv)
     if flags:
         print(f"gateway: warning: API keys given with {', '.join(flags)} are visible to every "
               "user of this host (ps); use --api-key-file/--admin-api-key-file or "
@@ -74,10 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:  # ValueError: bad policy options
         print(f"gateway: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    if worker_count(config.workers) > 1:
+        try:
+            return Supervisor(config, argv).run()
+        except OSError as exc:  # the port is taken, or the host cannot be bound
+            print(f"gateway: startup failed: {exc}", file=sys.stderr)
+            return EXIT_STARTUP_FAILURE
+    return serve(config)
+
+
+def serve(config, sockets: list | None = None, worker=None) -> int:
+    """Run one serving process: the whole gateway (`worker` None) or one of N workers."""
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = build_app(config)
+        app = build_app(config, worker=worker)
     except ValueError as exc:
         print(f"gateway: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -86,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_head_bytes=config.max_header_bytes,
                           send_timeout=config.send_timeout)
     connections = connection_limit(config.max_client_connections)
+    if worker is not None:
+        connections = max(64, connections // worker.count)
     app.state.gateway.serving = {"connections": connections, "tls": bool(config.ssl_certfile),
                                  "mtls": bool(config.ssl_ca_certs)}
     tune_gc()
@@ -98,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs,
         ssl_cert_reqs=ssl.CERT_REQUIRED if config.ssl_ca_certs else ssl.CERT_NONE),
         app.state.gateway)
-    server.run()
+    server.run(sockets=sockets)
     if not server.started:
         print("gateway: startup failed (see the error above)", file=sys.stderr)
         return EXIT_STARTUP_FAILURE

@@ -76,6 +76,13 @@ class GatewayConfig:
     ssl_ca_certs: str | None = _opt(
         None, "CA bundle of client certificates; when set, clients must present one (mTLS)")
 
+    # Serving processes (gateway/supervisor.py, docs/WORKERS.md)
+    workers: Literal["auto"] | Annotated[int, Field(ge=1, le=64)] = _opt(
+        1, "serving processes on the one port; auto: one per core this process may use")
+    workers_socket: Literal["shared", "reuseport"] = _opt(
+        "shared", "how workers share the port: one socket the supervisor binds, or one "
+        "SO_REUSEPORT socket each")
+
     # Client connections (gateway/server_protocol.py)
     max_client_connections: OptionalCount = _opt(
         0, "client connections and requests served at once before new ones get 503 "

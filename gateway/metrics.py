@@ -20,65 +20,77 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, pool: WorkerPool) -> None:
+    def __init__(self, registry: CollectorRegistry, pool: WorkerPool,
+                 multiprocess: bool = False) -> None:
+        """`registry` is what /metrics shows. With `--workers` (`multiprocess`) every worker
+        process writes its counters and histograms to prometheus_client's multiprocess files
+        (PROMETHEUS_MULTIPROC_DIR, set by the supervisor) and a scrape of any worker sums all
+        of them; the gauges read at scrape time (pool, scheduler) are the answering worker's
+        view, with in-flight figures summed over the workers."""
         self.registry = registry
+        own = registry
+        if multiprocess:
+            from prometheus_client import multiprocess as mp  # noqa: PLC0415 - workers only
+
+            mp.MultiProcessCollector(registry)
+            own = None  # the values live in the multiprocess files
         self.requests = Counter(
             "gateway_requests", "Requests answered, by endpoint and HTTP status",
-            ["endpoint", "status"], registry=registry)
+            ["endpoint", "status"], registry=own)
         self.e2e = Histogram(
             "gateway_request_duration_seconds", "End-to-end request latency at the gateway",
-            ["endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=own)
         self.ttft = Histogram(
             "gateway_time_to_first_token_seconds",
             "Time from request arrival to the first byte of the answer body",
-            ["endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=registry)
+            ["endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=own)
         self.itl = Histogram(
             "gateway_inter_token_latency_seconds", "Gap between streamed chunks",
-            ["endpoint"], buckets=ITL_BUCKETS, registry=registry)
+            ["endpoint"], buckets=ITL_BUCKETS, registry=own)
         self.queue_time = Histogram(
             "gateway_queue_time_seconds", "Time spent waiting for an admission slot",
-            buckets=LATENCY_BUCKETS, registry=registry)
+            buckets=LATENCY_BUCKETS, registry=own)
         self.retries = Counter(
             "gateway_retries", "Attempts retried on another pair, by failed leg and reason",
-            ["leg", "reason"], registry=registry)
+            ["leg", "reason"], registry=own)
         self.leg_failures = Counter(
             "gateway_upstream_failures", "Failed legs by worker, role and reason",
-            ["worker", "role", "reason"], registry=registry)
+            ["worker", "role", "reason"], registry=own)
         self.rejections = Counter(
             "gateway_admission_rejections", "Requests refused before dispatch, by reason",
-            ["reason"], registry=registry)
+            ["reason"], registry=own)
         self.decisions = Counter(
             "gateway_routing_decisions", "Workers chosen, by role, policy and worker",
-            ["role", "policy", "worker"], registry=registry)
+            ["role", "policy", "worker"], registry=own)
         self.pair_failures = Counter(
             "gateway_pair_failures", "Failures blamed on one (prefill, decode) pair, not on "
-            "its servers", ["prefill", "decode"], registry=registry)
+            "its servers", ["prefill", "decode"], registry=own)
         self.rank_requests = Counter(
             "gateway_dp_rank_requests", "Prefill legs steered to each DP rank of a server",
-            ["worker", "rank"], registry=registry)
+            ["worker", "rank"], registry=own)
         self.prompt_tokens = Counter(
             "gateway_prompt_tokens", "Prompt tokens reported by prefill servers",
-            ["worker"], registry=registry)
+            ["worker"], registry=own)
         self.cached_tokens = Counter(
             "gateway_cached_tokens", "Prompt tokens served from a prefill server's prefix cache",
-            ["worker"], registry=registry)
+            ["worker"], registry=own)
         self.predicted_tokens = Counter(
             "gateway_predicted_cached_tokens",
             "Prompt tokens the router expected to be cached on the chosen prefill",
-            ["worker"], registry=registry)
+            ["worker"], registry=own)
         self.stream_bytes = Counter(
             "gateway_streamed_bytes", "Response body bytes sent to clients",
-            ["endpoint"], registry=registry)
+            ["endpoint"], registry=own)
         self.failovers = Counter(
             "gateway_stream_failovers", "Streams whose decode failed mid-stream, by outcome "
             "(continued on another pair, failed, not_resumable)", ["endpoint", "outcome"],
-            registry=registry)
+            registry=own)
         self.slow_clients = Counter(
             "gateway_slow_clients", "Streams ended because the client stopped reading",
-            ["endpoint"], registry=registry)
+            ["endpoint"], registry=own)
         self.disconnects = Counter(
             "gateway_client_disconnects", "Clients that went away before the answer ended",
-            ["endpoint"], registry=registry)
+            ["endpoint"], registry=own)
         registry.register(PoolCollector(pool))
 
     def watch_scheduler(self, scheduler) -> None:
@@ -135,8 +147,9 @@ class PoolCollector(Collector):
         counts = {"prefill": 0, "decode": 0}
         for w in self.pool:
             key = [w.url, w.role]
-            in_flight.add_metric(key, w.in_flight)
-            tokens.add_metric(key, w.in_flight_tokens)
+            requests, prompt_tokens = w.totals()
+            in_flight.add_metric(key, requests)
+            tokens.add_metric(key, prompt_tokens)
             healthy.add_metric(key, 1 if w.healthy else 0)
             is_usable = w.usable_now
             usable.add_metric(key, 1 if is_usable else 0)

@@ -35,6 +35,7 @@ from gateway.probe import RoleMismatch, probe
 from gateway.proxy import Proxy
 from gateway.samples import Samples
 from gateway.scheduler import Scheduler
+from gateway.siblings import Siblings
 from gateway.ttlcache import TtlCache
 from gateway.upstream import FastUpstream, HttpxUpstream, build_client, ssl_context
 from gateway.workers import Worker, WorkerPool
@@ -54,9 +55,11 @@ class Gateway:
     version = "0.1.0"
 
     def __init__(self, config: GatewayConfig,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, worker=None) -> None:
         self.config = config
         self.transport = transport
+        self.worker = worker  # worker_main.WorkerContext with --workers, else None
+        self.shared = worker.shared if worker is not None else None
         try:  # TLS of every upstream client (https servers); a bad CA bundle is a config error
             self.tls = ssl_context(config.upstream_ca_file, config.upstream_insecure)
         except (OSError, ValueError) as exc:  # missing, unreadable, not a certificate
@@ -65,7 +68,7 @@ class Gateway:
         for spec in config.prefill + config.decode:
             self.pool.add(self._new_worker(spec.url, spec.role, spec.bootstrap_port))
         self.registry = CollectorRegistry()
-        self.metrics = Metrics(self.registry, self.pool)
+        self.metrics = Metrics(self.registry, self.pool, multiprocess=worker is not None)
         options = config.policy_options or {}
         prefill_name = config.prefill_policy or config.policy or DEFAULT_PREFILL_POLICY
         decode_name = config.decode_policy or config.policy or DEFAULT_DECODE_POLICY
@@ -75,11 +78,13 @@ class Gateway:
             create_policy(decode_name, "decode", options.get(decode_name)),
         )
         self.metrics.watch_scheduler(self.scheduler)
-        self.rooms = RoomAllocator(config.replica_id)
+        self.rooms = RoomAllocator(config.replica_id,
+                                   worker_id=worker.id if worker is not None else None)
         self.admission = Admission(config.max_concurrency, config.max_queue,
-                                   config.queue_timeout, self.metrics)
+                                   config.queue_timeout, self.metrics, shared=self._mine())
         self.auth = Auth(config.api_keys, config.admin_api_keys, config.rate_limit,
-                         config.rate_burst, self.metrics)
+                         config.rate_burst, self.metrics, shared=self.shared)
+        self.siblings = Siblings(self, worker.control if worker is not None else None)
         self.inflight = InFlight()
         self.context = ContextCheck(self.pool, None)
         self.shutting_down = False
@@ -127,7 +132,9 @@ class Gateway:
         return (f"serving {scheme}://{host}:{c.port} ({tls}); servers: {roles}; policies: "
                 f"prefill {self.scheduler.policies['prefill'].name}, decode "
                 f"{self.scheduler.policies['decode'].name}; {self.auth.describe()}; "
-                f"at most {serving.get('connections', '?')} client connections")
+                f"at most {serving.get('connections', '?')} client connections"
+                + (f" per worker; {self.worker.count} workers" if self.worker is not None
+                   else ""))
 
     def info_cache(self, name: str) -> TtlCache:
         """The shared, time-limited answer of an endpoint that makes servers work."""
@@ -152,13 +159,22 @@ class Gateway:
         """The in-flight record of a request the gateway makes itself (health generation)."""
         return Tracked(request_id=f"probe-{new_id()}", owner="gateway")
 
+    def _mine(self):
+        """(shared state, this worker's id) with --workers, else None."""
+        return (self.shared, self.worker.id) if self.worker is not None else None
+
     def _new_worker(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
         c = self.config
-        return Worker(url, role, bootstrap_port,
-                      breaker=CircuitBreaker(c.breaker_failures, c.breaker_cooldown))
+        worker = Worker(url, role, bootstrap_port,
+                        breaker=CircuitBreaker(c.breaker_failures, c.breaker_cooldown))
+        if self.worker is not None:  # in-flight counts summed over the worker processes
+            worker.shared = (self.shared, self.shared.slot(url), self.worker.id)
+        return worker
 
     async def start(self) -> None:
         c = self.config
+        if self.worker is not None:
+            await self.worker.control.start()
         if c.upstream_insecure:
             log.warning("--upstream-insecure: certificates of https servers are NOT verified")
         self.client = build_client(c.connect_timeout, c.max_connections, self.transport,
@@ -272,3 +288,5 @@ class Gateway:
             await self.client.aclose()
         if self.cluster is not None:
             await self.cluster.stop()
+        if self.worker is not None:
+            await self.worker.control.stop()

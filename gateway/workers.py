@@ -72,6 +72,10 @@ class Rank:
     def model(self) -> str | None:
         return self.server.model
 
+    def totals(self) -> tuple[int, int]:
+        """In-flight requests and prompt tokens (this process's view of the rank)."""
+        return self.in_flight, self.in_flight_tokens
+
     def start(self, tokens: int) -> None:
         self.in_flight += 1
         self.in_flight_tokens += tokens
@@ -107,6 +111,7 @@ class Worker:
     ranks: list[Rank] = field(default_factory=list)  # DP ranks, when it has more than one
     attempts: set = field(default_factory=set)  # attempts waiting on this server now (rescue)
     suspect_until: float = 0.0  # a request here timed out without progress: avoid until then
+    shared: object = None  # (SharedState, slot, worker id) with --workers: counts summed
     metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
 
     def __post_init__(self) -> None:
@@ -181,10 +186,24 @@ class Worker:
         total.token_usage = max(usages) if usages else 0.0
         self.load = total
 
+    def totals(self) -> tuple[int, int]:
+        """In-flight requests and prompt tokens over the whole gateway: this process's, or
+        every worker process's with `--workers` (shared memory)."""
+        if self.shared is None:
+            return self.in_flight, self.in_flight_tokens
+        state, slot, _ = self.shared
+        return state.totals(slot)
+
+    def _publish(self) -> None:
+        if self.shared is not None:
+            state, slot, worker = self.shared
+            state.publish(worker, slot, self.in_flight, self.in_flight_tokens)
+
     def start(self, tokens: int) -> None:
         self.in_flight += 1
         self.in_flight_tokens += tokens
         self.total_requests += 1
+        self._publish()
         self.breaker.on_dispatch()
 
     def finish(self, tokens: int, success: bool | None) -> bool:
@@ -192,6 +211,7 @@ class Worker:
         Returns True when this failure opened the breaker."""
         self.in_flight -= 1
         self.in_flight_tokens -= tokens
+        self._publish()
         if success is None:
             self.breaker.release_probe()
             return False
@@ -215,8 +235,8 @@ class Worker:
             "breaker": self.breaker.state.value,
             "suspect": self.suspect_until > time.monotonic(),
             "usable": self.usable_now,
-            "in_flight": self.in_flight,
-            "in_flight_tokens": self.in_flight_tokens,
+            "in_flight": self.totals()[0],
+            "in_flight_tokens": self.totals()[1],
             "total_requests": self.total_requests,
             "total_failures": self.total_failures,
             "load": {

@@ -13,11 +13,18 @@ the exact state see `prefix_cache`). What it does better than sglang-router's `c
   of them wins, so a few characters of coincidental overlap past a shared system prompt do not
   pin every request to one worker.
 
+- a prompt nobody was sent before is placed where every worker process and replica would place
+  it: consistent hashing with bounded loads on its anchor (`placement.py`), so a conversation
+  keeps meeting the server with its prefix across `--workers` and replicas, which share no
+  routing history.
+
 Decision, in order:
 1. load imbalance (max - min > `balance_abs_threshold` and max > min * `balance_rel_threshold`,
    in load units): the least loaded worker;
 2. best match / key length >= `match_threshold`: the least loaded of the best-matching workers;
-3. otherwise the least loaded worker (ties rotate).
+3. a key of at least `placement_min` characters/tokens: its ring placement (bounded load:
+   at most `1 + placement_epsilon` times the average);
+4. otherwise (short prompts, little to cache) the least loaded worker (ties rotate).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 
 from gateway.policies.base import Policy
 from gateway.policies.load import LoadOptions, imbalanced, load_scores, rotating_argmin
+from gateway.policies.placement import Ring, anchor_of
 from gateway.policies.prefix_tree import Key, PrefixTree
 from gateway.request import RequestView
 from gateway.workers import Worker
@@ -49,6 +57,8 @@ class CacheAwareOptions(LoadOptions):
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 1 << 24  # characters/tokens over all workers (~16.8 M)
     eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound evicts
+    placement_min: int = 256  # key length (characters or tokens) placed on the ring
+    placement_epsilon: float = 0.25  # a ring placement's load bound: (1 + eps) x average
 
     def validate(self) -> None:
         super().validate()
@@ -68,6 +78,11 @@ class CacheAwareOptions(LoadOptions):
             raise ValueError(f"option 'max_tree_size' must be >= 1, got {self.max_tree_size}")
         if self.eviction_ttl < 0:
             raise ValueError(f"option 'eviction_ttl' must be >= 0, got {self.eviction_ttl}")
+        if self.placement_min < 1:
+            raise ValueError(f"option 'placement_min' must be >= 1, got {self.placement_min}")
+        if self.placement_epsilon < 0:
+            raise ValueError("option 'placement_epsilon' must be >= 0, "
+                             f"got {self.placement_epsilon}")
 
 
 class CacheAwarePolicy(Policy):
@@ -78,15 +93,17 @@ class CacheAwarePolicy(Policy):
         super().__init__(role, options)
         self.tree = PrefixTree(self.options.max_tree_size, self.options.eviction_ttl)
         self._turn = 0
-        self._decisions = {"cache": 0, "load": 0, "balance": 0}
+        self._decisions = {"cache": 0, "load": 0, "balance": 0, "placement": 0}
+        self.ring = Ring()
         self._last_match: tuple[dict[str, int], int] = ({}, 0)
 
     def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
         key = view.routing_key
         matched = self.tree.match(key) if key else {}
-        return self.choose(candidates, matched, len(key))
+        return self.choose(candidates, matched, len(key), key)
 
-    def choose(self, candidates: Sequence[Worker], matched: dict[str, int], key_len: int) -> Worker:
+    def choose(self, candidates: Sequence[Worker], matched: dict[str, int], key_len: int,
+               key: str | tuple[int, ...] | None = None) -> Worker:
         """The decision above, given each worker's matched prefix length out of `key_len`."""
         options = self.options
         self._last_match = (matched, key_len)
@@ -104,6 +121,13 @@ class CacheAwarePolicy(Policy):
             floor = best - best * TIE_BAND
             scores = [s if n >= floor else INF for s, n in zip(scores, lengths, strict=True)]
             self._decisions["cache"] += 1
+        elif key is not None and key_len >= options.placement_min:
+            placed = self.ring.place(anchor_of(key), candidates, scores,
+                                     options.placement_epsilon)
+            if placed is not None:
+                self._decisions["placement"] += 1
+                return candidates[placed]
+            self._decisions["load"] += 1
         else:
             self._decisions["load"] += 1
         return candidates[rotating_argmin(scores, turn)]
@@ -119,6 +143,7 @@ class CacheAwarePolicy(Policy):
 
     def on_workers_changed(self, workers: Sequence[Worker]) -> None:
         present = {w.url for w in workers}
+        self.ring.rebuild(sorted(present))
         for url in set(self.tree.worker_sizes()) - present:
             self.tree.remove_worker(url)
 

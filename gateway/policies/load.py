@@ -1,8 +1,9 @@
 """The load model the load-aware policies share (a helper, not a policy).
 
 A worker's load comes from two sources that fail differently. The gateway's own counters
-(`in_flight`, `in_flight_tokens`) are exact and immediate but blind to traffic that reaches the
-server by other routes (other gateway replicas, direct clients). The server's `/v1/loads` figures
+(`in_flight`, `in_flight_tokens`, summed over the gateway's worker processes with `--workers`:
+`Worker.totals`) are exact and immediate but blind to traffic that reaches the server by other
+routes (other gateway replicas, direct clients). The server's `/v1/loads` figures
 see everything but lag by up to one poll. So when the server's figures are fresh we take the
 larger of the two for each quantity (taking the sum would count this gateway's requests twice);
 when they are not, we use the gateway's counters alone.
@@ -52,8 +53,7 @@ def all_fresh(workers: Sequence[Worker], now: float, max_age: float) -> bool:
 
 def load_score(worker: Worker, options: LoadOptions, use_server: bool) -> float:
     """The worker's load in load units; `use_server` only when every compared worker is fresh."""
-    requests = worker.in_flight
-    tokens = worker.in_flight_tokens
+    requests, tokens = worker.totals()
     usage = 0.0
     if use_server:
         server = worker.load

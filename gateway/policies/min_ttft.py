@@ -130,15 +130,16 @@ class MinTtftPolicy(Policy):
 
     def _headroom_cost(self, worker: Worker, fresh: bool) -> float:
         if not fresh:
-            return worker.in_flight + worker.in_flight_tokens / self.options.token_unit
+            requests, tokens = worker.totals()
+            return requests + tokens / self.options.token_unit
         load = worker.load
         utilization = load.token_usage
         if load.max_total_tokens > 0:
-            utilization = max(utilization, worker.in_flight_tokens / load.max_total_tokens)
+            utilization = max(utilization, worker.totals()[1] / load.max_total_tokens)
         # `max_running_requests` is a /v1/loads field the pool may not record yet.
         max_running = getattr(load, "max_running_requests", 0)
         if max_running > 0:
-            running = max(load.running + load.waiting, worker.in_flight)
+            running = max(load.running + load.waiting, worker.totals()[0])
             utilization = max(utilization, running / max_running)
         return utilization
 

@@ -152,7 +152,7 @@ class PrefixCachePolicy(CacheAwarePolicy):
                 matched.update({url: exact[key] for url, key in keys.items()})
             self._matches["exact"] += len(fresh)
             self._matches["approximate"] += len(candidates) - len(fresh)
-        return self.choose(candidates, matched, len(tokens))
+        return self.choose(candidates, matched, len(tokens), tokens)
 
     def on_dispatch(self, worker: Worker, view: RequestView) -> None:
         tokens = self.tokens_of(view)

@@ -78,6 +78,7 @@ async def add_server(request: Request) -> Response:
         raise GatewayError(f"{url} is already registered", status=409)
     await _require_sglang(gw, url, role)
     worker = await gw.register(url, role, port, require_probe=True)
+    gw.siblings.admin_change("add", url, role=role, bootstrap_port=worker.bootstrap_port)
     return JSONResponse({"server": worker.snapshot()}, status_code=201)
 
 
@@ -108,6 +109,7 @@ async def remove_server(request: Request) -> Response:
     gw = request.app.state.gateway
     worker = _worker(gw, await read_json(request))
     gw.unregister(worker.url)
+    gw.siblings.admin_change("remove", worker.url)
     return JSONResponse({"removed": worker.snapshot()})
 
 
@@ -120,15 +122,18 @@ async def drain_server(request: Request) -> Response:
             or not 0 <= timeout <= MAX_DRAIN_WAIT:
         raise BadRequest(f"'timeout' must be a number of seconds in 0..{MAX_DRAIN_WAIT:g}")
     worker.draining = True
+    gw.siblings.admin_change("drain", worker.url)
     deadline = time.monotonic() + timeout
-    while worker.in_flight > 0 and time.monotonic() < deadline:
+    while worker.totals()[0] > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    return JSONResponse({"drained": worker.in_flight == 0, "server": worker.snapshot()},
-                        status_code=200 if worker.in_flight == 0 else 202)
+    idle = worker.totals()[0] == 0
+    return JSONResponse({"drained": idle, "server": worker.snapshot()},
+                        status_code=200 if idle else 202)
 
 
 async def undrain_server(request: Request) -> Response:
     gw = request.app.state.gateway
     worker = _worker(gw, await read_json(request))
     worker.draining = False
+    gw.siblings.admin_change("undrain", worker.url)
     return JSONResponse({"server": worker.snapshot()})

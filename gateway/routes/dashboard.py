@@ -46,9 +46,9 @@ async def data(request: Request) -> Response:
         counts = roles[server["role"]]
         counts["total"] += 1
         counts["usable"] += 1 if server["usable"] else 0
-    m = gw.metrics
-    prompt = _totals(m.prompt_tokens.collect(), "worker")
-    cached = _totals(m.cached_tokens.collect(), "worker")
+    families = {f.name: f for f in gw.registry.collect()}  # summed over workers, if any
+    prompt = _totals(_family(families, "gateway_prompt_tokens"), "worker")
+    cached = _totals(_family(families, "gateway_cached_tokens"), "worker")
     for server in servers:
         server["prompt_tokens"] = prompt.get(server["url"], 0.0)
         server["cached_tokens"] = cached.get(server["url"], 0.0)
@@ -70,7 +70,7 @@ async def data(request: Request) -> Response:
             "limit": gw.admission.limit,
             "max_queue": gw.admission.max_queue,
         },
-        "requests": _request_totals(m.requests.collect()),
+        "requests": _request_totals(_family(families, "gateway_requests")),
         "cache": {
             "prompt_tokens": sum(prompt.values()),
             "cached_tokens": sum(cached.values()),
@@ -79,6 +79,11 @@ async def data(request: Request) -> Response:
         "recent_errors": recent_errors(gw),
     }
     return JSONResponse(body, headers={"cache-control": "no-store"})
+
+
+def _family(families: dict, name: str) -> list:
+    family = families.get(name)
+    return [family] if family is not None else []
 
 
 def _totals(families: Iterable, label: str) -> dict[str, float]:

@@ -72,6 +72,10 @@ async def abort_request(request: Request) -> Response:
                          "meta_info.id or your own rid)")
     tracked = gw.inflight.find(rid)
     if tracked is None or (tracked.owner != caller.owner and not caller.is_admin):
+        elsewhere = await gw.siblings.abort(rid, caller.owner, caller.is_admin)
+        if elsewhere is not None:  # another worker process holds it
+            return JSONResponse({"success": True, "request_id": elsewhere["request_id"],
+                                 "results": elsewhere["results"]})
         raise NotFound(f"no request {rid!r} of yours is in flight")
     results = await gw.aborts.abort(tracked)
     return JSONResponse({"success": True, "request_id": tracked.request_id,

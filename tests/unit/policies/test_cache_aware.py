@@ -113,4 +113,32 @@ def test_stats_count_decisions() -> None:
     policy.pick([a, b], generate_ids(SEEN))
     policy.on_dispatch(a, generate_ids(SEEN))
     policy.pick([a, b], generate_ids(SEEN))
-    assert policy.stats()["decisions"] == {"cache": 1, "load": 1, "balance": 0}
+    assert policy.stats()["decisions"] == {"cache": 1, "load": 1, "balance": 0, "placement": 0}
+
+
+def test_fresh_long_prompts_are_placed_the_same_way_by_every_instance() -> None:
+    """Two policies (two workers or replicas) that share no history place a new
+    conversation on the same server, and its later turns follow it there."""
+    workers = [worker(f"http://10.0.0.{i}:30000") for i in range(1, 5)]
+    system = "system: you are a careful assistant for the docs team. " * 8
+    first, second = CacheAwarePolicy("prefill"), CacheAwarePolicy("prefill")
+    for policy in (first, second):
+        policy.on_workers_changed(workers)
+    for n in range(20):
+        turn1 = chat(("system", system), ("user", f"question {n}: how do I deploy?"))
+        turn3 = chat(("system", system), ("user", f"question {n}: how do I deploy?"),
+                     ("assistant", "like this"), ("user", "and then?"))
+        here = first.pick(workers, turn1)
+        assert second.pick(workers, turn1) is here
+        assert second.pick(workers, turn3) is here  # no history in `second`: the ring
+    assert first.stats()["decisions"]["placement"] == 20
+
+
+def test_ring_placement_spills_over_when_its_server_is_loaded() -> None:
+    workers = [worker(f"http://10.0.0.{i}:30000") for i in range(1, 4)]
+    policy = CacheAwarePolicy("prefill", CacheAwareOptions(balance_abs_threshold=1e9))
+    policy.on_workers_changed(workers)
+    view = generate_ids(list(range(5000, 5400)))
+    home = policy.pick(workers, view)
+    home.in_flight = 40  # far over (1 + 0.25) x the average load
+    assert policy.pick(workers, view) is not home

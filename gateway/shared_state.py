@@ -1,0 +1,152 @@
+"""State the worker processes of one gateway share (`--workers N`), in one shared-memory block.
+
+Why shared memory: the figures are read on every request (in-flight counts for the load-aware
+policies, the concurrency limit, per-key rate limits), so a round trip to another process per
+request would cost more than the request. Each worker writes only its own column of a counter
+(its own count, as an absolute value: no read-modify-write race between processes), and
+readers sum the columns; an aligned 8-byte store is atomic on the machines we run on.
+Decisions that must be exact across workers (admission slots, token buckets, claiming a
+server's slot) take a file lock (`fcntl.flock`), a few microseconds, only when that feature is
+configured.
+
+Layout (8-byte words): a header; per worker: active requests; per server slot: the URL's hash,
+then in-flight requests and in-flight prompt tokens per worker; per API key: a token bucket
+(tokens, last refill time) as doubles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import zlib
+from collections.abc import Iterator
+from multiprocessing import resource_tracker, shared_memory
+
+SERVER_SLOTS = 1024
+MAGIC = 0x70646777  # "pdgw"
+
+
+def url_hash(url: str) -> int:
+    """A non-zero 63-bit hash of a server URL (0 marks an empty slot)."""
+    value = (zlib.crc32(url.encode()) << 31) ^ zlib.adler32(url.encode())
+    return (value & ((1 << 63) - 1)) or 1
+
+
+class SharedState:
+    """One gateway's shared block, attached by every worker (created by the supervisor)."""
+
+    def __init__(self, name: str, workers: int, keys: int, lock_path: str,
+                 create: bool = False) -> None:
+        self.workers = workers
+        self.keys = keys
+        self.lock_path = lock_path
+        self._active = 1
+        self._hashes = self._active + workers
+        self._in_flight = self._hashes + SERVER_SLOTS
+        self._tokens = self._in_flight + SERVER_SLOTS * workers
+        self._buckets = self._tokens + SERVER_SLOTS * workers
+        words = self._buckets + 2 * max(keys, 1)
+        if create:
+            self.shm = shared_memory.SharedMemory(name=name, create=True, size=8 * words)
+            self.shm.buf[: 8 * words] = bytes(8 * words)
+        else:
+            self.shm = shared_memory.SharedMemory(name=name)
+            # Python 3.11 registers an attached block with the resource tracker, which
+            # unlinks it when this worker exits (taking it from the others): the supervisor
+            # owns it, so the worker lets go of that registration.
+            resource_tracker.unregister(self.shm._name, "shared_memory")
+        self.words = self.shm.buf.cast("q")
+        self.floats = self.shm.buf.cast("d")
+        if create:
+            self.words[0] = MAGIC
+        elif self.words[0] != MAGIC:
+            raise RuntimeError(f"shared block {name} is not a gateway's")
+        self._slots: dict[str, int] = {}
+        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    # -- servers -----------------------------------------------------------------------------
+
+    def slot(self, url: str) -> int:
+        """The server's slot, the same in every worker (claimed under the lock once)."""
+        slot = self._slots.get(url)
+        if slot is not None:
+            return slot
+        wanted = url_hash(url)
+        start = wanted % SERVER_SLOTS
+        with self.locked():
+            for step in range(SERVER_SLOTS):
+                index = (start + step) % SERVER_SLOTS
+                held = self.words[self._hashes + index]
+                if held == wanted or held == 0:
+                    self.words[self._hashes + index] = wanted
+                    self._slots[url] = index
+                    return index
+        raise RuntimeError(f"no free server slot for {url} ({SERVER_SLOTS} in use)")
+
+    def publish(self, worker: int, slot: int, in_flight: int, tokens: int) -> None:
+        """This worker's own in-flight figures for the server in `slot`."""
+        base = slot * self.workers + worker
+        self.words[self._in_flight + base] = in_flight
+        self.words[self._tokens + base] = tokens
+
+    def totals(self, slot: int) -> tuple[int, int]:
+        """In-flight requests and prompt tokens of a server, summed over workers."""
+        start = slot * self.workers
+        words = self.words
+        flight = self._in_flight + start
+        tokens = self._tokens + start
+        return (sum(words[flight:flight + self.workers]),
+                sum(words[tokens:tokens + self.workers]))
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def try_admit(self, worker: int, limit: int) -> bool:
+        """Take one of the gateway-wide `limit` slots for this worker, if one is free."""
+        with self.locked():
+            active = self.words[self._active:self._active + self.workers]
+            if sum(active) >= limit:
+                return False
+            self.words[self._active + worker] += 1
+            return True
+
+    def release(self, worker: int) -> None:
+        with self.locked():
+            self.words[self._active + worker] -= 1
+
+    def active(self) -> int:
+        return sum(self.words[self._active:self._active + self.workers])
+
+    # -- per-key token buckets ----------------------------------------------------------------
+
+    def take_token(self, key: int, rate: float, burst: float, now: float) -> float:
+        """Take one token from key's gateway-wide bucket: 0.0 if taken, else the seconds
+        until one is there."""
+        at = self._buckets + 2 * key
+        with self.locked():
+            tokens, last = self.floats[at], self.floats[at + 1]
+            if last == 0.0:
+                tokens = burst
+            tokens = min(burst, tokens + (now - last) * rate) if last else tokens
+            if tokens < 1.0:
+                self.floats[at], self.floats[at + 1] = tokens, now
+                return (1.0 - tokens) / rate
+            self.floats[at], self.floats[at + 1] = tokens - 1.0, now
+            return 0.0
+
+    def close(self, unlink: bool = False) -> None:
+        self.words.release()
+        self.floats.release()
+        self.shm.close()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
+        os.close(self._lock_fd)

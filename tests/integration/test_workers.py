@@ -1,0 +1,221 @@
+"""`--workers N`: several serving processes on one port act as one gateway.
+
+Real processes on loopback: the supervisor, its workers, simulated servers. Checked: requests
+spread over the workers and succeed; rooms stay unique across workers; metrics are summed;
+admin changes reach every worker; a request held by one worker can be aborted through any;
+the concurrency limit holds for the whole gateway; a killed worker is started again; SIGTERM
+stops everything.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import sim
+from tests.procs import HOST, Proc, free_port, python, running
+
+WORKERS = 3
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+        except OSError:
+            continue
+        ppid = next((int(line.split()[1]) for line in text.splitlines()
+                     if line.startswith("PPid:")), None)
+        if ppid == pid:
+            out.append(int(status.parent.name))
+    return out
+
+
+def worker_pids(pid: int) -> list[int]:
+    found = []
+    for child in children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"gateway.worker_main" in cmdline:
+            found.append(child)
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("logs")
+    with contextlib.ExitStack() as stack:
+        port, boot = free_port(), free_port()
+        prefill = f"http://{HOST}:{port}"
+        stack.enter_context(running("prefill", sim("prefill", port, boot, "--token-delay",
+                                                   "0.02"), log_dir, prefill + "/health"))
+        decodes = []
+        for i in range(2):
+            dport = free_port()
+            url = f"http://{HOST}:{dport}"
+            stack.enter_context(running(f"decode{i}", sim("decode", dport, None,
+                                                          "--token-delay", "0.02"),
+                                        log_dir, url + "/health"))
+            decodes.append(url)
+        gw_port = free_port()
+        argv = python("-m", "gateway", "--host", HOST, "--port", str(gw_port),
+                      "--workers", str(WORKERS), "--prefill", prefill, str(boot),
+                      "--decode", *decodes, "--max-concurrency", "4", "--max-queue", "64",
+                      "--loads-interval", "0.5")
+        gateway = f"http://{HOST}:{gw_port}"
+        proc = stack.enter_context(running("gateway", argv, log_dir, gateway + "/readiness"))
+        deadline = time.monotonic() + 60
+        while len(worker_pids(proc.popen.pid)) < WORKERS and time.monotonic() < deadline:
+            time.sleep(0.1)
+        yield {"gateway": gateway, "proc": proc, "decodes": decodes, "prefill": prefill}
+
+
+def generate(gateway: str, client: httpx.Client, tokens: int = 2, **extra) -> httpx.Response:
+    return client.post(gateway + "/generate", json={
+        "text": f"{os.urandom(4).hex()} workers", "sampling_params": {"max_new_tokens": tokens},
+        **extra})
+
+
+def test_every_worker_serves_and_rooms_stay_unique(cluster):
+    gateway = cluster["gateway"]
+    rooms, served_by = set(), set()
+    for _ in range(60):
+        with httpx.Client(timeout=20) as client:  # a new connection each: spread over workers
+            r = generate(gateway, client)
+            assert r.status_code == 200, r.text
+    stats = httpx.get(cluster["prefill"] + "/sim/stats", timeout=5).json()
+    numbers = [entry["room"] for entry in stats["rooms"] if entry.get("room") is not None]
+    for room in numbers:
+        rooms.add(room)
+        served_by.add((room >> 46) & 31)  # the worker id under the replica id
+    assert len(served_by) == WORKERS, served_by
+    assert len(rooms) == len(numbers) >= 60
+
+
+def test_metrics_are_summed_over_workers(cluster):
+    gateway = cluster["gateway"]
+    before = total_requests(gateway)
+    for _ in range(30):
+        with httpx.Client(timeout=20) as client:
+            assert generate(gateway, client).status_code == 200
+    assert total_requests(gateway) - before == 30
+
+
+def total_requests(gateway: str) -> float:
+    text = httpx.get(gateway + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('gateway_requests_total{endpoint="generate",status="200"}'))
+
+
+def test_admin_changes_reach_every_worker(cluster):
+    gateway, decode = cluster["gateway"], cluster["decodes"][0]
+    r = httpx.post(gateway + "/admin/servers/drain", json={"url": decode, "timeout": 5},
+                   timeout=10)
+    assert r.status_code == 200, r.text
+    try:
+        views = set()
+        for _ in range(20):  # new connections: every worker answers some
+            with httpx.Client(timeout=10) as client:
+                servers = client.get(gateway + "/admin/servers").json()["servers"]
+                views.add(next(s["draining"] for s in servers if s["url"] == decode))
+        assert views == {True}
+        received = httpx.get(decode + "/sim/stats", timeout=5).json()["received"]
+        for _ in range(12):
+            with httpx.Client(timeout=20) as client:
+                assert generate(gateway, client).status_code == 200
+        assert httpx.get(decode + "/sim/stats", timeout=5).json()["received"] == received
+    finally:
+        httpx.post(gateway + "/admin/servers/undrain", json={"url": decode}, timeout=10)
+
+
+def test_a_request_can_be_aborted_through_any_worker(cluster):
+    gateway = cluster["gateway"]
+    with httpx.Client(timeout=30) as streamer:
+        with streamer.stream("POST", gateway + "/generate", json={
+                "text": "long one", "stream": True,
+                "sampling_params": {"max_new_tokens": 400}}) as response:
+            request_id = response.headers["x-request-id"]
+            chunks = response.iter_raw()
+            next(chunks)
+            found = []
+            for _ in range(WORKERS * 3):  # new connections land on the other workers too
+                with httpx.Client(timeout=10) as client:
+                    r = client.post(gateway + "/abort_request", json={"rid": request_id})
+                    found.append(r.status_code)
+                    if r.status_code == 200:
+                        break
+            rest = b"".join(chunks)
+    assert 200 in found, found
+    assert b'"abort"' in rest or b'"error"' in rest, rest[-300:]
+
+
+def test_the_concurrency_limit_holds_for_the_whole_gateway(cluster):
+    gateway = cluster["gateway"]
+    peak = 0
+
+    def one(_):
+        with httpx.Client(timeout=60) as client:
+            return generate(gateway, client, tokens=20).status_code
+
+    def watch(stop):
+        nonlocal peak
+        while not stop.is_set():
+            running_now = sum(httpx.get(url + "/sim/stats", timeout=5).json()["in_flight"]
+                              for url in cluster["decodes"])
+            peak = max(peak, running_now)
+            time.sleep(0.01)
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        statuses = list(pool.map(one, range(16)))
+    stop.set()
+    watcher.join(10)
+    assert statuses == [200] * 16
+    assert 1 <= peak <= 4, peak  # --max-concurrency 4 over 3 workers
+
+
+def test_a_killed_worker_is_started_again(cluster):
+    proc = cluster["proc"]
+    before = worker_pids(proc.popen.pid)
+    assert len(before) == WORKERS
+    os.kill(before[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = worker_pids(proc.popen.pid)
+        if len(now) == WORKERS and before[0] not in now:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"no new worker: {worker_pids(proc.popen.pid)}")
+    for _ in range(10):
+        with httpx.Client(timeout=20) as client:
+            assert generate(cluster["gateway"], client).status_code == 200
+
+
+def test_sigterm_stops_every_worker(tmp_path):
+    port, boot, dport, gw_port = free_port(), free_port(), free_port(), free_port()
+    with running("p", sim("prefill", port, boot), tmp_path, f"http://{HOST}:{port}/health"), \
+            running("d", sim("decode", dport, None), tmp_path, f"http://{HOST}:{dport}/health"):
+        proc = Proc("gateway", python(
+            "-m", "gateway", "--host", HOST, "--port", str(gw_port), "--workers", "2",
+            "--prefill", f"http://{HOST}:{port}", str(boot),
+            "--decode", f"http://{HOST}:{dport}"), tmp_path)
+        proc.wait_http(f"http://{HOST}:{gw_port}/readiness", 60)
+        workers = worker_pids(proc.popen.pid)
+        assert len(workers) == 2
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
