@@ -219,3 +219,46 @@ def test_sigterm_stops_every_worker(tmp_path):
         proc.popen.send_signal(signal.SIGTERM)
         assert proc.popen.wait(30) == 0
         assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+
+
+def test_two_replicas_send_a_conversation_to_the_same_prefill(tmp_path):
+    """Replicas share nothing: their consistent-hash placement agrees by construction."""
+    with contextlib.ExitStack() as stack:
+        prefills = []
+        for i in range(3):
+            port, boot = free_port(), free_port()
+            url = f"http://{HOST}:{port}"
+            stack.enter_context(running(f"p{i}", sim("prefill", port, boot), tmp_path,
+                                        url + "/health"))
+            prefills.append((url, boot))
+        dport = free_port()
+        decode = f"http://{HOST}:{dport}"
+        stack.enter_context(running("d", sim("decode", dport, None), tmp_path,
+                                    decode + "/health"))
+        replicas = []
+        for replica in range(2):
+            port = free_port()
+            argv = python("-m", "gateway", "--host", HOST, "--port", str(port),
+                          "--replica-id", str(replica), "--decode", decode)
+            for url, boot in prefills:
+                argv += ["--prefill", url, str(boot)]
+            url = f"http://{HOST}:{port}"
+            stack.enter_context(running(f"gw{replica}", argv, tmp_path, url + "/readiness"))
+            replicas.append(url)
+        system = "You are the support assistant of a large retailer. " * 8
+        for n in range(6):
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"order {n}: where is it?"}]
+            homes = []
+            for turn, gateway in enumerate(replicas * 2):  # alternate replicas, 4 turns
+                before = {u: httpx.get(u + "/sim/stats", timeout=5).json()["received"]
+                          for u, _ in prefills}
+                r = httpx.post(gateway + "/v1/chat/completions", timeout=20, json={
+                    "model": "sim-model", "messages": messages, "max_tokens": 4})
+                assert r.status_code == 200, r.text
+                after = {u: httpx.get(u + "/sim/stats", timeout=5).json()["received"]
+                         for u, _ in prefills}
+                homes += [u for u in after if after[u] > before[u]]
+                messages = messages + [r.json()["choices"][0]["message"],
+                                       {"role": "user", "content": f"and turn {turn}?"}]
+            assert len(set(homes)) == 1, (n, homes)
