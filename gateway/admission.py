@@ -12,10 +12,8 @@ within `POLL` seconds).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 
 from gateway.errors import ServiceUnavailable, TooManyRequests
 from gateway.metrics import Metrics
@@ -39,18 +37,21 @@ class Admission:
     def queued(self) -> int:
         return len(self._waiters)
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one of the `limit` slots; a finishing request hands its slot to the first
-        waiter directly, so nobody can overtake the queue."""
+    def slot(self) -> Admission:
+        """`async with admission.slot():` holds one of the `limit` slots; a finishing request
+        hands its slot to the first waiter directly, so nobody can overtake the queue. (The
+        slot carries no state of its own, so the admission is its own context manager: no
+        generator per request.)"""
+        return self
+
+    async def __aenter__(self) -> None:
         if self.limit and not self._take():
             await self._wait()
         else:
             self.active += 1
-        try:
-            yield
-        finally:
-            self._release()
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._release()
 
     async def _wait(self) -> None:
         if len(self._waiters) >= self.max_queue:

@@ -29,6 +29,10 @@ await, since Python 3.11's `uncancel` cannot take a pending cancellation back.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.timers import Timers
 
 
 class Interrupt:
@@ -67,3 +71,37 @@ class Interrupt:
             self._taken = True
             self._superseded = self.task.uncancel() > 0  # cancelled by someone else too
         return None if self._superseded else self._reason
+
+
+class Expired(TimeoutError):
+    """The reason an interrupt gives when its `Deadline` passed."""
+
+
+class Deadline:
+    """Fire `interrupt` with `Expired` at loop time `when` (movable, cancellable); armed on
+    the gateway's `Timers`, so arming and cancelling cost next to nothing."""
+
+    __slots__ = ("interrupt", "when", "_timers", "_timer")
+
+    def __init__(self, timers: Timers, interrupt: Interrupt, when: float) -> None:
+        self.interrupt = interrupt
+        self._timers = timers
+        self.when = when
+        self._timer = timers.at(when, self._expire)
+
+    def move(self, when: float) -> None:
+        """Now due at `when` instead (earlier or later)."""
+        if self._timer is None or when == self.when:
+            return
+        self._timer.cancel()
+        self.when = when
+        self._timer = self._timers.at(when, self._expire)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        self.interrupt.fire(Expired())

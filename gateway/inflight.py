@@ -26,9 +26,31 @@ MAX_ID_LENGTH = 128
 SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
-def new_id() -> str:
-    """A random id nobody can guess (128 bits): request ids and rids the gateway makes."""
-    return os.urandom(16).hex()
+class RandomIds:
+    """Random ids nobody can guess (128 bits each): request ids and rids the gateway makes.
+
+    Read from the OS 128 ids at a time (a read per id was 2% of a request's CPU); the
+    buffer is dropped in a forked child, so two processes never hand out the same ids."""
+
+    BATCH = 128
+
+    def __init__(self) -> None:
+        self._hex = ""
+        self._at = 0
+
+    def __call__(self) -> str:
+        at = self._at
+        if at >= len(self._hex):
+            self._hex, at = os.urandom(16 * self.BATCH).hex(), 0
+        self._at = at + 32
+        return self._hex[at:at + 32]
+
+    def reset(self) -> None:
+        self._hex, self._at = "", 0
+
+
+new_id = RandomIds()
+os.register_at_fork(after_in_child=new_id.reset)
 
 
 def safe_id(value: str | None) -> bool:

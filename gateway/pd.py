@@ -29,7 +29,7 @@ import orjson
 from gateway import rescue
 from gateway.attempt import Answer, Attempt, Timeouts, make_rids
 from gateway.bootstrap import RoomAllocator
-from gateway.cancel import Interrupt
+from gateway.cancel import Deadline, Expired, Interrupt
 from gateway.deadlines import LatencyModel
 from gateway.errors import BadRequest, UpstreamError
 from gateway.inflight import Tracked
@@ -38,6 +38,7 @@ from gateway.probe import FOLLOW_ROOM
 from gateway.relay import StreamRelay
 from gateway.request import RequestView
 from gateway.sse import leading_failure
+from gateway.timers import Timers
 from gateway.upstream import Upstream, UpstreamResponse, status_error, translate_errors
 from gateway.workers import Worker
 
@@ -70,8 +71,10 @@ class _PrefillWatch:
 
 class PDDispatcher:
     def __init__(self, upstream: Upstream, control: Upstream, rooms: RoomAllocator,
-                 timeouts: Timeouts, model: LatencyModel | None = None) -> None:
+                 timeouts: Timeouts, model: LatencyModel | None = None,
+                 timers: Timers | None = None) -> None:
         self.upstream = upstream
+        self.timers = timers or Timers()
         self.control = control  # for best-effort aborts
         self.rooms = rooms
         self.timeouts = timeouts
@@ -149,27 +152,26 @@ class PDDispatcher:
         p_task.add_done_callback(watch)
         response: UpstreamResponse | None = None
         handed_over = False
+        deadline = attempt.deadline = Deadline(self.timers, interrupt, attempt.started_at + first)
         try:
-            async with asyncio.timeout(first) as deadline:
-                attempt.deadline = deadline
-                if attempt.progressed:  # the prefill answered before we got here
-                    deadline.reschedule(attempt.started_at + self.timeouts.response)
-                    if attempt.view.stream:
-                        deadline.reschedule(min(
-                            attempt.started_at + self.timeouts.response,
-                            loop.time() + self.model.gap_deadline(attempt.decode.url,
-                                                                  self.timeouts.response)))
-                response, answer = await self._decode_leg(attempt)
-                self.progress(attempt)
-                attempt.decode.last_success = time.monotonic()  # alive: it is answering
-                watch.armed = False
-                merger = None
-                if attempt.view.logprob_merge:
-                    parts = prefill_parts(attempt.view.endpoint, await p_task)
-                    if response is None:
-                        answer.body = merge_body(attempt.view.endpoint, answer.body, parts)
-                    else:
-                        merger = StreamMerger(attempt.view.endpoint, parts)
+            if attempt.progressed:  # the prefill answered before we got here
+                limit = attempt.started_at + self.timeouts.response
+                if attempt.view.stream:
+                    limit = min(limit, loop.time() + self.model.gap_deadline(
+                        attempt.decode.url, self.timeouts.response))
+                deadline.move(limit)
+            response, answer = await self._decode_leg(attempt)
+            self.progress(attempt)
+            attempt.decode.last_success = time.monotonic()  # alive: it is answering
+            watch.armed = False
+            merger = None
+            if attempt.view.logprob_merge:
+                parts = prefill_parts(attempt.view.endpoint, await p_task)
+                if response is None:
+                    answer.body = merge_body(attempt.view.endpoint, answer.body, parts)
+                else:
+                    merger = StreamMerger(attempt.view.endpoint, parts)
+            deadline.cancel()
             attempt.deadline = None
             if response is not None:
                 answer.stream = self.relay.stream(attempt, response, answer.body, merger, p_task)
@@ -179,22 +181,18 @@ class PDDispatcher:
             return answer
         except asyncio.CancelledError:
             if (reason := interrupt.reason()) is not None:
+                if isinstance(reason, Expired):
+                    raise self._expired(attempt, p_task, first, loop.time()) from None
                 if isinstance(reason, UpstreamError):
                     rescue.suspect_if_hung(attempt, loop.time(), first, self.suspect_seconds)
                 raise reason from None
             raise
-        except TimeoutError:
-            if not attempt.progressed:  # a suspected hang: its cohort on the pair too
-                rescue.pair_cohort(attempt)
-                rescue.suspect_if_hung(attempt, loop.time(), first, self.suspect_seconds)
-            elif attempt.view.stream and "prefill" in attempt.outcome:
-                rescue.decode_hung(attempt, self.suspect_seconds)  # KV there, decode silent
-            raise self._timed_out(attempt, p_task, first) from None
         except UpstreamError:
             rescue.suspect_if_hung(attempt, loop.time(), first, self.suspect_seconds)
             raise
         finally:
             watch.armed = False
+            deadline.cancel()
             attempt.deadline = None
             interrupt.close()
             if not handed_over:
@@ -219,16 +217,22 @@ class PDDispatcher:
             if by_prefill and attempt.view.stream:
                 limit = min(limit, now + self.model.gap_deadline(attempt.decode.url,
                                                                  self.timeouts.response))
-            attempt.deadline.reschedule(limit)
+            attempt.deadline.move(limit)
 
     def rescue(self, worker: Worker, why: str) -> int:
         """Stop every attempt waiting on `worker` (marked down, or its breaker opened)."""
         return rescue.stop_all(worker, f"{worker.role} server {worker.url} {why}")
 
-    def _timed_out(self, attempt: Attempt, p_task: asyncio.Task, first: float) -> UpstreamError:
+    def _expired(self, attempt: Attempt, p_task: asyncio.Task, first: float,
+                 now: float) -> UpstreamError:
         """No answer in time. Each leg still waiting is a suspect (a hung decode keeps its
         prefill waiting too, and the reverse): both feed their breakers and both are avoided
         by the retry."""
+        if not attempt.progressed:  # a suspected hang: its cohort on the pair too
+            rescue.pair_cohort(attempt)
+            rescue.suspect_if_hung(attempt, now, first, self.suspect_seconds)
+        elif attempt.view.stream and "prefill" in attempt.outcome:
+            rescue.decode_hung(attempt, self.suspect_seconds)  # KV there, decode silent
         late = [leg for leg in ("prefill", "decode") if leg not in attempt.outcome]
         if "decode" in late and p_task.done():
             late = ["decode"]
@@ -263,9 +267,8 @@ class PDDispatcher:
     def finish_tail(self, attempt: Attempt, p_task: asyncio.Task) -> None:
         """The decode is done; give the prefill's own answer a bounded time to arrive.
 
-        A timer and a done-callback, not a task: this happens on most successful requests."""
-        handle = asyncio.get_running_loop().call_later(
-            self.timeouts.tail, self._tail_expired, attempt, p_task)
+        A timer and a done-callback, not a task: this happens on many successful requests."""
+        handle = self.timers.after(self.timeouts.tail, self._tail_expired, attempt, p_task)
         self._background.add(p_task)
         p_task.add_done_callback(lambda task: (handle.cancel(), self._background.discard(task)))
 

@@ -14,6 +14,7 @@ import random
 import orjson
 
 from gateway.aborts import Aborted
+from gateway.cancel import Deadline, Expired, Interrupt
 from gateway.errors import GatewayError, UpstreamError
 from gateway.failover import Continuation, error_end, resumable
 from gateway.inflight import Tracked
@@ -47,47 +48,54 @@ class Proxy:
         broken stream, `avoid` the servers it should not go to first."""
         avoid = list(avoid)
         last_error: GatewayError | None = None
+        interrupt = Interrupt()
+        loop = asyncio.get_running_loop()
+        deadline = Deadline(self.dispatcher.timers, interrupt, loop.time() + self.request_timeout)
         try:
-            async with asyncio.timeout(self.request_timeout):
-                for number in range(1, self.max_attempts + 1):
-                    if tracked.aborted:
-                        raise Aborted(f"request {tracked.request_id} was aborted")
-                    prefer = placement.prefer if placement is not None else None
-                    target, decode = self.scheduler.pick(view, avoid, prefer)
-                    prefill = target.server
-                    attempt = self.dispatcher.prepare(view, prefill, decode, tracked,
-                                                      target.rank)
-                    if placement is not None:
-                        placement.started(attempt)
-                    attempt.resumable = (self.failover and depth < Resumed.MAX_DEPTH
-                                         and resumable(view))
-                    self._started(attempt)
-                    tracked.attempts.add(attempt)
-                    try:
-                        answer = await self.dispatcher.run(attempt)  # stays in `attempts`
-                        if answer.stream is not None and attempt.resumable:
-                            return Resumed(self, view, tracked, answer, depth).answer()
-                        return answer
-                    except BaseException as exc:
-                        tracked.attempts.discard(attempt)
-                        if not isinstance(exc, UpstreamError):
-                            raise
-                        last_error = exc
-                        if not exc.retryable or number == self.max_attempts:
-                            raise
-                        # both servers are avoided (softly: the scheduler ignores `avoid`
-                        # when it would leave no candidate): which one failed is not always
-                        # the leg that reported it (a prefill's "bootstrap failed" means its
-                        # decode never came for the KV)
-                        avoid += (prefill, decode)
-                        self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
-                        delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
-                        await asyncio.sleep(delay * (0.5 + random.random() / 2))
-        except TimeoutError:
+            for number in range(1, self.max_attempts + 1):
+                if tracked.aborted:
+                    raise Aborted(f"request {tracked.request_id} was aborted")
+                prefer = placement.prefer if placement is not None else None
+                target, decode = self.scheduler.pick(view, avoid, prefer)
+                prefill = target.server
+                attempt = self.dispatcher.prepare(view, prefill, decode, tracked,
+                                                  target.rank)
+                if placement is not None:
+                    placement.started(attempt)
+                attempt.resumable = (self.failover and depth < Resumed.MAX_DEPTH
+                                     and resumable(view))
+                self._started(attempt)
+                tracked.attempts.add(attempt)
+                try:
+                    answer = await self.dispatcher.run(attempt)  # stays in `attempts`
+                    if answer.stream is not None and attempt.resumable:
+                        return Resumed(self, view, tracked, answer, depth).answer()
+                    return answer
+                except BaseException as exc:
+                    tracked.attempts.discard(attempt)
+                    if not isinstance(exc, UpstreamError):
+                        raise
+                    last_error = exc
+                    if not exc.retryable or number == self.max_attempts:
+                        raise
+                    # both servers are avoided (softly: the scheduler ignores `avoid`
+                    # when it would leave no candidate): which one failed is not always
+                    # the leg that reported it (a prefill's "bootstrap failed" means its
+                    # decode never came for the KV)
+                    avoid += (prefill, decode)
+                    self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
+                    delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
+                    await asyncio.sleep(delay * (0.5 + random.random() / 2))
+        except asyncio.CancelledError:
+            if not isinstance(interrupt.reason(), Expired):
+                raise
             detail = f"; last failure: {last_error.message}" if last_error else ""
             raise GatewayError(
                 f"request did not complete within {self.request_timeout:g}s{detail}",
                 status=504) from None
+        finally:
+            deadline.cancel()
+            interrupt.close()
         raise AssertionError("unreachable")  # the loop returns or raises
 
     def _started(self, attempt: Attempt) -> None:

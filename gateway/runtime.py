@@ -36,6 +36,7 @@ from gateway.proxy import Proxy
 from gateway.samples import Samples
 from gateway.scheduler import Scheduler
 from gateway.siblings import Siblings
+from gateway.timers import Timers
 from gateway.ttlcache import TtlCache
 from gateway.upstream import FastUpstream, HttpxUpstream, build_client, ssl_context
 from gateway.workers import Worker, WorkerPool
@@ -64,6 +65,7 @@ class Gateway:
             self.tls = ssl_context(config.upstream_ca_file, config.upstream_insecure)
         except (OSError, ValueError) as exc:  # missing, unreadable, not a certificate
             raise ConfigError(f"upstream_ca_file {config.upstream_ca_file!r}: {exc}") from None
+        self.timers = Timers()  # the per-request deadlines (gateway/timers.py)
         self.pool = WorkerPool()
         for spec in config.prefill + config.decode:
             self.pool.add(self._new_worker(spec.url, spec.role, spec.bootstrap_port))
@@ -194,7 +196,8 @@ class Gateway:
             self.upstream, control, self.rooms,
             Timeouts(c.response_timeout, c.stream_idle_timeout, send=c.send_timeout),
             LatencyModel(DeadlineOptions(percentile=c.hang_percentile, factor=c.hang_factor,
-                                         floor=c.hang_floor, cold=c.hang_cold)))
+                                         floor=c.hang_floor, cold=c.hang_cold)),
+            timers=self.timers)
         self.aborts = Aborts(self.inflight, control, timeout=5.0)
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout,
@@ -290,3 +293,4 @@ class Gateway:
             await self.cluster.stop()
         if self.worker is not None:
             await self.worker.control.stop()
+        self.timers.close()

@@ -20,6 +20,12 @@ at a time (slowloris) or not at all. This subclass adds, per connection:
 Refusals (400 for a request httptools cannot parse, 414, 431) answer in the gateway's error
 shape and close the connection. Everything else (parsing, flow control, keep-alive,
 pipelining) stays uvicorn's. The limits are tested at the socket level in tests/security/.
+
+The deadlines, and uvicorn's own keep-alive wait, are armed on the gateway's `Timers`
+(gateway/timers.py), not as loop timers: one request's head and body share one timer that
+moves on only when its phase's deadline is due, and `on_response_complete` is uvicorn's with
+that one change. A loop timer per phase and per keep-alive wait cost about a tenth of the
+gateway's CPU per request (docs/BENCHMARKS.md, "Cost per request").
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import error_body
+from gateway.timers import Timers
 
 
 @dataclass(frozen=True)
@@ -44,24 +51,45 @@ class ServerLimits:
 
 REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
 STALLED = "gateway.stalled"  # scope key set when the response stalled past send_timeout
+DEPARTURE = "gateway.departure"  # scope key: the request's `Departure`
+
+
+class Departure:
+    """Tells a request that its client left (the connection was lost before the response
+    completed): the endpoint sets `callback`, the protocol calls it once. This replaces a
+    watcher task per request waiting for `http.disconnect` (a task created and cancelled on
+    every request: about 5% of the gateway's CPU per request)."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self) -> None:
+        self.callback = None
+
+    def __call__(self) -> None:
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
 
 
 class _Refused(Exception):
     """Raised inside a parser callback to stop parsing a request over the limits."""
 
 
-def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
-    """An HttpToolsProtocol class bound to `limits` (uvicorn instantiates it per connection)."""
+def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProtocol]:
+    """An HttpToolsProtocol class bound to `limits` and the gateway's `timers` (uvicorn
+    instantiates it per connection)."""
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _limits = limits
+        _timers = timers
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._head_bytes = 0
             self._header_count = 0
             self._refused = False
-            self._deadline = None
+            self._deadline = None  # the Timer of the current request's head or body
+            self._due = 0.0  # when the current phase ends (the timer may be set earlier)
             self._stall = None
             self._arm(self._limits.head_timeout)
 
@@ -70,12 +98,17 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             if self._stall is not None:
                 self._stall.cancel()
                 self._stall = None
+            cycle = self.cycle
             super().connection_lost(exc)
+            if cycle is not None and not cycle.response_complete:
+                departure = cycle.scope.get(DEPARTURE)
+                if departure is not None:
+                    departure()
 
         def pause_writing(self) -> None:
             super().pause_writing()
             if self._stall is None:
-                self._stall = self.loop.call_later(self._limits.send_timeout, self._stalled)
+                self._stall = self._timers.after(self._limits.send_timeout, self._stalled)
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -90,8 +123,13 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self.transport.abort()  # close() would wait for the client to read the buffer
 
         def _arm(self, seconds: float) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(seconds, self._expired)
+            """The current phase ends `seconds` from now: moves the timer only if that is
+            before it (a later end is found by `_expired`)."""
+            self._due = due = self._timers.loop().time() + seconds
+            timer = self._deadline
+            if timer is None or not timer.active or due < timer.when:
+                self._disarm()
+                self._deadline = self._timers.at(due, self._expired)
 
         def _disarm(self) -> None:
             if self._deadline is not None:
@@ -100,6 +138,9 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
 
         def _expired(self) -> None:
             self._deadline = None
+            if self._due > self._timers.loop().time() + self._timers.resolution:
+                self._deadline = self._timers.at(self._due, self._expired)  # a later phase
+                return
             if not self.transport.is_closing():
                 if self.cycle is not None and not self.cycle.response_complete:
                     self.cycle.disconnected = True  # the app sees http.disconnect
@@ -147,9 +188,25 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._arm(self._limits.body_timeout)
             super().on_headers_complete()
+            if self.cycle is not None:
+                self.cycle.scope[DEPARTURE] = Departure()
 
         def on_message_complete(self) -> None:
             self._disarm()
             super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            # uvicorn's (0.54), with the keep-alive wait on the gateway's timers
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self._unset_keepalive_if_required()
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self.timeout_keep_alive_task = self._timers.after(  # type: ignore[assignment]
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     return GuardedHttpToolsProtocol

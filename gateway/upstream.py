@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Iterator
 from typing import Protocol
 
 import aiohttp
@@ -150,29 +149,50 @@ def build_client(
                              follow_redirects=False, trust_env=False)
 
 
-@contextlib.contextmanager
-def translate_errors(leg: str, worker: Worker) -> Iterator[None]:
-    """Turn client and transport errors into an UpstreamError naming the leg and server."""
-    try:
-        yield
-    except (PoolTimeout, httpx.PoolTimeout) as exc:
-        raise UpstreamError(f"{leg} server {worker.url} is busy: {exc}", leg=leg,
-                            worker_url=worker.url, retryable=True, status=503) from exc
-    except aiohttp.ServerTimeoutError as exc:  # a TimeoutError, but not the caller's own
-        raise UpstreamError(f"{leg} server {worker.url} timed out ({type(exc).__name__})",
-                            leg=leg, worker_url=worker.url, retryable=True, status=504) from exc
-    except TimeoutError:
-        raise  # the caller's own deadline: it knows which timeout and answers 504
-    except (httpx.ConnectError, ConnectFailed, aiohttp.ClientConnectorError) as exc:
-        raise UpstreamError(f"{leg} server {worker.url} refused or dropped the connection: {exc}",
-                            leg=leg, worker_url=worker.url, retryable=True) from exc
-    except httpx.TimeoutException as exc:
-        raise UpstreamError(f"{leg} server {worker.url} timed out ({type(exc).__name__})",
-                            leg=leg, worker_url=worker.url, retryable=True, status=504) from exc
-    except (httpx.HTTPError, HTTPClientError, aiohttp.ClientError, HttpProcessingError,
-            OSError) as exc:
-        raise UpstreamError(f"{leg} server {worker.url} failed: {type(exc).__name__}: {exc}",
-                            leg=leg, worker_url=worker.url, retryable=True) from exc
+class translate_errors:  # lower case: used as a context manager
+    """Turn client and transport errors into an UpstreamError naming the leg and server.
+
+    A class, not a generator context manager: it wraps four awaits per request."""
+
+    __slots__ = ("leg", "worker")
+
+    def __init__(self, leg: str, worker: Worker) -> None:
+        self.leg = leg
+        self.worker = worker
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        error = _translated(self.leg, self.worker.url, exc)
+        if error is None:
+            return False
+        raise error from exc
+
+
+def _translated(leg: str, url: str, exc: Exception) -> UpstreamError | None:
+    """The UpstreamError for a client or transport error (None: let it pass as it is)."""
+    if isinstance(exc, PoolTimeout | httpx.PoolTimeout):
+        return UpstreamError(f"{leg} server {url} is busy: {exc}", leg=leg, worker_url=url,
+                             retryable=True, status=503)
+    if isinstance(exc, aiohttp.ServerTimeoutError):  # a TimeoutError, not the caller's own
+        return UpstreamError(f"{leg} server {url} timed out ({type(exc).__name__})",
+                             leg=leg, worker_url=url, retryable=True, status=504)
+    if isinstance(exc, TimeoutError):
+        return None  # the caller's own deadline: it knows which timeout and answers 504
+    if isinstance(exc, httpx.ConnectError | ConnectFailed | aiohttp.ClientConnectorError):
+        return UpstreamError(f"{leg} server {url} refused or dropped the connection: {exc}",
+                             leg=leg, worker_url=url, retryable=True)
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamError(f"{leg} server {url} timed out ({type(exc).__name__})",
+                             leg=leg, worker_url=url, retryable=True, status=504)
+    if isinstance(exc, httpx.HTTPError | HTTPClientError | aiohttp.ClientError
+                  | HttpProcessingError | OSError):
+        return UpstreamError(f"{leg} server {url} failed: {type(exc).__name__}: {exc}",
+                             leg=leg, worker_url=url, retryable=True)
+    return None
 
 
 def upstream_message(body: bytes) -> str:

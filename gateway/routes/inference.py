@@ -2,7 +2,9 @@
 
 auth -> read body -> parse once -> in-flight table -> admission slot -> serve (one PD request,
 or n single-sample ones for n > 1) -> answer. The work runs in the request's own task, under
-one `Interrupt`: a watcher task fires it when the client disconnects, `/abort_request` fires
+one `Interrupt`: the client's departure fires it (told by the server protocol directly,
+`server_protocol.Departure`; under another ASGI server a watcher task waits for
+`http.disconnect` instead), `/abort_request` fires
 it when it must stop the request itself, and the stream relay fires it when the client stops
 reading (`--send-timeout`); the server protocol also cuts a connection whose response stalls
 that long (`server_protocol.STALLED`: counted as a slow client too). Whatever fired, both
@@ -25,7 +27,7 @@ from gateway.inflight import Tracked, new_id, safe_id
 from gateway.relay import SlowClient
 from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
-from gateway.server_protocol import STALLED
+from gateway.server_protocol import DEPARTURE, STALLED
 from gateway.sse import DONE, frame
 
 log = logging.getLogger("gateway.inference")
@@ -45,6 +47,9 @@ class _Watch:
     async def __call__(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        self.left()
+
+    def left(self) -> None:
         if not self.done:
             self.interrupt.fire(SlowClient() if self.scope.get(STALLED) else ClientGone())
 
@@ -135,7 +140,12 @@ class InferenceEndpoint:
                      started: float, state: dict) -> int:
         """Run the request and send its answer while a watcher listens for a disconnect."""
         watch = _Watch(tracked.interrupt, scope)
-        watcher = asyncio.get_running_loop().create_task(watch(receive))
+        departure = scope.get(DEPARTURE)
+        watcher = None
+        if departure is not None:  # no task per request: the protocol calls us
+            departure.callback = watch.left
+        else:
+            watcher = asyncio.get_running_loop().create_task(watch(receive))
         try:
             answer: Answer = await self.gw.serve(view, tracked)
             try:
@@ -146,7 +156,10 @@ class InferenceEndpoint:
                     await answer.close()
         finally:
             watch.done = True
-            watcher.cancel()
+            if departure is not None:
+                departure.callback = None
+            else:
+                watcher.cancel()
 
     async def _send_answer(self, answer: Answer, request_id: str, send: Send, started: float,
                            watch: _Watch, state: dict) -> int:
