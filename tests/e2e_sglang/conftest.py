@@ -107,14 +107,25 @@ def make_model(out_dir: Path) -> Path:
     return out_dir
 
 
-def _start_gateway(model_path: Path, log_dir: Path) -> tuple[Proc, str]:
-    """`python -m gateway --launch` with the CPU-rig topology: the gateway starts, supervises
-    and registers the 1 prefill + 2 decode real SGLang servers itself."""
+def require_rig() -> None:
+    """Skip, saying how to build it, when the rig venv is not there."""
+    if not (RIG_PYTHON.exists() and RIG_STAMP.exists()):
+        pytest.skip(
+            f"SGLang CPU rig not built at {RIG_DIR} (set SGLANG_RIG_DIR, or run "
+            "backends/sglang_cpu/build_rig.sh first)"
+        )
+
+
+def start_gateway(model_path: Path, log_dir: Path, topology: Path = TOPOLOGY_FILE,
+                  extra_args: tuple[str, ...] = ()) -> tuple[Proc, str]:
+    """`python -m gateway --launch` with a CPU-rig topology (by default 1 prefill + 2 decode):
+    the gateway starts, supervises and registers the real SGLang servers itself."""
     port = free_port()
     env = {"SGLANG_TINY_MODEL": str(model_path), "LAUNCHER_LOG_DIR": str(log_dir),
            "SGLANG_RIG_DIR": str(RIG_DIR)}
-    argv = python("-m", "gateway", "--launch", "--launch-config", str(TOPOLOGY_FILE),
-                  "--port", str(port), "--log-level", "info", "--health-interval", "3")
+    argv = python("-m", "gateway", "--launch", "--launch-config", str(topology),
+                  "--port", str(port), "--log-level", "info", "--health-interval", "3",
+                  *extra_args)
     proc = Proc("gateway", argv, log_dir, env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -135,11 +146,7 @@ def _plain_server(model_path: Path, log_dir: Path) -> BackgroundLauncher:
 
 @pytest.fixture(scope="session")
 def sglang_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangCluster]:
-    if not (RIG_PYTHON.exists() and RIG_STAMP.exists()):
-        pytest.skip(
-            f"SGLang CPU rig not built at {RIG_DIR} (set SGLANG_RIG_DIR, or run "
-            "backends/sglang_cpu/build_rig.sh first)"
-        )
+    require_rig()
     model_path = make_model(tmp_path_factory.mktemp("tiny-model"))
     log_dir = Path(os.environ.get("SGLANG_E2E_LOG_DIR") or tmp_path_factory.mktemp("sglang-logs"))
     launcher = _plain_server(model_path, log_dir / "plain")
@@ -148,7 +155,7 @@ def sglang_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangC
     except StartupError as exc:
         pytest.fail(f"the plain SGLang server did not start (logs in {log_dir}):\n{exc}")
     try:
-        gateway, url = _start_gateway(model_path, log_dir)
+        gateway, url = start_gateway(model_path, log_dir)
     except BaseException:
         launcher.stop()
         raise
