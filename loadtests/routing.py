@@ -4,6 +4,8 @@
     python -m loadtests.routing --quick              # CI-sized: 2 + 1 servers, two of our policies
     python -m loadtests.routing --workload chat \
         --targets gateway:cache_aware,sglang-router:cache_aware --duration 20
+    python -m loadtests.routing --workload dp         # prefills with 4 DP ranks, ~7 min
+    python -m loadtests.routing --workload dp --quick # CI-sized, our gateway only
 
 Workloads (`loadtests/routing_workloads.py`): multi-turn chat with a few shared long system
 prompts and growing per-conversation histories, and few-shot prompts with short questions.
@@ -12,6 +14,8 @@ finite LRU prefix cache per prefill server, sized so that one server cannot hold
 conversation but the cluster can. Targets (`loadtests/routing_targets.py`): our gateway per
 prefill policy, sglang-router 0.3.2 per policy, mini_lb. Every target replays the same plan
 against the same servers, whose caches are flushed and counters reset in between.
+`--workload dp` (`loadtests/routing_dp.py`): prefills with DP ranks, per-rank share of
+unrelated prompts and the chat hit rate against one rank per server with the same cache.
 
 Prints one table per workload and the margin of our best policy over sglang-router's
 cache_aware; `--out` writes every figure as JSON. Every process started here is stopped on exit
@@ -95,14 +99,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--targets", help=f"comma-separated, from: {', '.join(ALL)}")
     parser.add_argument("--duration", type=float,
                         help="seconds of arrivals per workload and target (default: chat 40, "
-                             "fewshot 20; quick 6 and 3)")
+                             "fewshot 20; quick 6 and 3; dp: chat 20, unrelated 12)")
     parser.add_argument("--rate", type=float,
                         help="requests per second (chat: turns per second; default: chat 12, "
-                             "fewshot 16; quick 10)")
-    parser.add_argument("--prefills", type=int, help="prefill servers (default 4; quick 2)")
-    parser.add_argument("--decodes", type=int, help="decode servers (default 4; quick 1)")
+                             "fewshot 16; quick 10; dp: chat 6, unrelated 20)")
+    parser.add_argument("--prefills", type=int,
+                        help="prefill servers (default 4; quick 2; dp 2)")
+    parser.add_argument("--decodes", type=int, help="decode servers (default 4; quick 1; dp 2)")
     parser.add_argument("--cache-tokens", type=int,
-                        help="prefix cache per prefill server, tokens (default 16384; quick 2500)")
+                        help="prefix cache per prefill server, tokens, split over its DP ranks "
+                             "(default 16384; quick 2500; dp 16384, dp quick 8000)")
     parser.add_argument("--system-prompts", type=int,
                         help="shared system prompts of the chat workload (default 4; quick 2)")
     parser.add_argument("--seed", type=int, default=0)

@@ -42,6 +42,7 @@ class DpSetup:
     sims: SimOptions  # servers and the cache of one server; dp_ranks is set per layout
     ranks: int
     plain: bool  # also the plain-DP layout
+    unrelated_on: bool  # also unrelated prompts on attention DP
     chat: ChatShape
     unrelated: UnrelatedShape
     durations: dict  # "chat", "unrelated" -> seconds of arrivals
@@ -52,15 +53,16 @@ class DpSetup:
 # Half the servers of the full routing run, at half its chat rate: the same load per server.
 DP_FULL = DpSetup(
     sims=SimOptions(prefills=2, decodes=2, cache_tokens=16384), ranks=4, plain=True,
-    chat=ChatShape(), unrelated=UnrelatedShape(),
-    durations={"chat": 20.0, "unrelated": 8.0}, rates={"chat": 6.0, "unrelated": 16.0},
+    unrelated_on=True, chat=ChatShape(), unrelated=UnrelatedShape(),
+    durations={"chat": 20.0, "unrelated": 12.0}, rates={"chat": 6.0, "unrelated": 20.0},
     targets=tuple(DP))
 DP_QUICK = DpSetup(
     sims=SimOptions(prefills=2, decodes=1, cache_tokens=8000), ranks=4, plain=True,
+    unrelated_on=True,
     chat=ChatShape(system_prompts=2, system_tokens=200, turns=(3, 5), user_tokens=(80, 160),
                    max_tokens=8, think_s=0.2),
-    unrelated=UnrelatedShape(prompt_tokens=(50, 200), max_tokens=4),
-    durations={"chat": 4.0, "unrelated": 3.0}, rates={"chat": 10.0, "unrelated": 30.0},
+    unrelated=UnrelatedShape(prompt_tokens=(20, 80), max_tokens=2),
+    durations={"chat": 3.0, "unrelated": 10.0}, rates={"chat": 10.0, "unrelated": 25.0},
     targets=tuple(QUICK_DP))
 
 
@@ -69,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DP ranks per prefill server of the dp workload (default 4)")
     parser.add_argument("--dp-plain", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the plain-DP layout (default: on)")
+    parser.add_argument("--dp-unrelated", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run unrelated prompts on attention DP (default: on)")
 
 
 def build_dp_setup(args: argparse.Namespace) -> DpSetup:
@@ -82,7 +86,7 @@ def build_dp_setup(args: argparse.Namespace) -> DpSetup:
         setup.chat, system_prompts=args.system_prompts)
     targets = tuple(t.name for t in parse_targets(args.targets)) if args.targets else setup.targets
     return replace(setup, sims=sims, chat=chat, ranks=args.dp_ranks or setup.ranks,
-                   plain=args.dp_plain, targets=targets,
+                   plain=args.dp_plain, unrelated_on=args.dp_unrelated, targets=targets,
                    durations={w: args.duration or d for w, d in setup.durations.items()},
                    rates={w: args.rate or r for w, r in setup.rates.items()})
 
@@ -116,7 +120,8 @@ def run_dp(setup: DpSetup, args: argparse.Namespace, log_dir: Path, peer_python:
     plain = replace(setup.sims, dp_ranks=setup.ranks, attn_dp=False)
     runs: dict = {}
     section = results["workloads"]["dp"] = {"setup": asdict(setup), "runs": runs}
-    phases = [(one, [("chat-1rank", chat)]), (attn, [("chat", chat), ("unrelated", unrelated)])]
+    phases = [(one, [("chat-1rank", chat)]),
+              (attn, [("chat", chat)] + [("unrelated", unrelated)] * setup.unrelated_on)]
     if setup.plain:
         phases.append((plain, [("unrelated-plain", unrelated)]))
     measured: dict[str, dict[str, Row]] = {}
@@ -126,12 +131,12 @@ def run_dp(setup: DpSetup, args: argparse.Namespace, log_dir: Path, peer_python:
                 measured[workload] = _phase(setup, sims, workload, plan, args, log_dir,
                                             peer_python, cluster, runs)
                 write()
-    tables = {
-        "dp-unrelated": [dp_row(r, attn.layout, setup.ranks)
-                         for r in measured["unrelated"].values()],
-        "dp-chat": [dp_row(r, attn.layout, setup.ranks, measured["chat-1rank"][name])
-                    for name, r in measured["chat"].items()],
-    }
+    tables = {}
+    if setup.unrelated_on:
+        tables["dp-unrelated"] = [dp_row(r, attn.layout, setup.ranks)
+                                  for r in measured["unrelated"].values()]
+    tables["dp-chat"] = [dp_row(r, attn.layout, setup.ranks, measured["chat-1rank"][name])
+                         for name, r in measured["chat"].items()]
     if setup.plain:
         tables["dp-unrelated-plain"] = [dp_row(r, plain.layout, setup.ranks)
                                         for r in measured["unrelated-plain"].values()]
