@@ -1,8 +1,8 @@
 """Figures of the DP-rank workloads: per-rank share, hit ratio against one rank, the verdicts.
 
 *Share*: the requests a DP rank served over those its server served (the simulator's per-rank
-counters, `/sim/stats` `dp_ranks`), for every rank of every prefill server that served any;
-min and max over them, and the fair share 1/ranks. A request that failed before it reached a
+counters, `/sim/stats` `dp_ranks`), for every rank of every prefill server that served any
+(a server that served none shows as `idle`); min and max over them, and the fair share 1/ranks. A request that failed before it reached a
 rank's scheduler (the plain-DP room conflict) counts for no rank, only as an error.
 *Hit rate*: cached over prompt tokens counted by the prefill servers, as in the other tables;
 *vs 1 rank*: the hit rate with ranks over the same target's on the same workload with one rank
@@ -26,7 +26,7 @@ class DpRow:
     layout: str  # "attention DP x4", "plain DP x4"
     requests: int
     errors: int
-    shares: list[list[float]]  # per prefill server that served any, per rank
+    shares: list[list[float]]  # per prefill server, per rank; [] for a server that served none
     fair: float
     hit_rate: float
     base_hit_rate: float | None  # same target, one rank per server (chat only)
@@ -58,7 +58,7 @@ class DpRow:
 
 
 def rank_shares(per_rank: list[list[int]]) -> list[list[float]]:
-    return [[c / sum(ranks) for c in ranks] for ranks in per_rank if sum(ranks)]
+    return [[c / sum(ranks) for c in ranks] if sum(ranks) else [] for ranks in per_rank]
 
 
 def dp_row(row: Row, layout: str, ranks: int, base: Row | None = None) -> DpRow:
@@ -82,7 +82,8 @@ def _num(value: float | None, fmt: str) -> str:
 def cells(row: DpRow) -> list[str]:
     share = (f"{_num(100 * row.share_min, '.1f')}/{_num(100 * row.share_max, '.1f')} "
              f"({100 * row.fair:.0f})")
-    per_rank = ", ".join("/".join(f"{100 * s:.0f}" for s in server) for server in row.shares)
+    per_rank = ", ".join("/".join(f"{100 * s:.0f}" for s in server) or "idle"
+                         for server in row.shares)
     errors = f"{row.errors} ({100 * row.error_rate:.0f}%)" if row.errors else "0"
     base = None if row.base_hit_rate is None else 100 * row.base_hit_rate
     return [row.target, row.layout, str(row.requests), errors, share, per_rank or "-",
@@ -110,7 +111,7 @@ def share_verdicts(rows: list[DpRow]) -> list[str]:
     """Per target: is every rank at or above SHARE_FLOOR of its server's requests?"""
     out = []
     for row in rows:
-        met = row.share_min >= SHARE_FLOOR and len(row.shares) > 0
+        met = row.share_min >= SHARE_FLOOR
         out.append(f"{row.target} ({row.layout}): min rank share {100 * row.share_min:.1f}% "
                    f"(>= {100 * SHARE_FLOOR:.0f}%: {'met' if met else 'NOT met'}), "
                    f"errors {row.errors}/{row.requests}")
