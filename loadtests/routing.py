@@ -4,6 +4,8 @@
     python -m loadtests.routing --quick              # CI-sized: 2 + 1 servers, two of our policies
     python -m loadtests.routing --workload chat \
         --targets gateway:cache_aware,sglang-router:cache_aware --duration 20
+    python -m loadtests.routing --workload dp         # prefills with 4 DP ranks, ~7 min
+    python -m loadtests.routing --workload dp --quick # CI-sized, our gateway only
 
 Workloads (`loadtests/routing_workloads.py`): multi-turn chat with a few shared long system
 prompts and growing per-conversation histories, and few-shot prompts with short questions.
@@ -12,6 +14,8 @@ finite LRU prefix cache per prefill server, sized so that one server cannot hold
 conversation but the cluster can. Targets (`loadtests/routing_targets.py`): our gateway per
 prefill policy, sglang-router 0.3.2 per policy, mini_lb. Every target replays the same plan
 against the same servers, whose caches are flushed and counters reset in between.
+`--workload dp` (`loadtests/routing_dp.py`): prefills with DP ranks, per-rank share of
+unrelated prompts and the chat hit rate against one rank per server with the same cache.
 
 Prints one table per workload and the margin of our best policy over sglang-router's
 cache_aware; `--out` writes every figure as JSON. Every process started here is stopped on exit
@@ -21,7 +25,6 @@ cache_aware; `--out` writes every figure as JSON. Every process started here is 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -29,28 +32,17 @@ import shlex
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python loadtests/routing.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
-import uvloop  # noqa: E402
-
-from loadtests import peers, procstat  # noqa: E402
-from loadtests.launch import free_port, running  # noqa: E402
-from loadtests.routing_cluster import (  # noqa: E402
-    Cluster,
-    SimOptions,
-    difference,
-    settle,
-    sim_cluster,
-    snapshot,
-)
-from loadtests.routing_drive import Drive, drive_chat, drive_fewshot  # noqa: E402
-from loadtests.routing_report import Row, make_row, margin, text_table  # noqa: E402
+from loadtests import peers  # noqa: E402
+from loadtests.routing_cluster import SimOptions, sim_cluster  # noqa: E402
+from loadtests.routing_dp import add_arguments, build_dp_setup, run_dp  # noqa: E402
+from loadtests.routing_measure import measure  # noqa: E402
+from loadtests.routing_report import margin, text_table  # noqa: E402
 from loadtests.routing_targets import ALL, QUICK, Target, parse_targets  # noqa: E402
 from loadtests.routing_workloads import (  # noqa: E402
     ChatShape,
@@ -100,18 +92,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="CI-sized: 2 prefill + 1 decode, a few seconds per target, "
                              f"targets {','.join(QUICK)}")
-    parser.add_argument("--workload", choices=("chat", "fewshot", "both"), default="both")
+    parser.add_argument("--workload", "--workloads", choices=("chat", "fewshot", "both", "dp"),
+                        default="both",
+                        help="both: chat and fewshot; dp: prefills with DP ranks (per-rank "
+                             "share, hit ratio against one rank; see loadtests/routing_dp.py)")
     parser.add_argument("--targets", help=f"comma-separated, from: {', '.join(ALL)}")
     parser.add_argument("--duration", type=float,
                         help="seconds of arrivals per workload and target (default: chat 40, "
-                             "fewshot 20; quick 6 and 3)")
+                             "fewshot 20; quick 6 and 3; dp: chat 20, unrelated 12)")
     parser.add_argument("--rate", type=float,
                         help="requests per second (chat: turns per second; default: chat 12, "
-                             "fewshot 16; quick 10)")
-    parser.add_argument("--prefills", type=int, help="prefill servers (default 4; quick 2)")
-    parser.add_argument("--decodes", type=int, help="decode servers (default 4; quick 1)")
+                             "fewshot 16; quick 10; dp: chat 6, unrelated 20)")
+    parser.add_argument("--prefills", type=int,
+                        help="prefill servers (default 4; quick 2; dp 2)")
+    parser.add_argument("--decodes", type=int, help="decode servers (default 4; quick 1; dp 2)")
     parser.add_argument("--cache-tokens", type=int,
-                        help="prefix cache per prefill server, tokens (default 16384; quick 2500)")
+                        help="prefix cache per prefill server, tokens, split over its DP ranks "
+                             "(default 16384; quick 2500; dp 16384, dp quick 8000)")
     parser.add_argument("--system-prompts", type=int,
                         help="shared system prompts of the chat workload (default 4; quick 2)")
     parser.add_argument("--seed", type=int, default=0)
@@ -120,6 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, help="process logs (default: a temporary dir)")
     parser.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV,
                         help="venv with sglang-router 0.3.2 (created if missing)")
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -141,74 +139,22 @@ def build_setup(args: argparse.Namespace) -> Setup:
                    targets=targets)
 
 
-def _gateway_view(port: int) -> dict:
-    """What our gateway saw: prefill decisions per worker, predicted and reported hits, retries."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
-    sums: dict[str, float] = {}
-    decisions: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        metric = name.split("{", 1)[0]
-        sums[metric] = sums.get(metric, 0.0) + float(value)
-        if metric == "gateway_routing_decisions_total" and 'role="prefill"' in name:
-            worker = name.split('worker="', 1)[1].split('"', 1)[0]
-            decisions[worker] = float(value)
-    prompt = sums.get("gateway_prompt_tokens_total", 0.0) or 1.0
-    return {
-        "prefill_decisions": decisions,
-        "predicted_hit_rate": sums.get("gateway_predicted_cached_tokens_total", 0.0) / prompt,
-        "reported_hit_rate": sums.get("gateway_cached_tokens_total", 0.0) / prompt,
-        "retries": sums.get("gateway_retries_total", 0.0),
-    }
-
-
-def _run_drive(workload: str, port: int, plan, duration: float, timeout: float) -> Drive:
-    drive = drive_chat if workload == "chat" else drive_fewshot
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(drive(port, plan, duration, timeout))
-
-
-def measure(target: Target, cluster: Cluster, workload: str, plan, setup: Setup,
-            args: argparse.Namespace, log_dir: Path, peer_python: Path | None) -> tuple[Row, dict]:
-    settle(cluster)
-    port = free_port()
-    argv = target.argv(cluster, port, peer_python)
-    load_before = os.getloadavg()[0]
-    with running(f"{workload}-{target.name.replace(':', '-')}", argv, log_dir,
-                 f"http://127.0.0.1:{port}{target.ready_path}") as proxy:
-        time.sleep(1.0)  # peers register workers in background jobs after readiness
-        before = snapshot(cluster)
-        meter = procstat.WindowMeter(proxy.pid, cluster.pids)
-        meter.start()
-        started = time.monotonic()
-        drive = _run_drive(workload, port, plan, setup.durations[workload], args.timeout)
-        usage = meter.stop()
-        window = time.monotonic() - started
-        after = snapshot(cluster)
-        policy = _gateway_view(port) if target.ours else {}
-    row = make_row(target.name, drive, difference(before, after), usage, window, policy)
-    extra = {"argv": argv, "load1_before": load_before, "load1_after": os.getloadavg()[0],
-             "cpu_s": {"proxy": usage.proxy, "servers": usage.backends,
-                       "loadgen": usage.loadgen, "other": usage.other}}
-    return row, extra
-
-
 def _on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    dp = args.workload == "dp"
     try:
-        setup = build_setup(args)
+        setup = build_dp_setup(args) if dp else build_setup(args)
+        if dp:
+            build_setup(args)  # the shared flags' checks
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
     targets = [Target(n) for n in setup.targets]
-    workloads = WORKLOADS if args.workload == "both" else (args.workload,)
     peer_python = peers.ensure_venv(args.peers_venv) if any(t.peer for t in targets) else None
     results: dict = {
         "command": "python -m loadtests.routing " + shlex.join(argv or sys.argv[1:]),
@@ -221,7 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = args.log_dir or Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="routing-")))
         log_dir.mkdir(parents=True, exist_ok=True)
-        cluster = stack.enter_context(sim_cluster(setup.sims, log_dir))
+        if dp:
+            errors = run_dp(setup, args, log_dir, peer_python, results,
+                            lambda: _write(args.out, results))
+        else:
+            workloads = WORKLOADS if args.workload == "both" else (args.workload,)
+            _run_workloads(setup, workloads, targets, args, log_dir, peer_python, results)
+            errors = sum(r["errors"] for w in results["workloads"].values() for r in w["rows"])
+    results["machine"]["load_avg_end"] = os.getloadavg()
+    _write(args.out, results)
+    return 1 if errors else 0
+
+
+def _run_workloads(setup: Setup, workloads: tuple[str, ...], targets: list[Target],
+                   args: argparse.Namespace, log_dir: Path, peer_python: Path | None,
+                   results: dict) -> None:
+    with sim_cluster(setup.sims, log_dir) as cluster:
         for workload in workloads:
             rate, duration = setup.rates[workload], setup.durations[workload]
             plan = (chat_plan(setup.chat, rate, duration, args.seed) if workload == "chat"
@@ -229,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {workload}: {rate:g} req/s for {duration:g} s per target", flush=True)
             rows, extras = [], {}
             for target in targets:
-                row, extra = measure(target, cluster, workload, plan, setup, args, log_dir,
-                                     peer_python)
+                row, extra = measure(target, cluster, workload, plan, duration, args.timeout,
+                                     log_dir, peer_python)
                 rows.append(row)
                 extras[target.name] = extra
                 print(f"   {target.name}: {row.requests} requests, {row.errors} errors, hit "
@@ -243,10 +204,6 @@ def main(argv: list[str] | None = None) -> int:
                 _write(args.out, results)
             print(f"\n{workload}:\n{text_table(rows)}\n{margin(rows)}", flush=True)
             results["workloads"][workload]["margin"] = margin(rows)
-    results["machine"]["load_avg_end"] = os.getloadavg()
-    _write(args.out, results)
-    errors = sum(r["errors"] for w in results["workloads"].values() for r in w["rows"])
-    return 1 if errors else 0
 
 
 def _write(path: Path | None, results: dict) -> None:

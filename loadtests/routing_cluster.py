@@ -4,6 +4,14 @@ Prefill and decode servers are `backends.sim` processes with the default H100 ti
 (not `--fast`) and a finite prefix cache (`--cache-capacity-tokens`, LRU). Each prefill
 server publishes its KV cache events on its own loopback ZMQ port, for `prefix_cache`.
 
+DP layouts (`SimOptions.dp_ranks` > 1): every prefill server runs that many DP ranks, as
+attention DP (`--dp-size N --enable-dp-attention`, the layout of DeepSeek-class deployments)
+or plain DP (`--dp-size N`). `cache_tokens` stays the cache of a server: each rank gets
+1/N of it (the simulator's `--cache-capacity-tokens` is per rank, as SGLang's pool is), so a
+layout with ranks holds what the one-rank layout holds. Rank r publishes its KV events on the
+server's base port + r (SGLang's offset_endpoint_port), so the base is the first of N free
+ports. Decode servers keep one rank.
+
 Between targets the cluster is brought back to the same state: wait until no request runs,
 `POST /flush_cache` on every server (the sims refuse while requests run), `POST /sim/reset`.
 The figures of a target are deltas of the servers' own counters: `sglang:prompt_tokens_total`
@@ -14,6 +22,7 @@ servers saw), and the requests each prefill server received (`/sim/stats`).
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -34,6 +43,14 @@ class SimOptions:
     decodes: int = 4
     cache_tokens: int = 16384  # prefix cache per prefill server
     page_size: int = 1  # SGLang's default
+    dp_ranks: int = 1  # DP ranks per prefill server
+    attn_dp: bool = True  # the ranks are attention DP (else plain DP); only with dp_ranks > 1
+
+    @property
+    def layout(self) -> str:
+        if self.dp_ranks == 1:
+            return "1 rank"
+        return f"{'attention' if self.attn_dp else 'plain'} DP x{self.dp_ranks}"
 
 
 @dataclass
@@ -76,17 +93,43 @@ def sim_argv(server: Server, options: SimOptions) -> list[str]:
         events = {"publisher": "zmq", "endpoint": server.kv_events_endpoint,
                   "topic": "kv-events", "bind": True}
         argv += ["--bootstrap-port", str(server.bootstrap_port),
-                 "--cache-capacity-tokens", str(options.cache_tokens),
+                 "--cache-capacity-tokens", str(options.cache_tokens // options.dp_ranks),
                  "--kv-events-config", orjson.dumps(events).decode()]
+        if options.dp_ranks > 1:
+            argv += ["--dp-size", str(options.dp_ranks)]
+            argv += ["--enable-dp-attention"] if options.attn_dp else []
     return argv
+
+
+def free_ports(count: int, taken: set[int]) -> int:
+    """The first of `count` consecutive free loopback ports, none of them in `taken` (which
+    gains them): the ports are only probed, so later picks must not reuse them."""
+    for _ in range(200):
+        base = free_port()
+        ports = range(base, base + count)
+        if taken.isdisjoint(ports) and all(_bindable(p) for p in ports[1:]):
+            taken.update(ports)
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
 
 
 @contextlib.contextmanager
 def sim_cluster(options: SimOptions, log_dir: Path) -> Iterator[Cluster]:
     cluster = Cluster(options)
-    cluster.prefills = [Server("prefill", free_port(), free_port(), free_port())
+    taken: set[int] = set()
+    cluster.prefills = [Server("prefill", free_ports(1, taken), free_ports(1, taken),
+                               free_ports(options.dp_ranks, taken))
                         for _ in range(options.prefills)]
-    cluster.decodes = [Server("decode", free_port()) for _ in range(options.decodes)]
+    cluster.decodes = [Server("decode", free_ports(1, taken)) for _ in range(options.decodes)]
     with contextlib.ExitStack() as stack:
         procs = [(server, stack.enter_context(running(
                      f"sim-{server.role}{i}", sim_argv(server, options), log_dir, None)))
@@ -142,10 +185,11 @@ class Snapshot:
     prompt_tokens: dict[str, float]
     cached_tokens: dict[str, float]
     requests: dict[str, int]  # generation requests received since the last reset
+    ranks: dict[str, list[tuple[int, int, int]]]  # per DP rank: (requests, prompt, cached)
 
 
 def snapshot(cluster: Cluster) -> Snapshot:
-    prompt, cached, requests = {}, {}, {}
+    prompt, cached, requests, ranks = {}, {}, {}, {}
     with httpx.Client(timeout=5.0) as client:
         for server in cluster.prefills:
             text = _get(client, f"{server.url}/metrics").text
@@ -153,7 +197,9 @@ def snapshot(cluster: Cluster) -> Snapshot:
             cached[server.url] = _counter(text, COUNTERS[1])
             stats = _get(client, f"{server.url}/sim/stats").json()
             requests[server.url] = stats["received"]
-    return Snapshot(prompt, cached, requests)
+            ranks[server.url] = [(r["requests"], r["prompt_tokens"], r["cached_tokens"])
+                                 for r in stats["dp_ranks"]]
+    return Snapshot(prompt, cached, requests, ranks)
 
 
 @dataclass(frozen=True)
@@ -161,6 +207,8 @@ class ServerFigures:
     prompt_tokens: float
     cached_tokens: float
     requests: dict[str, int]  # per prefill server, in cluster order
+    # per prefill server, per DP rank: (requests served, prompt tokens, cached tokens)
+    ranks: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -170,4 +218,7 @@ class ServerFigures:
 def difference(before: Snapshot, after: Snapshot) -> ServerFigures:
     prompt = sum(after.prompt_tokens[u] - before.prompt_tokens[u] for u in after.prompt_tokens)
     cached = sum(after.cached_tokens[u] - before.cached_tokens[u] for u in after.cached_tokens)
-    return ServerFigures(prompt, cached, dict(after.requests))
+    ranks = {url: [tuple(a - b for a, b in zip(now, then, strict=True))
+                   for now, then in zip(after.ranks[url], before.ranks[url], strict=True)]
+             for url in after.ranks}
+    return ServerFigures(prompt, cached, dict(after.requests), ranks)

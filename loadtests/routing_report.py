@@ -10,7 +10,7 @@ count successful requests over the time from the start to the last answer.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from loadtests.procstat import Usage
 from loadtests.routing_cluster import ServerFigures
@@ -45,6 +45,7 @@ class Row:
     per_server: list[int]  # requests each prefill server received
     error_samples: list[str]
     policy: dict  # the gateway's view (routing decisions, predicted hits); {} for peers
+    per_rank: list[list[int]] = field(default_factory=list)  # served, per prefill, per DP rank
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,7 +72,7 @@ def make_row(target: str, drive: Drive, servers: ServerFigures, usage: Usage, wi
         proxy_cpu_s=usage.proxy, own_cores=(usage.proxy + usage.backends + usage.loadgen) / window,
         busy_cores=sum(usage.cores.values()) / window,
         per_server=list(servers.requests.values()), error_samples=sorted(set(errors))[:5],
-        policy=policy)
+        policy=policy, per_rank=[[r[0] for r in ranks] for ranks in servers.ranks.values()])
 
 
 HEADER = ("target", "reqs", "errors", "hit rate", "client hit", "TTFT p50 ms", "TTFT p99 ms",

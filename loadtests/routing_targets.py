@@ -2,8 +2,10 @@
 
 A target name is `gateway:<prefill policy>` (decode: least_load), `sglang-router:<policy>`
 (sglang-router 0.3.2, Rust, `--policy` for both roles, as its users run it) or `mini-lb`
-(the same wheel's Python balancer, random pairs). Every proxy listens on 127.0.0.1; a peer
-runs from the peers' venv (`loadtests/peers.py`).
+(the same wheel's Python balancer, random pairs). `sglang-router:cache_aware+dp-aware` adds
+`--dp-aware` (one worker per DP rank, `url@rank`); in PD mode 0.3.2 then sends the decode leg
+to `http://0.0.0.0/generate` and fails every request, so it is in no default list. Every
+proxy listens on 127.0.0.1; a peer runs from the peers' venv (`loadtests/peers.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ GATEWAY_POLICIES = ("cache_aware", "prefix_cache", "min_ttft", "least_load", "ro
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "random")
 ALL = ([f"gateway:{p}" for p in GATEWAY_POLICIES]
        + [f"sglang-router:{p}" for p in ROUTER_POLICIES] + ["mini-lb"])
+KNOWN = ALL + ["sglang-router:round_robin", "sglang-router:cache_aware+dp-aware"]
 QUICK = ["gateway:cache_aware", "gateway:round_robin"]
+# DP ranks: our default (cache_aware) and exact-index policies against the peers
+DP = ["gateway:cache_aware", "gateway:prefix_cache", "sglang-router:cache_aware",
+      "sglang-router:round_robin", "mini-lb"]
+QUICK_DP = ["gateway:cache_aware"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,9 @@ class Target:
     def argv(self, cluster: Cluster, port: int, peer_python: Path | None) -> list[str]:
         if self.ours:
             return _gateway(cluster, port, self.policy)
+        policy, _, flag = self.policy.partition("+")
         extra = ["--mini-lb"] if self.kind == "mini-lb" else [
-            "--policy", self.policy, "--log-level", "warn",
+            "--policy", policy, *([f"--{flag}"] if flag else []), "--log-level", "warn",
             # Prometheus would bind 0.0.0.0:29000: loopback and a free port instead.
             "--prometheus-host", HOST, "--prometheus-port", str(free_port())]
         args = [str(peer_python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -81,7 +89,7 @@ def _gateway(cluster: Cluster, port: int, policy: str) -> list[str]:
 
 def parse_targets(text: str) -> list[Target]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ALL]
+    unknown = [n for n in names if n not in KNOWN]
     if unknown:
-        raise ValueError(f"unknown targets {unknown}; choose from {', '.join(ALL)}")
+        raise ValueError(f"unknown targets {unknown}; choose from {', '.join(KNOWN)}")
     return [Target(n) for n in names]

@@ -10,6 +10,9 @@
   (Zipf popularity) followed by a short question, sent to `/generate` as `input_ids`
   (the simulator's tokenizer: 4 UTF-8 bytes per token), as batch pipelines that tokenize
   client-side do. Token ids let `prefix_cache` match the servers' exact KV events.
+* unrelated: requests arrive as a Poisson process, each a prompt of its own (no prefix shared
+  with any other beyond a few tokens), to `/generate` as `input_ids`. Nothing to reuse: what
+  it shows is how a router spreads load, e.g. over the DP ranks of a server.
 
 Texts are pseudo-English words from a seeded generator: about one token per 4 characters,
 and distinct texts share no prefix beyond their first words.
@@ -155,3 +158,26 @@ def fewshot_plan(shape: FewshotShape, rate: float, duration: float, seed: int) -
                 "sampling_params": {"max_new_tokens": shape.max_tokens}, "stream": True}
         requests.append(FewshotRequest(at, index, body))
     return FewshotPlan(shape, tuple(requests))
+
+
+@dataclass(frozen=True)
+class UnrelatedShape:
+    prompt_tokens: tuple[int, int] = (200, 800)  # uniform
+    max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class UnrelatedPlan:
+    shape: UnrelatedShape
+    requests: tuple[FewshotRequest, ...]  # `prefix` is the request's own index
+
+
+def unrelated_plan(shape: UnrelatedShape, rate: float, duration: float,
+                   seed: int) -> UnrelatedPlan:
+    rng = random.Random(f"unrelated/{seed}")
+    requests = []
+    for index, at in enumerate(poisson_times(rng, rate, duration)):
+        body = {"input_ids": encode(words(rng, rng.randint(*shape.prompt_tokens))),
+                "sampling_params": {"max_new_tokens": shape.max_tokens}, "stream": True}
+        requests.append(FewshotRequest(at, index, body))
+    return UnrelatedPlan(shape, tuple(requests))

@@ -1,4 +1,5 @@
-"""The routing-quality benchmark, `--quick` (2 prefill + 1 decode sims, our gateway only).
+"""The routing-quality benchmark, `--quick` (2 prefill + 1 decode sims, our gateway only),
+and its DP-rank workloads (`--quick --workload dp`).
 
 The quick chat workload is built so that the difference is structural, not luck: histories
 grow by ~100-180 tokens a turn over a 200-token system prompt, so a router that keeps each
@@ -38,3 +39,32 @@ def test_quick_run_has_no_errors_and_cache_aware_beats_round_robin_on_chat(tmp_p
     # The servers' counters and the answers' usage figures agree.
     for row in chat.values():
         assert abs(row["hit_rate"] - row["client_hit_rate"]) < 0.02, row
+
+
+def test_quick_dp_run_spreads_over_the_ranks_of_each_prefill(tmp_path):
+    """`--quick --workload dp`: 2 prefills x 4 DP ranks (attention DP, then plain DP, where
+    SGLang 0.5.23 fails rooms off rank 0 unless the request names its rank) and the chat
+    baseline with one rank; our gateway only. Unrelated prompts must reach every rank: at
+    least 15% of its server's requests (fair: 25%), with no error on either layout.
+
+    The quick unrelated phase is 10 s of tiny prompts (~250 requests, ~30 per rank): the
+    gateway scores a rank on the larger of its own in-flight count and the rank's last
+    `/v1/loads` figures, so a poll that caught a rank busy keeps it out of least-load picks
+    until the next poll (2 s); over 10 s even two such windows leave the rank above 15%."""
+    out = tmp_path / "dp.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.routing", "--quick", "--workload", "dp",
+         "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=180, cwd=ROOT)
+    output = done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0, output
+
+    section = json.loads(out.read_text())["workloads"]["dp"]
+    assert {"dp-unrelated", "dp-chat", "dp-unrelated-plain"} <= set(section), output
+    for name in ("dp-unrelated", "dp-unrelated-plain"):
+        row = next(r for r in section[name]["rows"] if r["target"] == "gateway:cache_aware")
+        assert row["requests"] > 50 and row["errors"] == 0, (name, row)
+        assert len(row["shares"]) == 2 and all(len(s) == 4 for s in row["shares"]), row
+        assert row["share_min"] >= 0.15, (name, row["shares"], output)
+    chat = next(r for r in section["dp-chat"]["rows"] if r["target"] == "gateway:cache_aware")
+    assert chat["errors"] == 0 and chat["base_hit_rate"] > 0 and chat["hit_ratio"] > 0, chat

@@ -1,0 +1,85 @@
+"""One target measured on one workload: start the proxy, replay the plan, read the servers.
+
+The cluster is settled first (no work, caches flushed, counters reset); the figures are the
+deltas of the prefill servers' counters over the replay, the client's samples, the CPU time of
+the proxy and of everything else, and for our gateway its own view (`/metrics`): the prefill
+decisions per worker (a DP rank is `url#dpR`), the hits it predicted, its retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import uvloop
+
+from loadtests import procstat
+from loadtests.launch import free_port, running
+from loadtests.routing_cluster import Cluster, difference, settle, snapshot
+from loadtests.routing_drive import Drive, drive_chat, drive_fewshot
+from loadtests.routing_report import Row, make_row
+from loadtests.routing_targets import Target
+from loadtests.routing_workloads import ChatPlan
+
+
+def gateway_view(port: int) -> dict:
+    """What our gateway saw: prefill decisions per worker, predicted and reported hits, retries."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
+    sums: dict[str, float] = {}
+    decisions: dict[str, float] = {}
+    ranks: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        metric = name.split("{", 1)[0]
+        sums[metric] = sums.get(metric, 0.0) + float(value)
+        if metric == "gateway_routing_decisions_total" and 'role="prefill"' in name:
+            worker = name.split('worker="', 1)[1].split('"', 1)[0]
+            decisions[worker] = float(value)
+        elif metric == "gateway_dp_rank_requests_total":
+            worker = name.split('worker="', 1)[1].split('"', 1)[0]
+            rank = name.split('rank="', 1)[1].split('"', 1)[0]
+            ranks[f"{worker}#dp{rank}"] = float(value)
+    prompt = sums.get("gateway_prompt_tokens_total", 0.0) or 1.0
+    return {
+        "prefill_decisions": decisions,
+        "rank_requests": ranks,
+        "predicted_hit_rate": sums.get("gateway_predicted_cached_tokens_total", 0.0) / prompt,
+        "reported_hit_rate": sums.get("gateway_cached_tokens_total", 0.0) / prompt,
+        "retries": sums.get("gateway_retries_total", 0.0),
+    }
+
+
+def run_drive(port: int, plan, duration: float, timeout: float) -> Drive:
+    drive = drive_chat if isinstance(plan, ChatPlan) else drive_fewshot
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(drive(port, plan, duration, timeout))
+
+
+def measure(target: Target, cluster: Cluster, workload: str, plan, duration: float,
+            timeout: float, log_dir: Path, peer_python: Path | None) -> tuple[Row, dict]:
+    settle(cluster)
+    port = free_port()
+    argv = target.argv(cluster, port, peer_python)
+    load_before = os.getloadavg()[0]
+    with running(f"{workload}-{target.name.replace(':', '-')}", argv, log_dir,
+                 f"http://127.0.0.1:{port}{target.ready_path}") as proxy:
+        time.sleep(1.0)  # peers register workers in background jobs after readiness
+        before = snapshot(cluster)
+        meter = procstat.WindowMeter(proxy.pid, cluster.pids)
+        meter.start()
+        started = time.monotonic()
+        drive = run_drive(port, plan, duration, timeout)
+        usage = meter.stop()
+        window = time.monotonic() - started
+        after = snapshot(cluster)
+        policy = gateway_view(port) if target.ours else {}
+    row = make_row(target.name, drive, difference(before, after), usage, window, policy)
+    extra = {"argv": argv, "load1_before": load_before, "load1_after": os.getloadavg()[0],
+             "cpu_s": {"proxy": usage.proxy, "servers": usage.backends,
+                       "loadgen": usage.loadgen, "other": usage.other}}
+    return row, extra
