@@ -1,0 +1,394 @@
+"""The served model's tokenizer in the gateway: the token ids SGLang 0.5.23 computes for each
+request shape, from the model's own files, with the kept `tokenizers` and `jinja2` libraries.
+
+Use: `tok = load_tokenizer(cfg.tokenizer or tokenizer_path_from_model_info(info),
+threads=cfg.tokenizer_threads)`; None means "no tokenizer": everything works without ids. Then,
+only where a policy or a check needs ids: `await tok.aencode_chat(body)` (/v1/chat/completions),
+`await tok.aencode_prompt(body["prompt"])` (/v1/completions), `await tok.aencode_generate(body)`
+(native /generate). A `TokenizerError` (UnsupportedRequest, RejectedRequest) means "no ids for
+this request": forward it as usual, SGLang gives its own answer.
+
+SGLang's rules mirrored (sources under `sglang/srt/`):
+* text (native /generate `text`, completions string prompts): `TokenizerManager._tokenize_texts`
+  calls `tokenizer(texts)`, i.e. `encode(text, add_special_tokens=True)`; token-id prompts
+  (`input_ids`, completions lists of ints) pass through untouched.
+* the tokenizer: `utils/hf_transformers/tokenizer.py get_tokenizer`, which for tokenizer.json
+  models is transformers 5's `TokenizersBackend`: tokenizer.json as it is, no truncation or
+  padding, `split_special_tokens`, tokenizer_config.json's added and special tokens added the
+  way `TokenizersBackend.__init__` adds them, and SGLang's `_fix_v5_add_bos_eos_token` (BOS
+  template for Llama/Gemma/Cohere classes). Declared classes that transformers 5 rebuilds
+  from vocab and merges (LlamaTokenizer, Qwen2Tokenizer, GemmaTokenizer, ...) may tokenize
+  differently from tokenizer.json: `exact` is False for them and `describe()` says so.
+* chat: `serving_chat.py _apply_jinja_template` (gateway/chat_messages.py, gateway/chat_template.py)
+  renders the template to text, then `encode(text, add_special_tokens=False)` when
+  `encode("")` is not empty (`_tokenizer_auto_adds_specials`), plain `encode(text)` otherwise;
+  `continue_final_message` appends `encode(prefix)` minus a leading BOS
+  (`_append_assistant_prefix_to_prompt_ids`).
+
+Threads: `tokenizers` releases the GIL while encoding, so long prompts are encoded in a small
+`ThreadPoolExecutor` and the event loop keeps serving. Measured on the CPU rig (2 cores,
+scripts in docs/TOKENIZER.md): a pool hop costs ~50-80 us, encoding 100 tokens ~30 us, so texts
+under `INLINE_CHARS` are encoded inline. Chat rendering is Python (holds the GIL) and always
+goes to the pool with its encode. No cache: encoding 8k tokens costs ~3 ms, and exact repeats
+of whole prompts are rare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer, processors
+
+from gateway.chat_messages import prepare_chat
+from gateway.chat_template import (
+    ChatTemplate,
+    RejectedRequest,
+    TokenizerError,
+    TokenizerLoadError,
+    UnsupportedRequest,
+    find_chat_templates,
+    select_chat_template,
+)
+
+__all__ = ["GatewayTokenizer", "RejectedRequest", "TokenizerError", "TokenizerLoadError",
+           "UnsupportedRequest", "load_tokenizer", "tokenizer_path_from_model_info"]
+
+INLINE_CHARS = 2048  # texts up to this many characters are encoded on the event loop
+NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                "mask_token")
+# SGLang `_fix_v5_add_bos_eos_token`: classes whose add_bos_token (default True) it restores.
+_BOS_FLAG_CLASSES = frozenset({"LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer",
+                               "CodeLlamaTokenizerFast", "GemmaTokenizer", "GemmaTokenizerFast",
+                               "CohereTokenizerFast"})
+# Class defaults of transformers 5 tokenizer classes, for named tokens the config leaves out.
+_CLASS_DEFAULT_TOKENS = dict.fromkeys(
+    ("LlamaTokenizer", "LlamaTokenizerFast"),
+    {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
+# Declared classes that transformers 5 loads as tokenizer.json itself (TokenizersBackend).
+_JSON_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+# serving_chat / chat_encoding.py / python_chat_template.py: models whose chats SGLang encodes
+# with its own code instead of the Jinja template.
+_CUSTOM_CHAT_ARCHS = ("DeepseekV4", "DeepseekV41", "KimiK3", "InklingForConditionalGeneration",
+                      "GlmMoeDsaForCausalLM", "Glm5NextForConditionalGeneration")
+_MULTIMODAL_KEYS = ("vision_config", "audio_config", "visual", "vision_tower", "mm_vision_tower")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"{path}: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _added_token(value: Any) -> AddedToken | None:
+    """An AddedToken as transformers builds it from a config entry (str or dict)."""
+    if isinstance(value, str):
+        return AddedToken(value, special=True)
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        keys = ("single_word", "lstrip", "rstrip", "normalized", "special")
+        args = {k: bool(value[k]) for k in keys if k in value}
+        return AddedToken(value["content"], **args)
+    return None
+
+
+class GatewayTokenizer:
+    """Token ids as SGLang computes them. Thread-safe: the backend is only read after load."""
+
+    def __init__(self, backend: Tokenizer, config: dict, model_config: dict, source: str,
+                 template: ChatTemplate | None, specials: dict[str, str], threads: int = 2):
+        self.backend = backend
+        self.source = source
+        self.template = template
+        self.tokenizer_class = config.get("tokenizer_class")
+        self.exact = self.tokenizer_class in _JSON_CLASSES and "auto_map" not in config
+        bos = specials.get("bos_token")
+        self.bos_token_id = backend.token_to_id(bos) if bos else None
+        self.auto_adds_specials = len(backend.encode("", add_special_tokens=True).ids) > 0
+        archs = model_config.get("architectures") or [""]
+        self._chat_problem = None
+        if any(name in str(archs[0]) for name in _CUSTOM_CHAT_ARCHS) or model_config.get(
+                "model_type") == "minimax_m3_vl":
+            self._chat_problem = f"SGLang encodes {archs[0]} chats with its own encoder"
+        elif "DeepseekV3" in str(archs[0]) and template is None:
+            self._chat_problem = "SGLang encodes this DeepSeek-V3 chat with its dsv32 encoder"
+        elif any(key in model_config for key in _MULTIMODAL_KEYS):
+            self._chat_problem = "multimodal models render chats through their processor"
+        elif template is None:
+            self._chat_problem = "the model has no chat template"
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads),
+                                        thread_name_prefix="tokenizer")
+
+    # ---- synchronous API (runs wherever it is called) ----
+
+    def encode_text(self, text: str) -> list[int]:
+        """A text prompt: native /generate `text`, a completions string prompt."""
+        if not isinstance(text, str):
+            raise RejectedRequest("a text prompt must be a string")
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+        if not all(isinstance(t, str) for t in texts):
+            raise RejectedRequest("text prompts must be strings")
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=True)]
+
+    def encode_prompt(self, prompt: Any) -> list[list[int]]:
+        """/v1/completions `prompt` (str, [str], [int], [[int]]): the ids of each prompt."""
+        if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+            raise RejectedRequest("Prompt cannot be empty")
+        if isinstance(prompt, str):
+            return [self.encode_text(prompt)]
+        if not isinstance(prompt, list):
+            raise RejectedRequest("prompt must be a string, a list of strings or token ids")
+        if isinstance(prompt[0], str):
+            return self.encode_texts(prompt)
+        if all(_is_int(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+        raise RejectedRequest("prompt must be a string, a list of strings or token ids")
+
+    def encode_generate(self, body: dict) -> list[list[int]]:
+        """Native /generate: `input_ids` as given, else `text` (a string or a batch)."""
+        if not isinstance(body, dict):
+            raise RejectedRequest("the body is not a JSON object")
+        for key in ("input_embeds", "image_data", "video_data", "audio_data"):
+            if body.get(key) is not None:
+                raise UnsupportedRequest(f"/generate with {key}")
+        ids = body.get("input_ids")
+        if ids is not None:
+            if isinstance(ids, list) and ids and all(_is_int(t) for t in ids):
+                return [list(ids)]
+            if isinstance(ids, list) and ids and all(
+                    isinstance(p, list) and all(_is_int(t) for t in p) for p in ids):
+                return [list(p) for p in ids]
+            raise RejectedRequest("input_ids must be a list of ints or of lists of ints")
+        text = body.get("text")
+        if isinstance(text, str):
+            return [self.encode_text(text)]
+        if isinstance(text, list) and text:
+            return self.encode_texts(text)
+        raise RejectedRequest("Either text, input_ids or input_embeds should be provided.")
+
+    def render_chat(self, body: dict) -> tuple[str, str | None]:
+        """The rendered chat template and the continue_final_message prefix (for tests)."""
+        if self._chat_problem:
+            raise UnsupportedRequest(self._chat_problem)
+        prepared = prepare_chat(body, self.template.content_format)
+        try:
+            text = self.template.render(prepared.messages, prepared.tools, prepared.kwargs)
+        except RejectedRequest:
+            if not prepared.tools:
+                raise
+            flat = [t["function"] if "function" in t else t for t in prepared.tools]
+            text = self.template.render(prepared.messages, flat, prepared.kwargs)
+        return text, prepared.assistant_prefix
+
+    def encode_chat(self, body: dict) -> list[int]:
+        """/v1/chat/completions: the prompt ids SGLang builds from the messages."""
+        if isinstance(body, dict) and body.get("input_ids") is not None:
+            ids = body["input_ids"]
+            if isinstance(ids, list) and all(_is_int(t) for t in ids):
+                return list(ids)
+            raise RejectedRequest("input_ids must be a list of ints")
+        text, prefix = self.render_chat(body)
+        ids = self.backend.encode(text, add_special_tokens=not self.auto_adds_specials).ids
+        if prefix:
+            tail = self.backend.encode(prefix, add_special_tokens=True).ids
+            if tail and tail[0] == self.bos_token_id:
+                tail = tail[1:]
+            ids = ids + tail
+        return ids
+
+    # ---- async API: never blocks the event loop for long ----
+
+    async def aencode_text(self, text: str) -> list[int]:
+        if isinstance(text, str) and len(text) <= INLINE_CHARS:
+            return self.encode_text(text)
+        return await self._run(self.encode_text, text)
+
+    async def aencode_prompt(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str) and len(prompt) <= INLINE_CHARS:
+            return self.encode_prompt(prompt)
+        return await self._run(self.encode_prompt, prompt)
+
+    async def aencode_generate(self, body: dict) -> list[list[int]]:
+        if not isinstance(body, dict):
+            return self.encode_generate(body)
+        text = body.get("text")
+        if body.get("input_ids") is not None or (
+                isinstance(text, str) and len(text) <= INLINE_CHARS):
+            return self.encode_generate(body)
+        return await self._run(self.encode_generate, body)
+
+    async def aencode_chat(self, body: dict) -> list[int]:
+        return await self._run(self.encode_chat, body)
+
+    async def _run(self, fn: Any, arg: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- reporting ----
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        vocab = self.backend.get_vocab_size(with_added_tokens=True)
+        chat = (f"chat template {self.template.name!r} ({self.template.content_format} content)"
+                if self.template else "no chat template")
+        if self._chat_problem and self.template:
+            chat += f", chats not tokenized: {self._chat_problem}"
+        kind = ("exact" if self.exact else
+                f"approximate: SGLang loads tokenizer_class {self.tokenizer_class!r} through "
+                "transformers, which may rebuild it; verify with scripts/tokenizer_parity.py")
+        return (f"tokenizer {self.source}: {vocab} tokens, {kind}; {chat}; "
+                f"specials {'added' if self.auto_adds_specials else 'not added'} to text prompts")
+
+    def server_info_problems(self, info: dict) -> list[str]:
+        """Server settings (GET /server_info) under which SGLang's ids differ from ours."""
+        problems = []
+        for key in ("chat_template", "completion_template", "default_chat_template_kwargs"):
+            if info.get(key):
+                problems.append(f"the server runs with --{key.replace('_', '-')}")
+        name = info.get("hf_chat_template_name")
+        if name and (self.template is None or self.template.name != name):
+            problems.append(f"the server uses chat template {name!r}")
+        if info.get("skip_tokenizer_init"):
+            problems.append("the server skips tokenizer init (token-id prompts only)")
+        if info.get("tokenizer_mode") == "slow":
+            problems.append("the server uses the slow tokenizer")
+        if info.get("reasoning_parser"):
+            problems.append("a reasoning parser can change continue_final_message prompts")
+        if info.get("tool_call_parser") in ("deepseekv32", "deepseekv4", "deepseekv41",
+                                            "kimi_k3", "muse"):
+            problems.append(f"tool-call parser {info['tool_call_parser']} has its own encoder")
+        return problems
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _add_config_tokens(backend: Tokenizer, config: dict) -> dict[str, str]:
+    """`TokenizersBackend.__init__`: tokenizer_config.json's added tokens, then the named and
+    extra special tokens it lacks; returns the named special tokens (template variables)."""
+    if "additional_special_tokens" in config and not config.get("extra_special_tokens"):
+        config["extra_special_tokens"] = config.pop("additional_special_tokens")
+    defaults = _CLASS_DEFAULT_TOKENS.get(str(config.get("tokenizer_class")), {})
+    named: dict[str, Any] = {}
+    for key in NAMED_TOKENS:  # transformers' SPECIAL_TOKENS_ATTRIBUTES order
+        value = config[key] if key in config else defaults.get(key)
+        if value is not None:
+            named[key] = value
+    extra: list[Any] = []
+    for key, value in config.items():
+        if key == "extra_special_tokens" and isinstance(value, list):
+            extra = value
+        elif key.endswith("_token") and key not in NAMED_TOKENS and (
+                isinstance(value, str) or isinstance(value, dict)
+                and value.get("__type") == "AddedToken"):
+            named[key] = value
+    if isinstance(config.get("extra_special_tokens"), dict):
+        named.update(config["extra_special_tokens"])
+    decoder = config.get("added_tokens_decoder") or {}
+    to_add: list[Any] = [decoder[i] for i in sorted(decoder, key=int)]
+    present = {t.content for t in backend.get_added_tokens_decoder().values()}
+    present |= {_token_text(t) for t in to_add}
+    for value in [*named.values(), *extra]:
+        text = _token_text(value)
+        if text is not None and text not in present:
+            to_add.append(value)
+            present.add(text)
+    named_texts = {_token_text(v) for v in named.values()}
+    tokens = []
+    for value in to_add:
+        token = _added_token(value)
+        if token is not None and not token.special and token.content in named_texts:
+            token = AddedToken(token.content, single_word=token.single_word,
+                               lstrip=token.lstrip, rstrip=token.rstrip,
+                               normalized=token.normalized, special=True)
+        if token is not None:
+            tokens.append(token)
+    if tokens:
+        backend.add_tokens(tokens)
+    return {k: _token_text(v) for k, v in named.items() if _token_text(v) is not None}
+
+
+def _fix_bos(backend: Tokenizer, config: dict, bos: str | None) -> None:
+    """SGLang `_fix_v5_add_bos_eos_token`: for Llama/Gemma/Cohere classes add_bos_token
+    (missing: True) is restored and the post-processor rebuilt as transformers'
+    `update_post_processor` builds it."""
+    if config.get("tokenizer_class") not in _BOS_FLAG_CLASSES:
+        return
+    add_bos = config.get("add_bos_token")
+    if add_bos is None:
+        add_bos = True
+    if not add_bos:
+        return
+    if bos is None or backend.token_to_id(bos) is None:
+        backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
+        return
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+        special_tokens=[(bos, backend.token_to_id(bos))])
+
+
+def load_tokenizer(path: str | os.PathLike | None, *, threads: int = 2,
+                   chat_template_name: str | None = None) -> GatewayTokenizer | None:
+    """A model directory (tokenizer.json, tokenizer_config.json, chat_template.jinja ...) or a
+    tokenizer.json file (its siblings are read too). None when there is no tokenizer.json;
+    TokenizerLoadError when the files are there but unusable."""
+    if not path:
+        return None
+    target = Path(path)
+    directory = target.parent if target.is_file() else target
+    tokenizer_json = target if target.is_file() else target / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        return None
+    try:
+        backend = Tokenizer.from_file(str(tokenizer_json))
+    except Exception as exc:
+        raise TokenizerLoadError(f"{tokenizer_json}: {exc}") from exc
+    backend.no_truncation()
+    backend.no_padding()
+    config = _read_json(directory / "tokenizer_config.json")
+    if "added_tokens_decoder" not in config:  # transformers' legacy special_tokens_map.json
+        for key, value in _read_json(directory / "special_tokens_map.json").items():
+            config[key] = value
+    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    specials = _add_config_tokens(backend, config)
+    _fix_bos(backend, config, specials.get("bos_token"))
+    chosen = select_chat_template(find_chat_templates(directory, config), chat_template_name)
+    template = ChatTemplate(chosen[1], specials, chosen[0]) if chosen else None
+    return GatewayTokenizer(backend, config, _read_json(directory / "config.json"),
+                            str(directory), template, specials, threads)
+
+
+def tokenizer_path_from_model_info(info: dict) -> str | None:
+    """The tokenizer directory the servers report in GET /model_info (`tokenizer_path`, else
+    `model_path`), when it holds a tokenizer.json readable here; else None."""
+    for key in ("tokenizer_path", "model_path"):
+        value = info.get(key) if isinstance(info, dict) else None
+        if isinstance(value, str) and value:
+            candidate = Path(value)
+            if (candidate / "tokenizer.json").is_file() or (
+                    candidate.name == "tokenizer.json" and candidate.is_file()):
+                return value
+    return None
