@@ -1,14 +1,13 @@
 """An OpenAI chat request body turned into what SGLang 0.5.23 hands its Jinja chat template.
 
-Mirrored from `entrypoints/openai/`: `protocol.py` (`ChatCompletionRequest` and its message,
-tool and content-part models: which fields survive `model_dump()`, `normalize_reasoning_inputs`,
-`set_tool_choice_default`, `Function._serialize`'s key order), `serving_chat.py`
-(`_validate_request`'s tool checks and `normalize_json_schema_types`,
-`_convert_to_internal_request` popping `reasoning_effort` from `chat_template_kwargs`,
-`_process_messages` choosing the template's `tools`, `_apply_jinja_template`: tool-call
-arguments parsed as JSON, content `None` -> "", `process_content_for_template_format`,
-`normalize_tool_content`, `_handle_last_assistant_message`, the extra template kwargs) and
-`function_call/utils.py` (`normalize_json_schema_types`).
+Mirrored from `entrypoints/openai/`: `protocol.py` (`ChatCompletionRequest` and its message
+and content-part models: which fields survive `model_dump()`, role normalization,
+`normalize_reasoning_inputs`, `set_tool_choice_default`), `serving_chat.py`
+(`_convert_to_internal_request` popping `reasoning_effort` from `chat_template_kwargs`,
+`_apply_jinja_template`: `normalize_assistant_tool_call_arguments` (arguments parsed as JSON),
+content `None` -> "", `process_content_for_template_format` for the template's content format,
+`normalize_tool_content`, `_handle_last_assistant_message`, the extra template kwargs). The
+tools: gateway/chat_tools.py.
 
 Only text is mirrored: media parts (images, audio, video) raise UnsupportedRequest. What
 SGLang would refuse with 400 raises RejectedRequest.
@@ -22,13 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.chat_template import RejectedRequest, UnsupportedRequest
+from gateway.chat_tools import TOOL_HOST_ROLES, checked, dump_tools, template_tools
 
 _GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder",
                   "root")
-_TOOL_HOST_ROLES = ("root", "system", "developer")
 _EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
 _MEDIA_PARTS = ("image_url", "video_url", "audio_url", "input_audio")
-_TRUTHY = {"1", "true", "yes", "y", "on"}
+_TRUTHY = {"1", "true", "yes", "y", "on", "t"}
+_FALSY = {"0", "false", "no", "n", "off", "f"}
 
 
 @dataclass
@@ -48,11 +48,11 @@ def prepare_chat(body: Any, content_format: str) -> PreparedChat:
     if not isinstance(raw_messages, list):
         raise RejectedRequest("messages must be a list")
     effort, kwargs = _reasoning_inputs(body)
-    request_tools = _tools(body.get("tools"), normalize=True)
+    request_tools = dump_tools(body.get("tools"), normalize=True)
     messages = [_message(m) for m in raw_messages]
     if not messages:
         raise RejectedRequest("Messages cannot be empty.")
-    tools = _template_tools(body, request_tools, messages)
+    tools = template_tools(body, request_tools, messages)
     if kwargs and "chat_template" in kwargs:
         raise UnsupportedRequest("a request-supplied chat_template")
     if kwargs and kwargs.get("reasoning_effort") is not None:
@@ -66,7 +66,7 @@ def prepare_chat(body: Any, content_format: str) -> PreparedChat:
     if rendered and rendered[-1].get("role") == "assistant":
         last = rendered[-1].get("content")
         if isinstance(last, str):
-            if body.get("continue_final_message") is True:
+            if _bool(body.get("continue_final_message", False), "continue_final_message"):
                 prefix = last
                 rendered = rendered[:-1]
             else:
@@ -102,7 +102,7 @@ def _reasoning_inputs(body: dict) -> tuple[Any, dict | None]:
         if enabled is None:
             enabled = reasoning.get("enable", False)
         if isinstance(enabled, str):
-            enabled = enabled.strip().lower() in _TRUTHY
+            enabled = enabled.strip().lower() in _TRUTHY - {"t"}
         if enabled:
             thinking = True
     if effort is not None:
@@ -134,11 +134,15 @@ def _effort(value: Any) -> Any:
     raise RejectedRequest(f"invalid reasoning_effort {value!r}")
 
 
-def _opt(value: Any, kind: type | tuple, what: str) -> Any:
-    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)
-                              and kind is not bool):
-        raise RejectedRequest(f"{what} has the wrong type")
-    return value
+def _bool(value: Any, what: str) -> bool:
+    """A pydantic (lax) bool field: booleans, 0/1 and the usual strings."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUTHY | _FALSY:
+        return value.lower() in _TRUTHY
+    raise RejectedRequest(f"{what} must be a boolean")
 
 
 def _message(raw: Any) -> dict:
@@ -165,13 +169,13 @@ def _message(raw: Any) -> dict:
     return {
         "role": role,
         "content": _content(raw.get("content"), role),
-        "tool_call_id": _opt(raw.get("tool_call_id"), str, "tool_call_id"),
-        "name": _opt(raw.get("name"), str, "name"),
+        "tool_call_id": checked(raw.get("tool_call_id"), str, "tool_call_id"),
+        "name": checked(raw.get("name"), str, "name"),
         "phase": phase,
-        "reasoning_content": _opt(raw.get("reasoning_content"), str, "reasoning_content"),
+        "reasoning_content": checked(raw.get("reasoning_content"), str, "reasoning_content"),
         "tool_calls": tool_calls,
-        "tools": _tools(raw.get("tools"), normalize=role in _TOOL_HOST_ROLES),
-        "prefix": _opt(raw.get("prefix"), bool, "prefix"),
+        "tools": dump_tools(raw.get("tools"), normalize=role in TOOL_HOST_ROLES),
+        "prefix": checked(raw.get("prefix"), bool, "prefix"),
     }
 
 
@@ -189,8 +193,8 @@ def _content(content: Any, role: str) -> Any:
             thinking, text = part.get("thinking"), part.get("text")
             if (thinking is None) == (text is None) or role != "assistant":
                 raise RejectedRequest("bad thinking part")
-            parts.append({"type": kind, "thinking": _opt(thinking, str, "thinking"),
-                          "text": _opt(text, str, "text")})
+            parts.append({"type": kind, "thinking": checked(thinking, str, "thinking"),
+                          "text": checked(text, str, "text")})
         elif kind == "tool_reference" and isinstance(part.get("name"), str):
             parts.append({"type": "tool_reference", "name": part["name"]})
         elif kind in _MEDIA_PARTS:
@@ -209,83 +213,11 @@ def _tool_call(raw: Any) -> dict:
     arguments = function.get("arguments")
     if arguments is not None and not isinstance(arguments, str | dict):
         raise RejectedRequest("tool call arguments must be a string or an object")
-    return {"id": _opt(raw.get("id"), str, "tool call id"),
-            "index": _opt(raw.get("index"), int, "tool call index"),
+    return {"id": checked(raw.get("id"), str, "tool call id"),
+            "index": checked(raw.get("index"), int, "tool call index"),
             "type": "function",
-            "function": {"name": _opt(function.get("name"), str, "tool call name"),
+            "function": {"name": checked(function.get("name"), str, "tool call name"),
                          "arguments": copy.deepcopy(arguments)}}
-
-
-def _tools(raw: Any, normalize: bool) -> list[dict] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise RejectedRequest("tools must be a list")
-    return [_tool(t, normalize) for t in raw]
-
-
-def _tool(raw: Any, normalize: bool) -> dict:
-    """`Tool(...).model_dump()`, `Function._serialize`: the client's key order first, then the
-    fields it left out; `strict` and `defer_loading` only when set."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("function"), dict):
-        raise RejectedRequest("a tool needs a function")
-    function = raw["function"]
-    if not isinstance(function.get("name"), str):
-        raise RejectedRequest("a tool function needs a name")
-    tool_type = raw.get("type", "function")
-    if not isinstance(tool_type, str):
-        raise RejectedRequest("tool type must be a string")
-    tool_defer = _opt(raw.get("defer_loading"), bool, "defer_loading")
-    defer = _opt(function.get("defer_loading"), bool, "defer_loading")
-    if tool_defer is not None and defer is None:
-        defer = tool_defer
-    parameters = copy.deepcopy(function.get("parameters"))
-    if normalize and parameters is not None:
-        _normalize_schema(parameters)
-    data = {"description": _opt(function.get("description"), str, "description"),
-            "name": function["name"], "parameters": parameters,
-            "strict": _opt(function.get("strict"), bool, "strict"), "defer_loading": defer}
-    if defer is None:
-        del data["defer_loading"]
-    if data["strict"] is None:
-        del data["strict"]
-    order = [k for k in function if k in data]
-    order += [k for k in data if k not in order]
-    return {"type": tool_type, "function": {k: data[k] for k in order},
-            "defer_loading": tool_defer}
-
-
-def _template_tools(body: dict, request_tools: list[dict] | None,
-                    messages: list[dict]) -> list[dict] | None:
-    """`_validate_request`'s tool checks, then `_process_messages`' choice of `tools`."""
-    host_tools = [t for m in messages if m["role"] in _TOOL_HOST_ROLES and m.get("tools")
-                  for t in m["tools"]]
-    effective = (request_tools or []) + host_tools
-    choice = body.get("tool_choice")
-    if choice is None:
-        choice = "auto" if body.get("tools") is not None or host_tools else "none"
-    names = [t["function"]["name"] for t in effective]
-    if isinstance(choice, str):
-        if choice not in ("auto", "required", "none"):
-            raise RejectedRequest(f"bad tool_choice {choice!r}")
-        if choice == "required" and not effective:
-            raise RejectedRequest("Tools cannot be empty if tool choice is set to required.")
-    else:
-        function = choice.get("function") if isinstance(choice, dict) else None
-        if not isinstance(function, dict) or choice.get("type", "function") != "function":
-            raise RejectedRequest("bad tool_choice")
-        if not effective:
-            raise RejectedRequest("Tools cannot be empty if tool choice is set to a specific tool.")
-        if function.get("name") not in names:
-            raise RejectedRequest(f"Tool {function.get('name')!r} not found in tools list.")
-    if host_tools and len(names) != len(set(names)):
-        raise RejectedRequest("Tool names must be unique across request and message tools.")
-    if not effective or choice == "none":
-        return None
-    if not isinstance(choice, str):
-        wanted = choice["function"]["name"]
-        return [t for t in request_tools or [] if t["function"]["name"] == wanted] or None
-    return request_tools or None
 
 
 def _parse_tool_call_arguments(message: dict) -> None:
@@ -332,64 +264,3 @@ def _for_template(message: dict, content_format: str) -> dict:
     return message
 
 
-_STANDARD_TYPES = {"null", "boolean", "object", "array", "number", "string", "integer"}
-_TYPE_ALIASES = {
-    **dict.fromkeys(("str", "text", "varchar", "char", "enum", "uuid", "date", "datetime",
-                     "time", "timestamp", "binary", "blob", "bytea", "bytes", "varbinary"),
-                    "string"),
-    "bool": "boolean", "bigint": "integer", "smallint": "integer", "tinyint": "integer",
-    **dict.fromkeys(("double", "decimal", "real", "numeric"), "number"),
-    **dict.fromkeys(("arr", "tuple", "set"), "array"), "map": "object",
-}
-_PREFIX_RULES = ((("int", "uint", "long", "short", "unsigned"), "integer"),
-                 (("num", "float"), "number"), (("list",), "array"), (("dict",), "object"))
-_PREFIX_BOUNDARY = frozenset("0123456789[<( \t")
-
-
-def _normalize_type(raw: Any) -> Any:
-    if not isinstance(raw, str) or raw in _STANDARD_TYPES:
-        return raw
-    base = raw.split("(", 1)[0].strip().lower()
-    if base in _STANDARD_TYPES:
-        return base
-    if base in _TYPE_ALIASES:
-        return _TYPE_ALIASES[base]
-    for prefixes, target in _PREFIX_RULES:
-        for p in prefixes:
-            if base == p or (len(base) > len(p) and base.startswith(p)
-                             and base[len(p)] in _PREFIX_BOUNDARY):
-                return target
-    return raw
-
-
-def _normalize_schema(schema: Any) -> None:
-    """`normalize_json_schema_types`: DB-style type names rewritten in place; the rewritten
-    schema is what the template renders."""
-    if isinstance(schema, list):
-        for item in schema:
-            _normalize_schema(item)
-        return
-    if not isinstance(schema, dict):
-        return
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        schema["type"] = _normalize_type(kind)
-    elif isinstance(kind, list):
-        normalized: list = []
-        for item in kind:
-            item = _normalize_type(item)
-            if item not in normalized:
-                normalized.append(item)
-        schema["type"] = normalized
-    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-        if isinstance(schema.get(key), dict):
-            for value in schema[key].values():
-                _normalize_schema(value)
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        if isinstance(schema.get(key), list):
-            for value in schema[key]:
-                _normalize_schema(value)
-    for key in ("items", "additionalProperties", "not", "if", "then", "else", "contains",
-                "propertyNames", "unevaluatedItems", "unevaluatedProperties"):
-        if key in schema:
-            _normalize_schema(schema[key])

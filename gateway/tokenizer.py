@@ -27,7 +27,7 @@ SGLang's rules mirrored (sources under `sglang/srt/`):
 
 Threads: `tokenizers` releases the GIL while encoding, so long prompts are encoded in a small
 `ThreadPoolExecutor` and the event loop keeps serving. Measured on the CPU rig (2 cores,
-scripts in docs/TOKENIZER.md): a pool hop costs ~50-80 us, encoding 100 tokens ~30 us, so texts
+loadtests/tokenizer_cost.py): a pool hop costs ~50-80 us, encoding 100 tokens ~30 us, so texts
 under `INLINE_CHARS` are encoded inline. Chat rendering is Python (holds the GIL) and always
 goes to the pool with its encode. No cache: encoding 8k tokens costs ~3 ms, and exact repeats
 of whole prompts are rare.
@@ -36,14 +36,13 @@ of whole prompts are rare.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, processors
+from tokenizers import Tokenizer
 
 from gateway.chat_messages import prepare_chat
 from gateway.chat_template import (
@@ -55,21 +54,12 @@ from gateway.chat_template import (
     find_chat_templates,
     select_chat_template,
 )
+from gateway.tokenizer_files import read_tokenizer_files
 
 __all__ = ["GatewayTokenizer", "RejectedRequest", "TokenizerError", "TokenizerLoadError",
            "UnsupportedRequest", "load_tokenizer", "tokenizer_path_from_model_info"]
 
 INLINE_CHARS = 2048  # texts up to this many characters are encoded on the event loop
-NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                "mask_token")
-# SGLang `_fix_v5_add_bos_eos_token`: classes whose add_bos_token (default True) it restores.
-_BOS_FLAG_CLASSES = frozenset({"LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer",
-                               "CodeLlamaTokenizerFast", "GemmaTokenizer", "GemmaTokenizerFast",
-                               "CohereTokenizerFast"})
-# Class defaults of transformers 5 tokenizer classes, for named tokens the config leaves out.
-_CLASS_DEFAULT_TOKENS = dict.fromkeys(
-    ("LlamaTokenizer", "LlamaTokenizerFast"),
-    {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
 # Declared classes that transformers 5 loads as tokenizer.json itself (TokenizersBackend).
 _JSON_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 # serving_chat / chat_encoding.py / python_chat_template.py: models whose chats SGLang encodes
@@ -77,35 +67,6 @@ _JSON_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 _CUSTOM_CHAT_ARCHS = ("DeepseekV4", "DeepseekV41", "KimiK3", "InklingForConditionalGeneration",
                       "GlmMoeDsaForCausalLM", "Glm5NextForConditionalGeneration")
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "visual", "vision_tower", "mm_vision_tower")
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TokenizerLoadError(f"{path}: {exc}") from exc
-    return data if isinstance(data, dict) else {}
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
-def _added_token(value: Any) -> AddedToken | None:
-    """An AddedToken as transformers builds it from a config entry (str or dict)."""
-    if isinstance(value, str):
-        return AddedToken(value, special=True)
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        keys = ("single_word", "lstrip", "rstrip", "normalized", "special")
-        args = {k: bool(value[k]) for k in keys if k in value}
-        return AddedToken(value["content"], **args)
-    return None
 
 
 class GatewayTokenizer:
@@ -257,7 +218,7 @@ class GatewayTokenizer:
             chat += f", chats not tokenized: {self._chat_problem}"
         kind = ("exact" if self.exact else
                 f"approximate: SGLang loads tokenizer_class {self.tokenizer_class!r} through "
-                "transformers, which may rebuild it; verify with scripts/tokenizer_parity.py")
+                "transformers, which may rebuild it; verify with backends/sglang_cpu/tokenizer_parity.py")
         return (f"tokenizer {self.source}: {vocab} tokens, {kind}; {chat}; "
                 f"specials {'added' if self.auto_adds_specials else 'not added'} to text prompts")
 
@@ -286,70 +247,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _add_config_tokens(backend: Tokenizer, config: dict) -> dict[str, str]:
-    """`TokenizersBackend.__init__`: tokenizer_config.json's added tokens, then the named and
-    extra special tokens it lacks; returns the named special tokens (template variables)."""
-    if "additional_special_tokens" in config and not config.get("extra_special_tokens"):
-        config["extra_special_tokens"] = config.pop("additional_special_tokens")
-    defaults = _CLASS_DEFAULT_TOKENS.get(str(config.get("tokenizer_class")), {})
-    named: dict[str, Any] = {}
-    for key in NAMED_TOKENS:  # transformers' SPECIAL_TOKENS_ATTRIBUTES order
-        value = config[key] if key in config else defaults.get(key)
-        if value is not None:
-            named[key] = value
-    extra: list[Any] = []
-    for key, value in config.items():
-        if key == "extra_special_tokens" and isinstance(value, list):
-            extra = value
-        elif key.endswith("_token") and key not in NAMED_TOKENS and (
-                isinstance(value, str) or isinstance(value, dict)
-                and value.get("__type") == "AddedToken"):
-            named[key] = value
-    if isinstance(config.get("extra_special_tokens"), dict):
-        named.update(config["extra_special_tokens"])
-    decoder = config.get("added_tokens_decoder") or {}
-    to_add: list[Any] = [decoder[i] for i in sorted(decoder, key=int)]
-    present = {t.content for t in backend.get_added_tokens_decoder().values()}
-    present |= {_token_text(t) for t in to_add}
-    for value in [*named.values(), *extra]:
-        text = _token_text(value)
-        if text is not None and text not in present:
-            to_add.append(value)
-            present.add(text)
-    named_texts = {_token_text(v) for v in named.values()}
-    tokens = []
-    for value in to_add:
-        token = _added_token(value)
-        if token is not None and not token.special and token.content in named_texts:
-            token = AddedToken(token.content, single_word=token.single_word,
-                               lstrip=token.lstrip, rstrip=token.rstrip,
-                               normalized=token.normalized, special=True)
-        if token is not None:
-            tokens.append(token)
-    if tokens:
-        backend.add_tokens(tokens)
-    return {k: _token_text(v) for k, v in named.items() if _token_text(v) is not None}
-
-
-def _fix_bos(backend: Tokenizer, config: dict, bos: str | None) -> None:
-    """SGLang `_fix_v5_add_bos_eos_token`: for Llama/Gemma/Cohere classes add_bos_token
-    (missing: True) is restored and the post-processor rebuilt as transformers'
-    `update_post_processor` builds it."""
-    if config.get("tokenizer_class") not in _BOS_FLAG_CLASSES:
-        return
-    add_bos = config.get("add_bos_token")
-    if add_bos is None:
-        add_bos = True
-    if not add_bos:
-        return
-    if bos is None or backend.token_to_id(bos) is None:
-        backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
-        return
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-        special_tokens=[(bos, backend.token_to_id(bos))])
-
-
 def load_tokenizer(path: str | os.PathLike | None, *, threads: int = 2,
                    chat_template_name: str | None = None) -> GatewayTokenizer | None:
     """A model directory (tokenizer.json, tokenizer_config.json, chat_template.jinja ...) or a
@@ -357,28 +254,14 @@ def load_tokenizer(path: str | os.PathLike | None, *, threads: int = 2,
     TokenizerLoadError when the files are there but unusable."""
     if not path:
         return None
-    target = Path(path)
-    directory = target.parent if target.is_file() else target
-    tokenizer_json = target if target.is_file() else target / "tokenizer.json"
-    if not tokenizer_json.is_file():
+    files = read_tokenizer_files(Path(path))
+    if files is None:
         return None
-    try:
-        backend = Tokenizer.from_file(str(tokenizer_json))
-    except Exception as exc:
-        raise TokenizerLoadError(f"{tokenizer_json}: {exc}") from exc
-    backend.no_truncation()
-    backend.no_padding()
-    config = _read_json(directory / "tokenizer_config.json")
-    if "added_tokens_decoder" not in config:  # transformers' legacy special_tokens_map.json
-        for key, value in _read_json(directory / "special_tokens_map.json").items():
-            config[key] = value
-    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-    specials = _add_config_tokens(backend, config)
-    _fix_bos(backend, config, specials.get("bos_token"))
-    chosen = select_chat_template(find_chat_templates(directory, config), chat_template_name)
-    template = ChatTemplate(chosen[1], specials, chosen[0]) if chosen else None
-    return GatewayTokenizer(backend, config, _read_json(directory / "config.json"),
-                            str(directory), template, specials, threads)
+    chosen = select_chat_template(find_chat_templates(files.directory, files.config),
+                                  chat_template_name)
+    template = ChatTemplate(chosen[1], files.specials, chosen[0]) if chosen else None
+    return GatewayTokenizer(files.backend, files.config, files.model_config,
+                            str(files.directory), template, files.specials, threads)
 
 
 def tokenizer_path_from_model_info(info: dict) -> str | None:
