@@ -25,12 +25,17 @@ SGLang's rules mirrored (sources under `sglang/srt/`):
   `continue_final_message` appends `encode(prefix)` minus a leading BOS
   (`_append_assistant_prefix_to_prompt_ids`).
 
-Threads: `tokenizers` releases the GIL while encoding, so long prompts are encoded in a small
-`ThreadPoolExecutor` and the event loop keeps serving. Measured on the CPU rig (2 cores,
-loadtests/tokenizer_cost.py): a pool hop costs ~50-80 us, encoding 100 tokens ~30 us, so texts
-under `INLINE_CHARS` are encoded inline. Chat rendering is Python (holds the GIL) and always
-goes to the pool with its encode. No cache: encoding 8k tokens costs ~3 ms, and exact repeats
-of whole prompts are rare.
+Threads: `tokenizers` releases the GIL in `encode_batch` (not in `encode`), so long prompts are
+encoded with it in a small `ThreadPoolExecutor` and the event loop keeps serving (SGLang itself
+encodes through `encode_batch`: transformers' `_encode_plus`). Measured with loadtests/tokenizer_cost.py
+on the CPU rig (2 shared cores, tiny model; medians): a pool hop costs 40-150 us; encoding
+takes ~0.2 us per character (~1.5 us per token): 128 chars 26 us, 512 chars ~100-160 us,
+2048 chars ~400 us, 8k tokens 12-18 ms. So texts up to `INLINE_CHARS` (512, ~100 tokens) are
+encoded inline, where the hop would cost as much as the work; longer ones go to the pool: 50
+concurrent 8k-token requests stalled the loop 450-900 ms inline, 50-150 ms via the pool. Chat
+rendering is Python (holds the GIL) but cheap (20-40 us; 70 us with 4 tools and 4 turns), and
+goes to the pool with its encode. No cache: a hit would save the encode, but whole prompts
+rarely repeat exactly, and a key costs a hash of the whole prompt.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ from gateway.tokenizer_files import read_tokenizer_files
 __all__ = ["GatewayTokenizer", "RejectedRequest", "TokenizerError", "TokenizerLoadError",
            "UnsupportedRequest", "load_tokenizer", "tokenizer_path_from_model_info"]
 
-INLINE_CHARS = 2048  # texts up to this many characters are encoded on the event loop
+INLINE_CHARS = 512  # texts up to this many characters are encoded on the event loop
+MAX_CHARS = 4 << 20  # longer prompts are not tokenized (~1 s of a pool thread; no ids)
 # Declared classes that transformers 5 loads as tokenizer.json itself (TokenizersBackend).
 _JSON_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 # serving_chat / chat_encoding.py / python_chat_template.py: models whose chats SGLang encodes
@@ -70,7 +76,9 @@ _MULTIMODAL_KEYS = ("vision_config", "audio_config", "visual", "vision_tower", "
 
 
 class GatewayTokenizer:
-    """Token ids as SGLang computes them. Thread-safe: the backend is only read after load."""
+    """Token ids as SGLang computes them. Thread-safe because the backend is never changed
+    after load: a setter (truncation, padding...) while another thread is in `encode_batch`
+    fails with "Already borrowed" (transformers#47085)."""
 
     def __init__(self, backend: Tokenizer, config: dict, model_config: dict, source: str,
                  template: ChatTemplate | None, specials: dict[str, str], threads: int = 2):
@@ -102,11 +110,21 @@ class GatewayTokenizer:
         """A text prompt: native /generate `text`, a completions string prompt."""
         if not isinstance(text, str):
             raise RejectedRequest("a text prompt must be a string")
-        return self.backend.encode(text, add_special_tokens=True).ids
+        return self._encode(text, True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > MAX_CHARS:
+            raise UnsupportedRequest(f"a prompt of {len(text)} characters is not tokenized")
+        if len(text) <= INLINE_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # the same ids; unlike encode(), encode_batch() releases the GIL while it works
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
         if not all(isinstance(t, str) for t in texts):
             raise RejectedRequest("text prompts must be strings")
+        if sum(map(len, texts)) > MAX_CHARS:
+            raise UnsupportedRequest("prompts this long are not tokenized")
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=True)]
 
     def encode_prompt(self, prompt: Any) -> list[list[int]]:
@@ -169,9 +187,9 @@ class GatewayTokenizer:
                 return list(ids)
             raise RejectedRequest("input_ids must be a list of ints")
         text, prefix = self.render_chat(body)
-        ids = self.backend.encode(text, add_special_tokens=not self.auto_adds_specials).ids
+        ids = self._encode(text, not self.auto_adds_specials)
         if prefix:
-            tail = self.backend.encode(prefix, add_special_tokens=True).ids
+            tail = self._encode(prefix, True)
             if tail and tail[0] == self.bos_token_id:
                 tail = tail[1:]
             ids = ids + tail

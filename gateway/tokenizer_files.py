@@ -72,12 +72,14 @@ def _added_token(value: Any) -> AddedToken | None:
     return None
 
 
-def _add_config_tokens(backend: Tokenizer, config: dict) -> dict[str, str]:
+def _add_config_tokens(backend: Tokenizer, config: dict, pad: str | None) -> dict[str, str]:
     """`TokenizersBackend.__init__`: tokenizer_config.json's added tokens, then the named and
     extra special tokens it lacks; returns the named special tokens (template variables)."""
     if "additional_special_tokens" in config and not config.get("extra_special_tokens"):
         config["extra_special_tokens"] = config.pop("additional_special_tokens")
-    defaults = _CLASS_DEFAULT_TOKENS.get(str(config.get("tokenizer_class")), {})
+    defaults = dict(_CLASS_DEFAULT_TOKENS.get(str(config.get("tokenizer_class")), {}))
+    if pad is not None:  # tokenizer.json's padding names a pad token
+        defaults["pad_token"] = pad
     named: dict[str, Any] = {}
     for key in NAMED_TOKENS:  # transformers' SPECIAL_TOKENS_ATTRIBUTES order
         value = config[key] if key in config else defaults.get(key)
@@ -146,6 +148,7 @@ def read_tokenizer_files(target: Path) -> TokenizerFiles | None:
         backend = Tokenizer.from_file(str(tokenizer_json))
     except Exception as exc:
         raise TokenizerLoadError(f"{tokenizer_json}: {exc}") from exc
+    padding = backend.padding
     backend.no_truncation()
     backend.no_padding()
     config = read_json(directory / "tokenizer_config.json")
@@ -153,7 +156,7 @@ def read_tokenizer_files(target: Path) -> TokenizerFiles | None:
         for key, value in read_json(directory / "special_tokens_map.json").items():
             config[key] = value
     backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-    specials = _add_config_tokens(backend, config)
+    specials = _add_config_tokens(backend, config, (padding or {}).get("pad_token"))
     _fix_bos(backend, config, specials.get("bos_token"))
     return TokenizerFiles(backend, directory, config, read_json(directory / "config.json"),
                           specials)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -74,6 +75,30 @@ async def loop_stall_ms(coro_factory, n: int) -> float:
     return max(gaps) * 1e3
 
 
+def gil_share(fn, seconds: float = 0.5) -> float:
+    """Python work the main thread gets done while another thread loops on `fn`, relative to
+    alone: ~1 when `fn` releases the GIL (and a core is free), well under 1 when it holds it."""
+    def spin() -> int:
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += 1
+        return n
+
+    alone = spin()
+    stop = threading.Event()
+
+    def worker() -> None:
+        while not stop.is_set():
+            fn()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    shared = spin()
+    stop.set()
+    thread.join()
+    return shared / alone
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
@@ -94,6 +119,19 @@ def main() -> None:
         print(f"{tokens:>5} tokens ({len(text):>6} chars): encode {encode:8.0f} us, "
               f"chat render {render:6.0f} us, chat render+encode {chat:8.0f} us, "
               f"encode via the pool {hop:8.0f} us")
+    for chars in (128, 256, 512, 1024, 2048, 4096):
+        text = text_of(tok, 2000)[:chars]
+        inline = median_us(lambda t=text: tok.encode_text(t), args.repeat)
+        pooled = asyncio.run(hop_us(pool, lambda t=text: tok.encode_text(t), args.repeat))
+        print(f"{chars:>5} chars: encode inline {inline:6.0f} us, via the pool {pooled:6.0f} us")
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "d" * 80,
+              "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+             for i in range(4)]
+    body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                         {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {
+                             "name": "tool_0", "arguments": '{"a": "x"}'}}]},
+                         {"role": "tool", "content": "r", "tool_call_id": "c"}], "tools": tools}
+    print(f"4 tools, 4 turns: chat render {median_us(lambda: tok.render_chat(body), args.repeat):.0f} us")
     for tokens in (100, 8000):
         text = text_of(tok, tokens)
 
@@ -107,6 +145,10 @@ def main() -> None:
         print(f"{tokens:>5} tokens x 50 requests: worst event-loop gap inline "
               f"{asyncio.run(loop_stall_ms(inline, 50)):.1f} ms, via the pool "
               f"{asyncio.run(loop_stall_ms(pooled, 50)):.1f} ms")
+    text = text_of(tok, 8000)
+    print(f"main-thread Python work while a thread encodes 8k tokens: with encode() "
+          f"{gil_share(lambda: tok.backend.encode(text)):.2f}, with encode_batch() "
+          f"{gil_share(lambda: tok.backend.encode_batch([text])):.2f} (1.0 = unaffected)")
     tok.close()
 
 

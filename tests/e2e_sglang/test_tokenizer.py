@@ -194,11 +194,18 @@ def _rich_model(base: Path, out: Path) -> Path:
     return out
 
 
-def _variant(base: Path, out: Path, **config: Any) -> Path:
+def _variant(base: Path, out: Path, drop: tuple[str, ...] = (), padding: dict | None = None,
+             **config: Any) -> Path:
     shutil.copytree(base, out)
     settings = json.loads((out / "tokenizer_config.json").read_text())
     settings.update(config)
+    for key in drop:
+        settings.pop(key, None)
     (out / "tokenizer_config.json").write_text(json.dumps(settings))
+    if padding:
+        tokenizer = json.loads((out / "tokenizer.json").read_text())
+        tokenizer["padding"] = padding
+        (out / "tokenizer.json").write_text(json.dumps(tokenizer))
     return out
 
 
@@ -342,6 +349,10 @@ def test_tokenizer_file_variants_against_sglang_get_tokenizer(sglang_cluster, tm
                 "513": {"content": " story teller", "lstrip": True, "rstrip": True,
                         "single_word": True, "normalized": True, "special": False},
                 str(vocab["prefill"]): {"content": "prefill", "special": False}}),
+        "pad token from tokenizer.json padding": _variant(
+            base, tmp_path / "padding", drop=("pad_token",), padding={
+                "strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}),
     }
     (base_legacy := _variant(base, tmp_path / "legacy")).joinpath(
         "special_tokens_map.json").write_text(json.dumps(
@@ -349,7 +360,7 @@ def test_tokenizer_file_variants_against_sglang_get_tokenizer(sglang_cluster, tm
                            "rstrip": False, "single_word": False},
              "additional_special_tokens": ["<extra_0>"]}))
     variants["legacy special_tokens_map.json"] = base_legacy
-    texts = [*PROMPTS, "a <tool_call>x the story teller story tellers prefill", "<image> <unk>",
+    texts = [*PROMPTS, "a <tool_call>x the story teller story tellers prefill", "<image> <unk> <pad>",
              "<|im_start|>user\nhi<|im_end|>", "<extra_0> tell me a story teller"]
     request = json.dumps({"paths": [str(p) for p in variants.values()], "texts": texts})
     run = subprocess.run([str(RIG_PYTHON), str(REFERENCE), "--json"], capture_output=True,

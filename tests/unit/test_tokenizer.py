@@ -189,6 +189,8 @@ def test_prompt_shapes(tmp_path, trained):
             tok.encode_prompt(bad)
     with pytest.raises(UnsupportedRequest):
         tok.encode_generate({"text": "x", "image_data": "http://img"})
+    with pytest.raises(UnsupportedRequest):  # MAX_CHARS: no ids rather than seconds of CPU
+        tok.encode_prompt(["a" * 3_000_000, "b" * 3_000_000])
 
 
 # ---- chat rendering ----
