@@ -195,6 +195,14 @@ class GatewayConfig:
         "ordinal or hash, else random at start")
     model: str | None = _opt(None, "served model name reported when servers do not say")
 
+    # Tokenizer (gateway/tokenizer.py): token ids for policies and checks that need them
+    tokenizer: str | None = _opt(
+        None, "the served model's tokenizer: a directory with tokenizer.json (and "
+        "tokenizer_config.json, chat_template.jinja) or a tokenizer.json file; default: the "
+        "tokenizer_path the servers report in /model_info, when it is readable here")
+    tokenizer_threads: Annotated[int, Field(ge=1, le=32)] = _opt(
+        2, "threads that tokenize long prompts off the event loop")
+
     # Launching a local cluster
     launch: bool = _opt(False, "launch a local cluster (simulated by default) and serve it")
     backend: Literal["sim", "sglang"] = _opt("sim", "backend to launch: sim or sglang")
@@ -274,6 +282,10 @@ def _validate(cfg: GatewayConfig) -> None:
         path = getattr(cfg, name)
         if path and not os.path.isfile(path):
             raise ConfigError(f"setting {name!r}: no file {path!r}")
+    if cfg.tokenizer and not (os.path.isfile(cfg.tokenizer) or os.path.isfile(
+            os.path.join(cfg.tokenizer, "tokenizer.json"))):
+        raise ConfigError(f"setting 'tokenizer': {cfg.tokenizer!r} is neither a tokenizer.json "
+                          "file nor a directory holding one")
     urls = [s.url for s in cfg.prefill + cfg.decode]
     dupes = {u for u in urls if urls.count(u) > 1}
     if dupes:
