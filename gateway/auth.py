@@ -20,8 +20,9 @@ valid key: proxies disagree on which one counts, so the gateway takes neither. K
 compared as SHA-256 digests (equal length whatever was sent) in constant time against every
 configured key, with no early exit. Callers without a key own their requests per client
 address (`anonymous@<ip>`), so with inference open one stranger still cannot abort
-another's. Inference keys may carry a rate limit (token bucket per key; buckets exist only
-for configured keys, so their number is bounded).
+another's. Inference keys may carry limits of requests per second and prompt tokens per
+minute (gateway/key_limits.py; buckets exist only for configured keys, so their number is
+bounded).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ import functools
 import hashlib
 import hmac
 import ipaddress
-import time
 from dataclasses import dataclass
 
-from gateway.errors import Forbidden, TooManyRequests, Unauthorized
+from gateway.errors import Forbidden, Unauthorized
+from gateway.key_limits import KeyLimits
 
 
 class Role(enum.Enum):
@@ -55,6 +56,7 @@ class Caller:
     key_id: str | None  # "inference:3" / "admin:0"; None without a key
     loopback: bool
     address: str = ""  # the client's IP address as the socket says (no forwarded headers)
+    key_index: int | None = None  # which inference key (its per-key limits)
 
     @property
     def owner(self) -> str:
@@ -124,16 +126,10 @@ class Auth:
     """Identifies callers and enforces the role a route needs."""
 
     def __init__(self, inference_keys: tuple[str, ...], admin_keys: tuple[str, ...],
-                 rate: float = 0.0, burst: int = 1, metrics=None, clock=time.monotonic,
-                 shared=None) -> None:
+                 limits: KeyLimits | None = None) -> None:
         self.inference = _KeySet(inference_keys)
         self.admin = _KeySet(admin_keys)
-        self.rate = rate
-        self.burst = max(burst, 1)
-        self._metrics = metrics
-        self._clock = clock
-        self._buckets = [[float(self.burst), clock()] for _ in inference_keys]
-        self.shared = shared  # SharedState with --workers: one bucket per key, gateway-wide
+        self.limits = limits or KeyLimits(len(inference_keys))
 
     @property
     def inference_open(self) -> bool:
@@ -192,31 +188,14 @@ class Auth:
         if admin >= 0:
             return Caller(self._open | {Role.ADMIN}, f"admin:{admin}", loopback, address)
         if inference >= 0:
-            if self.rate > 0 and needed is Role.INFERENCE:
-                self._take(inference)
-            return Caller(_PUBLIC_INFERENCE, f"inference:{inference}", loopback, address)
+            if needed is Role.INFERENCE:
+                self.limits.take_request(inference)
+            return Caller(_PUBLIC_INFERENCE, f"inference:{inference}", loopback, address,
+                          key_index=inference)
         if needed is Role.PUBLIC or (needed is Role.INFERENCE and self.inference_open):
             # an unknown key where none is needed (OpenAI clients always send one)
             return Caller(self._open, None, loopback, address)
         raise Unauthorized("invalid API key")
-
-    def _take(self, index: int) -> None:
-        if self.shared is not None:
-            wait = self.shared.take_token(index, self.rate, float(self.burst), self._clock())
-        else:
-            bucket = self._buckets[index]
-            now = self._clock()
-            bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-            bucket[1] = now
-            wait = 0.0 if bucket[0] >= 1.0 else (1.0 - bucket[0]) / self.rate
-            if not wait:
-                bucket[0] -= 1.0
-        if wait:
-            if self._metrics is not None:
-                self._metrics.rejections.labels("rate_limit").inc()
-            raise TooManyRequests(
-                f"rate limit of {self.rate:g} requests/s for this API key exceeded",
-                headers={"retry-after": str(max(1, round(wait + 0.5)))})
 
     def describe(self) -> str:
         """One line for the startup log."""

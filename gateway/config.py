@@ -177,12 +177,16 @@ class GatewayConfig:
     api_key_file: str | None = _opt(None, "file with one inference API key per line")
     admin_api_keys: tuple[str, ...] = _opt(
         (), "API keys for the admin API (server changes, flush, abort of any request, "
-        "status data); without any, those routes answer only loopback clients", kind="list")
+        "status data); without any, those routes answer only loopback clients", kind="list",
+        aliases=("--admin-api-key",))
     admin_api_key_file: str | None = _opt(None, "file with one admin API key per line")
     rate_limit: Annotated[float, Field(ge=0, le=1e6)] = _opt(
         0.0, "requests/s allowed per API key (0 = unlimited)")
     rate_burst: Annotated[int, Field(ge=1, le=1_000_000)] = _opt(
         20, "requests a key may send at once above its rate")
+    rate_limit_tokens: Annotated[float, Field(ge=0, le=1e12)] = _opt(
+        0.0, "prompt tokens per minute allowed per API key, up to a minute's worth at once "
+        "(exact with --tokenizer or token-id prompts, else estimated; 0 = unlimited)")
     info_cache_ttl: OptionalSeconds = _opt(
         5.0, "seconds an answer of /health_generate, /server_info, /v1/models or /model_info "
         "is reused, so callers cannot make the servers work per call (0 = shared only while "

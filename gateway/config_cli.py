@@ -58,9 +58,21 @@ def build_parser(fields: list, hints: dict) -> argparse.ArgumentParser:
         if f.type == "bool":
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=help_text)
+        elif f.metadata.get("kind") == "list":  # repeated flags add up (--api-key a --api-key b)
+            parser.add_argument(*flags, dest=f.name, action=_Joined, default=None,
+                                help=help_text + " (may be repeated)")
         else:
             parser.add_argument(*flags, dest=f.name, default=None, help=help_text)
     return parser
+
+
+class _Joined(argparse.Action):
+    """A list setting given several times: the values are joined with commas, so a second
+    `--api-key` adds a key instead of silently replacing the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if before is None else f"{before},{values}")
 
 
 def describe_error(error: dict, hints: dict) -> str:

@@ -6,11 +6,11 @@ prompt must be shorter than the context length, and prompt + an explicit `max_ne
 (`max_tokens`, `max_completion_tokens`) must fit it. The context length is the servers'
 (`/v1/models` `max_model_len`, learned by the probe).
 
-Counting tokens costs nothing for token-id prompts. For text, the gateway has no tokenizer
-(yet), so a cheap estimate decides whether to look closer: only a prompt whose estimate
-comes within `NEAR` of the limit is counted exactly by one server's `/v1/tokenize` (a
-short, bounded call; the chat template included for chat). If that call fails, the request
-goes on and the servers decide.
+Counting tokens costs nothing for token-id prompts, nor for text and chat when the served
+model's tokenizer is loaded (`view.lengths`, gateway/prompt_tokens.py). Without it a cheap
+estimate decides whether to look closer: only a prompt whose estimate comes within `NEAR` of
+the limit is counted exactly by one server's `/v1/tokenize` (a short, bounded call; the chat
+template included for chat). If that call fails, the request goes on and the servers decide.
 """
 
 from __future__ import annotations
@@ -43,19 +43,6 @@ def requested_new_tokens(view: RequestView) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def exact_lengths(view: RequestView) -> list[int] | None:
-    """Prompt lengths per item when the request carries token ids."""
-    body = view.body
-    ids = body.get("input_ids") if view.endpoint == GENERATE else body.get("prompt")
-    if view.endpoint == CHAT or not isinstance(ids, list) or not ids:
-        return None
-    if all(isinstance(t, int) for t in ids):
-        return [len(ids)]
-    if all(isinstance(x, list) for x in ids):
-        return [len(x) for x in ids]
-    return None
-
-
 class ContextCheck:
     def __init__(self, pool, client: httpx.AsyncClient | None) -> None:
         self.pool = pool
@@ -71,7 +58,7 @@ class ContextCheck:
         if context is None:
             return
         new = requested_new_tokens(view)
-        lengths = exact_lengths(view)
+        lengths = view.lengths
         if lengths is None:
             per_item = view.prompt_tokens / (view.batch_size or 1)
             if per_item + (new or 0) < NEAR * context:

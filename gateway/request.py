@@ -40,10 +40,13 @@ class RequestView:
     n: int  # parallel samples per prompt
     routing_text: str | None  # the full rendered prompt of the first item
     routing_tokens: tuple[int, ...] | None
-    prompt_tokens: int  # estimate of prompt tokens over all items (load accounting)
+    prompt_tokens: int  # prompt tokens over all prompts (exact if `lengths`, else estimated)
     model: str | None
     logprob_merge: bool  # prefill holds prompt logprobs that the answer must carry
     rids: tuple[str, ...] | None = None  # the client's own rid(s), validated
+    # exact prompt tokens per prompt (token-id prompts, or counted by the tokenizer:
+    # gateway/prompt_tokens.py); None: `prompt_tokens` is an estimate
+    lengths: tuple[int, ...] | None = None
 
     @property
     def path(self) -> str:
@@ -131,7 +134,7 @@ def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
     else:
         n = _n((params or {}).get("n"), "sampling_params.n")
     batch: int | None
-    routing_text, routing_tokens = None, None
+    routing_text, routing_tokens, lengths = None, None, None
     if text is not None:
         if isinstance(text, str):
             batch, routing_text, chars = None, text, len(text)
@@ -143,10 +146,12 @@ def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
     elif input_ids is not None:
         if _is_token_list(input_ids) and input_ids:
             batch, routing_tokens, tokens = None, tuple(input_ids), len(input_ids)
+            lengths = (tokens,)
         elif (isinstance(input_ids, list) and input_ids
               and all(_is_token_list(x) and x for x in input_ids)):
             batch, routing_tokens = len(input_ids), tuple(input_ids[0])
-            tokens = sum(len(x) for x in input_ids)
+            lengths = tuple(len(x) for x in input_ids)
+            tokens = sum(lengths)
         else:
             raise BadRequest("'input_ids' must be a non-empty list of ints or of int lists")
     else:
@@ -161,7 +166,7 @@ def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
     return RequestView(
         endpoint=GENERATE, body=body, stream=stream, batch_size=batch, n=n,
         routing_text=routing_text, routing_tokens=routing_tokens, prompt_tokens=tokens,
-        model=model, logprob_merge=_bool(body, "return_logprob"),
+        model=model, logprob_merge=_bool(body, "return_logprob"), lengths=lengths,
     )
 
 
@@ -201,16 +206,19 @@ def _chat_view(body: dict, stream: bool, model: str | None) -> RequestView:
 
 def _completions_view(body: dict, stream: bool, model: str | None) -> RequestView:
     prompt = body.get("prompt")
-    routing_text, routing_tokens = None, None
+    routing_text, routing_tokens, lengths = None, None, None
     if isinstance(prompt, str):
         batch, routing_text, tokens = None, prompt, len(prompt) // 4 + 1
     elif _is_token_list(prompt) and prompt:
         batch, routing_tokens, tokens = None, tuple(prompt), len(prompt)
+        lengths = (tokens,)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         batch, routing_text = len(prompt), prompt[0]
         tokens = sum(len(p) for p in prompt) // 4 + 1
     elif isinstance(prompt, list) and prompt and all(_is_token_list(p) and p for p in prompt):
-        batch, routing_tokens, tokens = len(prompt), tuple(prompt[0]), sum(len(p) for p in prompt)
+        batch, routing_tokens = len(prompt), tuple(prompt[0])
+        lengths = tuple(len(p) for p in prompt)
+        tokens = sum(lengths)
     else:
         raise BadRequest(
             "'prompt' must be a string, a list of strings, a list of token ids "
@@ -224,4 +232,5 @@ def _completions_view(body: dict, stream: bool, model: str | None) -> RequestVie
         endpoint=COMPLETIONS, body=body, stream=stream, batch_size=batch,
         n=_n(body.get("n"), "n"), routing_text=routing_text, routing_tokens=routing_tokens,
         prompt_tokens=tokens, model=model, logprob_merge=echo and logprobs is not None,
+        lengths=lengths,
     )

@@ -28,10 +28,12 @@ from gateway.discovery import KubernetesDiscovery
 from gateway.errors import BadRequest, GatewayError
 from gateway.health import HealthChecker
 from gateway.inflight import InFlight, Tracked, new_id
+from gateway.key_limits import KeyLimits
 from gateway.metrics import Metrics
 from gateway.pd import PDDispatcher, Timeouts
 from gateway.policies import create_policy
 from gateway.probe import RoleMismatch, probe
+from gateway.prompt_tokens import PromptTokens
 from gateway.proxy import Proxy
 from gateway.samples import Samples
 from gateway.scheduler import Scheduler
@@ -84,11 +86,13 @@ class Gateway:
                                    worker_id=worker.id if worker is not None else None)
         self.admission = Admission(config.max_concurrency, config.max_queue,
                                    config.queue_timeout, self.metrics, shared=self._mine())
-        self.auth = Auth(config.api_keys, config.admin_api_keys, config.rate_limit,
-                         config.rate_burst, self.metrics, shared=self.shared)
+        self.limits = KeyLimits(len(config.api_keys), config.rate_limit, config.rate_burst,
+                                config.rate_limit_tokens, self.metrics, shared=self.shared)
+        self.auth = Auth(config.api_keys, config.admin_api_keys, self.limits)
         self.siblings = Siblings(self, worker.control if worker is not None else None)
         self.inflight = InFlight()
         self.context = ContextCheck(self.pool, None)
+        self.tokens = PromptTokens(config.tokenizer_threads)
         self.shutting_down = False
         self.serving: dict = {}  # how the server side listens (set by the command line)
         self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)
@@ -208,6 +212,8 @@ class Gateway:
         if self.cluster is not None:
             await self.cluster.start()
         await self._probe_all()
+        await self.tokens.load(c.tokenizer, self.client,
+                               [w.url for w in self.pool if w.healthy])
         self.scheduler.workers_changed()
         self.health = HealthChecker(
             self.pool, self.client, endpoint=c.health_endpoint, interval=c.health_interval,
@@ -293,4 +299,5 @@ class Gateway:
             await self.cluster.stop()
         if self.worker is not None:
             await self.worker.control.stop()
+        self.tokens.close()
         self.timers.close()

@@ -10,8 +10,9 @@ server's slot) take a file lock (`fcntl.flock`), a few microseconds, only when t
 configured.
 
 Layout (8-byte words): a header; per worker: active requests; per server slot: the URL's hash,
-then in-flight requests and in-flight prompt tokens per worker; per API key: a token bucket
-(tokens, last refill time) as doubles.
+then in-flight requests and in-flight prompt tokens per worker; per API key: two token
+buckets (requests, prompt tokens: gateway/key_limits.py), each (tokens, last refill time) as
+doubles.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import os
 import zlib
 from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
+
+from gateway.key_limits import take
 
 SERVER_SLOTS = 1024
 MAGIC = 0x70646777  # "pdgw"
@@ -46,7 +49,7 @@ class SharedState:
         self._in_flight = self._hashes + SERVER_SLOTS
         self._tokens = self._in_flight + SERVER_SLOTS * workers
         self._buckets = self._tokens + SERVER_SLOTS * workers
-        words = self._buckets + 2 * max(keys, 1)
+        words = self._buckets + 4 * max(keys, 1)
         if create:
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=8 * words)
             self.shm.buf[: 8 * words] = bytes(8 * words)
@@ -127,20 +130,16 @@ class SharedState:
 
     # -- per-key token buckets ----------------------------------------------------------------
 
-    def take_token(self, key: int, rate: float, burst: float, now: float) -> float:
-        """Take one token from key's gateway-wide bucket: 0.0 if taken, else the seconds
-        until one is there."""
-        at = self._buckets + 2 * key
+    def take_from_bucket(self, key: int, kind: int, rate: float, burst: float, cost: float,
+                         now: float) -> float:
+        """Take `cost` from bucket `kind` of key number `key`, gateway-wide: 0.0 if taken,
+        else the seconds until it would be there (key_limits.take is the rule)."""
+        at = self._buckets + 4 * key + 2 * kind
         with self.locked():
-            tokens, last = self.floats[at], self.floats[at + 1]
-            if last == 0.0:
-                tokens = burst
-            tokens = min(burst, tokens + (now - last) * rate) if last else tokens
-            if tokens < 1.0:
-                self.floats[at], self.floats[at + 1] = tokens, now
-                return (1.0 - tokens) / rate
-            self.floats[at], self.floats[at + 1] = tokens - 1.0, now
-            return 0.0
+            tokens, last, wait = take(self.floats[at], self.floats[at + 1], now, rate, burst,
+                                      cost)
+            self.floats[at], self.floats[at + 1] = tokens, last
+            return wait
 
     def close(self, unlink: bool = False) -> None:
         self.words.release()

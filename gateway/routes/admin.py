@@ -53,6 +53,7 @@ async def list_policies(request: Request) -> Response:
     body = {role: {"name": policy.name, "options": dataclasses.asdict(policy.options),
                    "stats": policy.stats()}
             for role, policy in gw.scheduler.policies.items()}
+    body["prompt_tokens"] = gw.tokens.stats()  # the tokenizer behind exact routing, if any
     return JSONResponse(body)
 
 

@@ -1,6 +1,7 @@
 """The inference endpoints as pure ASGI apps: the request path, kept short.
 
-auth -> read body -> parse once -> in-flight table -> admission slot -> serve (one PD request,
+auth -> read body -> parse once -> count prompt tokens (exact with the model's tokenizer) ->
+per-key token limit -> context check -> in-flight table -> admission slot -> serve (one PD request,
 or n single-sample ones for n > 1) -> answer. The work runs in the request's own task, under
 one `Interrupt`: the client's departure fires it (told by the server protocol directly,
 `server_protocol.Departure`; under another ASGI server a watcher task waits for
@@ -90,6 +91,8 @@ class InferenceEndpoint:
                 if items is not None and items > gw.config.max_items:
                     raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
                                      f"{gw.config.max_items} per request")
+                view = await gw.tokens.count(view)
+                gw.limits.take_tokens(caller.key_index, view.prompt_tokens)
                 await gw.context.check(view)
                 tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt)
                 gw.inflight.add(tracked)

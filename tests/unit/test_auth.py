@@ -5,6 +5,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.auth import Auth, Role, presented_key
 from gateway.errors import Forbidden, TooManyRequests, Unauthorized
+from gateway.key_limits import KeyLimits
 from gateway.metrics import Metrics
 from gateway.workers import WorkerPool
 
@@ -74,9 +75,10 @@ def test_owner_is_the_key_and_the_address_without():
 
 
 def test_rate_limit_per_key_with_burst_and_refill():
-    now = [0.0]
-    auth = Auth(("key-a", "key-b"), (), rate=2.0, burst=3,
-                metrics=Metrics(CollectorRegistry(), WorkerPool()), clock=lambda: now[0])
+    now = [1000.0]
+    limits = KeyLimits(2, rate=2.0, burst=3, metrics=Metrics(CollectorRegistry(), WorkerPool()),
+                       clock=lambda: now[0])
+    auth = Auth(("key-a", "key-b"), (), limits)
     a, b = scope(authorization="Bearer key-a"), scope(authorization="Bearer key-b")
     for _ in range(3):
         auth.caller(a, Role.INFERENCE)
@@ -88,3 +90,25 @@ def test_rate_limit_per_key_with_burst_and_refill():
     auth.caller(a, Role.INFERENCE)
     with pytest.raises(TooManyRequests):
         auth.caller(a, Role.INFERENCE)
+
+
+def test_prompt_tokens_per_minute_per_key():
+    now = [100.0]
+    limits = KeyLimits(2, tokens_per_minute=600.0, clock=lambda: now[0])
+    limits.take_tokens(0, 500)  # a minute's worth at once: 600
+    with pytest.raises(TooManyRequests) as info:
+        limits.take_tokens(0, 200)  # 100 left; 100 more come in 10 s at 10/s
+    assert int(info.value.headers["retry-after"]) == 10
+    limits.take_tokens(1, 600)  # another key has its own bucket
+    limits.take_tokens(None, 10**9)  # no key: no limit
+    now[0] += 10.0
+    limits.take_tokens(0, 200)
+    with pytest.raises(TooManyRequests) as info:
+        limits.take_tokens(0, 601)  # can never fit: refused at once, no Retry-After
+    assert "retry-after" not in (info.value.headers or {})
+
+
+def test_no_token_limit_by_default():
+    limits = KeyLimits(1)
+    for _ in range(100):
+        limits.take_tokens(0, 10**6)

@@ -163,3 +163,10 @@ def test_a_key_cannot_be_both_inference_and_admin():
 def test_tls_settings_are_checked(flags, message):
     with pytest.raises(ConfigError, match=message):
         load_config(BASE + flags, environ={})
+
+
+def test_repeated_list_flags_add_up():
+    config = load_config([*BASE, "--api-key", "key-a", "--api-key", "key-b,key-c",
+                          "--admin-api-keys", "adm-1", "--admin-api-key", "adm-2"], environ={})
+    assert config.api_keys == ("key-a", "key-b", "key-c")
+    assert config.admin_api_keys == ("adm-1", "adm-2")

@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from gateway.chat_template import ChatTemplate
 from gateway.config import ConfigError, load_config
@@ -22,11 +21,8 @@ from gateway.tokenizer import (
     load_tokenizer,
     tokenizer_path_from_model_info,
 )
+from tests.tiny_tokenizer import BOS, EOS, PLAIN, train, write_model
 
-BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
-PLAIN = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
-         "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
-         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # A template in the style of tool-calling models: tools, tool calls, content parts, kwargs.
 RICH = """{{- bos_token }}
 {%- if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>
@@ -49,39 +45,9 @@ RICH = """{{- bos_token }}
 {% endif %}"""
 
 
-def _train() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    words = "the quick brown fox jumps over lazy dog hello world tell me a story".split()
-    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(9)) for i in range(300)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[BOS, EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return tok
-
-
 @pytest.fixture(scope="module")
 def trained() -> Tokenizer:
-    return _train()
-
-
-def write_model(directory: Path, trained: Tokenizer, template: str | None = PLAIN,
-                bos_post_processor: bool = False, **config) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer.from_str(trained.to_str())
-    if bos_post_processor:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 0)])
-    tok.save(str(directory / "tokenizer.json"))
-    settings = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-                "tokenizer_class": "TokenizersBackend", **config}
-    if template is not None:
-        settings["chat_template"] = template
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
-    return directory
+    return train()
 
 
 @pytest.fixture
