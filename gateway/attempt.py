@@ -43,10 +43,14 @@ class Attempt:
     prefill_future: asyncio.Future | None = None  # told (worker, rank) or None when done
     interrupt: object = None  # cancel.Interrupt of whatever waits on the servers now
     resumable: bool = False  # a broken stream may be continued on another pair
+    # set by proxy.Resumed on a resumable stream: what the client got so far (relay.Capture),
+    # and where the relay turns when the decode breaks (an async iterator of the rest)
+    capture: object = None
+    on_broken: Callable | None = None
     unsuffix: bytes | None = None  # the suffix of a client's rid, cut from the answers
     started_at: float = 0.0
     progressed: bool = False  # the prefill answered or the decode sent its first byte
-    deadline: object = None  # the asyncio.Timeout of the first progress
+    deadline: object = None  # the cancel.Deadline of the first progress
     pair_verdict: str | None = None  # a failure was blamed on "pair" or "server"
     outcome: dict[str, bool | None] = field(default_factory=dict)
 

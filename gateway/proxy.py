@@ -64,12 +64,12 @@ class Proxy:
                     placement.started(attempt)
                 attempt.resumable = (self.failover and depth < Resumed.MAX_DEPTH
                                      and resumable(view))
+                if attempt.resumable:
+                    Resumed(self, view, tracked, attempt, depth)
                 self._started(attempt)
                 tracked.attempts.add(attempt)
                 try:
                     answer = await self.dispatcher.run(attempt)  # stays in `attempts`
-                    if answer.stream is not None and attempt.resumable:
-                        return Resumed(self, view, tracked, answer, depth).answer()
                     return answer
                 except BaseException as exc:
                     tracked.attempts.discard(attempt)
@@ -152,37 +152,27 @@ class Proxy:
 
 
 class Resumed:
-    """A stream that survives its decode: on `StreamBroken`, the rest of the answer comes from
-    a new pair (gateway/failover.py), spliced into what the client already has. The
+    """A stream that survives its decode: when it breaks, the rest of the answer comes from a
+    new pair (gateway/failover.py), spliced into what the client already has. The relay keeps
+    what was sent (`attempt.capture`) and, once the broken stream is cleaned up, goes on with
+    `continue_after` (`attempt.on_broken`): no generator layer of its own on the way. The
     continuation is itself resumable, up to MAX_DEPTH continuations of one stream."""
 
     MAX_DEPTH = 3
 
-    def __init__(self, proxy: Proxy, view: RequestView, tracked: Tracked, first: Answer,
+    def __init__(self, proxy: Proxy, view: RequestView, tracked: Tracked, attempt: Attempt,
                  depth: int) -> None:
         self.proxy = proxy
         self.view = view
         self.tracked = tracked
-        self.current = first
         self.depth = depth
-        self.seen = Capture()
+        self.seen = attempt.capture = Capture()
+        attempt.on_broken = self.continue_after
         self.failovers = proxy.metrics.failovers
 
-    def answer(self) -> Answer:
-        first = self.current
-        return Answer(first.status, first.content_type, stream=self._events(),
-                      close=self._close)
-
-    async def _events(self):
+    async def continue_after(self, broken: StreamBroken):
         view = self.view
-        try:
-            async for chunk in self.current.stream:
-                self.seen.add(chunk)
-                yield chunk
-            return
-        except StreamBroken as broken:
-            error, failed = broken.error, broken.decode
-        await self._close()
+        error = broken.error
         cont = Continuation.build(view, self.seen.objects()) if self.seen.usable else None
         if cont is None:
             self.failovers.labels(view.endpoint, "not_resumable").inc()
@@ -193,20 +183,18 @@ class Resumed:
             return
         try:
             nxt = await self.proxy.handle(cont.view, self.tracked, depth=self.depth + 1,
-                                          avoid=(failed,))
+                                          avoid=(broken.decode,))
         except GatewayError as exc:
             self.failovers.labels(view.endpoint, "failed").inc()
             yield error_end(exc)
             return
         self.failovers.labels(view.endpoint, "continued").inc()
-        self.current = nxt
-        async for chunk in cont.splice(nxt.stream):
-            yield chunk
-
-    async def _close(self) -> None:
-        current = self.current
-        if current.close is not None:
-            await current.close()
+        try:
+            async for chunk in cont.splice(nxt.stream):
+                yield chunk
+        finally:
+            if nxt.close is not None:
+                await nxt.close()
 
 
 def _child(worker: Worker, metric, *labels: str, url_first: bool = False):

@@ -7,9 +7,11 @@
 * One timer per stream (`StreamWatchdog`) keeps two deadlines: the server's silence (learned
   per server by gateway/deadlines.py, bounded by --stream-idle-timeout) and the client's
   (--send-timeout: a client that stops reading loses its stream, both legs are aborted).
-* For a request that can be resumed (`attempt.resumable`), a decode failing mid-stream
-  raises `StreamBroken` instead of ending the stream with an error event, and the proxy
-  continues it on another pair from what the client received (kept in a `Capture`).
+* For a request that can be resumed (`attempt.resumable`), what the client received is kept
+  in `attempt.capture`, and a decode failing mid-stream does not end the stream with an error
+  event: once this stream is cleaned up, the same generator goes on with what
+  `attempt.on_broken(StreamBroken)` yields (proxy.Resumed: the rest from another pair,
+  gateway/failover.py). So a resumable stream costs no extra generator layer per chunk.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from gateway.cancel import Interrupt
 from gateway.errors import UpstreamError
 from gateway.logprobs import StreamMerger
 from gateway.sse import DONE, EventSplitter, event_data, frame
-from gateway.upstream import UpstreamResponse, translate_errors
+from gateway.upstream import UpstreamResponse, translated
 
 CAPTURE_LIMIT = 8 << 20  # bytes of one stream kept for a continuation
 
@@ -140,7 +142,7 @@ class StreamRelay:
     async def stream(self, attempt: Attempt, response: UpstreamResponse, first: bytes,
                      merger: StreamMerger | None, p_task: asyncio.Task) -> AsyncIterator[bytes]:
         """Yield the decode's SSE events; a mid-stream failure ends with an error event, or
-        raises StreamBroken when the stream may be continued elsewhere."""
+        (resumable) goes on with `attempt.on_broken`'s continuation."""
         d = self.dispatcher
         ok: bool | None = None
         splitter = EventSplitter() if merger else None
@@ -161,6 +163,8 @@ class StreamRelay:
         held = b""
         tail = b""
         unsuffix = attempt.unsuffix
+        capture = attempt.capture
+        broken: StreamBroken | None = None
         try:
             chunk: bytes | None = first
             while chunk is not None:
@@ -175,6 +179,8 @@ class StreamRelay:
                 if out:
                     tail = out[-16:] if len(out) >= 16 else (tail + out)[-16:]
                     watchdog.handing_out()
+                    if capture is not None:
+                        capture.add(out)
                     yield out
                 started = watchdog.waiting()
                 chunk = await self._next_chunk(attempt, response, watchdog)
@@ -183,31 +189,47 @@ class StreamRelay:
                            and splitter.rest().strip() else b"")
             if rest.strip():
                 tail = (tail + rest)[-16:]
-                yield rest if rest.endswith(b"\n\n") else rest + b"\n\n"
+                rest = rest if rest.endswith(b"\n\n") else rest + b"\n\n"
+                if capture is not None:
+                    capture.add(rest)
+                yield rest
             if not tail.endswith(DONE):
                 raise UpstreamError(f"decode server {url} ended the stream without [DONE]",
                                     leg="decode", worker_url=url, retryable=True)
             ok = True
         except UpstreamError as exc:
             ok = False
-            if exc.retryable and attempt.resumable:
-                raise StreamBroken(exc, attempt.decode) from None
-            yield frame(exc.body()) + DONE
+            if exc.retryable and attempt.on_broken is not None:
+                broken = StreamBroken(exc, attempt.decode)
+            else:
+                yield frame(exc.body()) + DONE
         finally:
             watchdog.close()
             watchdog.upstream.close()
             self.end(attempt, response, p_task, ok)
+        if broken is not None:  # this pair is done with; the rest comes from another
+            rest_of = attempt.on_broken(broken)
+            try:
+                async for chunk in rest_of:
+                    yield chunk
+            finally:
+                await rest_of.aclose()
 
     async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse,
                           watchdog: StreamWatchdog) -> bytes | None:
-        """The next raw chunk; None at the end of the stream."""
+        """The next raw chunk; None at the end of the stream. (Errors are translated in the
+        except clause, not by a context manager: this runs once per chunk.)"""
         try:
-            with translate_errors("decode", attempt.decode):
-                return await response.next_chunk()
+            return await response.next_chunk()
         except asyncio.CancelledError:
             if (reason := watchdog.upstream.reason()) is not None:
                 raise reason from None
             raise
+        except Exception as exc:
+            error = translated("decode", attempt.decode.url, exc)
+            if error is None:
+                raise
+            raise error from exc
 
     def end(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
             ok: bool | None) -> None:

@@ -166,13 +166,13 @@ class translate_errors:  # lower case: used as a context manager
     def __exit__(self, kind, exc, traceback) -> bool:
         if exc is None or not isinstance(exc, Exception):
             return False
-        error = _translated(self.leg, self.worker.url, exc)
+        error = translated(self.leg, self.worker.url, exc)
         if error is None:
             return False
         raise error from exc
 
 
-def _translated(leg: str, url: str, exc: Exception) -> UpstreamError | None:
+def translated(leg: str, url: str, exc: Exception) -> UpstreamError | None:
     """The UpstreamError for a client or transport error (None: let it pass as it is)."""
     if isinstance(exc, PoolTimeout | httpx.PoolTimeout):
         return UpstreamError(f"{leg} server {url} is busy: {exc}", leg=leg, worker_url=url,

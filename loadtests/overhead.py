@@ -213,29 +213,36 @@ class Bench:
             stream_cores={c: busy / streamed.seconds for c, busy in s_usage.cores.items()})
 
     def profile(self, target: Target, out_dir: Path) -> str:
-        """py-spy on the proxy during a closed loop; returns the summary of its samples."""
+        """py-spy on the proxy during a closed loop, then during concurrent streams; returns
+        the summaries of both."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        raw = out_dir / f"{target.name}.collapsed.txt"
         seconds = max(5, int(self.args.duration * 2))
+        texts = []
         with self.started(target, f"{target.name}-profile") as (proc, port):
-            gen, _ = self.routes(port)
+            gen, stream = self.routes(port)
             self.warm(gen)
-            spy = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(proc.pid), "--duration", str(seconds),
-                 "--rate", "200", "--function", "--format", "raw", "--output", str(raw)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True)
-            try:
-                self.runner.run(loads.closed_loop(gen, self.args.concurrency, 0.5,
-                                                  seconds + 1.0))
-                spy.wait(30)
-            finally:
-                if spy.poll() is None:
-                    os.killpg(spy.pid, signal.SIGKILL)
-                    spy.wait(5)
-        text = profile.summary(raw, top=25)
-        (out_dir / f"{target.name}.summary.txt").write_text(text + "\n")
-        return text
+            for phase, load in (
+                    ("", lambda: loads.closed_loop(gen, self.args.concurrency, 0.5,
+                                                   seconds + 1.0)),
+                    ("-streams", lambda: loads.streams(stream, self.args.concurrency,
+                                                       seconds + 1.0))):
+                raw = out_dir / f"{target.name}{phase}.collapsed.txt"
+                spy = subprocess.Popen(
+                    ["py-spy", "record", "--pid", str(proc.pid), "--duration", str(seconds),
+                     "--rate", "200", "--function", "--format", "raw", "--output", str(raw)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    start_new_session=True)
+                try:
+                    self.runner.run(load())
+                    spy.wait(30)
+                finally:
+                    if spy.poll() is None:
+                        os.killpg(spy.pid, signal.SIGKILL)
+                        spy.wait(5)
+                text = profile.summary(raw, top=25)
+                (out_dir / f"{target.name}{phase}.summary.txt").write_text(text + "\n")
+                texts.append(text)
+        return "\n\n".join(texts)
 
 
 def _on_signal(signum, _frame):
