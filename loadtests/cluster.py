@@ -7,6 +7,9 @@ Two kinds (`--backend`):
 * `sim`: the SGLang simulator (`backends.sim --fast`), one process per server, the full PD
   protocol including the decode-to-prefill KV handshake over HTTP (about 2-3 ms of CPU per PD
   request): realistic, but on one shared core it saturates at a few hundred requests/s.
+
+`stub_farm` is the multi-core form for `loadtests.scaling`: several stub processes, each on
+its own core, each one prefill and one decode server.
 """
 
 from __future__ import annotations
@@ -25,14 +28,22 @@ BACKENDS = ("stub", "sim")
 @dataclass
 class Cluster:
     backend: str
-    prefill_port: int
-    bootstrap_port: int
+    prefill_ports: list[int]
+    bootstrap_port: int  # the one every prefill reports (stub farms share one)
     decode_ports: list[int]
     pids: list[int] = field(default_factory=list)
 
     @property
+    def prefill_port(self) -> int:
+        return self.prefill_ports[0]
+
+    @property
     def prefill_url(self) -> str:
-        return f"http://{HOST}:{self.prefill_port}"
+        return self.prefill_urls[0]
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [f"http://{HOST}:{port}" for port in self.prefill_ports]
 
     @property
     def decode_urls(self) -> list[str]:
@@ -50,19 +61,24 @@ def _sim(mode: str, port: int, bootstrap: int | None) -> list[str]:
     return argv
 
 
+def _stub(prefill: int, bootstrap: int, decodes: list[int], *extra: str) -> list[str]:
+    argv = [sys.executable, "-m", "loadtests.pdstub", "--host", HOST,
+            "--prefill-port", str(prefill), "--bootstrap-port", str(bootstrap), *extra]
+    for port in decodes:
+        argv += ["--decode-port", str(port)]
+    return argv
+
+
 @contextlib.contextmanager
 def cluster(backend: str, decodes: int, cpu: int | None, log_dir: Path) -> Iterator[Cluster]:
     prefill, bootstrap = free_port(), free_port()
     decode_ports = [free_port() for _ in range(decodes)]
-    found = Cluster(backend, prefill, bootstrap, decode_ports)
+    found = Cluster(backend, [prefill], bootstrap, decode_ports)
     with contextlib.ExitStack() as stack:
         if backend == "stub":
-            argv = [sys.executable, "-m", "loadtests.pdstub", "--host", HOST,
-                    "--prefill-port", str(prefill), "--bootstrap-port", str(bootstrap)]
-            for port in decode_ports:
-                argv += ["--decode-port", str(port)]
             proc = stack.enter_context(running(
-                "pdstub", pinned(argv, cpu), log_dir, f"{found.prefill_url}/health"))
+                "pdstub", pinned(_stub(prefill, bootstrap, decode_ports), cpu), log_dir,
+                f"{found.prefill_url}/health"))
             found.pids.append(proc.pid)
         elif backend == "sim":
             proc = stack.enter_context(running(
@@ -76,4 +92,24 @@ def cluster(backend: str, decodes: int, cpu: int | None, log_dir: Path) -> Itera
                 found.pids.append(proc.pid)
         else:
             raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS}")
+        yield found
+
+
+@contextlib.contextmanager
+def stub_farm(cpus: list[set[int] | None], log_dir: Path) -> Iterator[Cluster]:
+    """One stub process per entry of `cpus` (pinned there), each serving one prefill and one
+    decode: as many servers of each role as processes, so that no single-threaded stub is the
+    bottleneck of a proxy on many cores. A proxy pairs any prefill with any decode, so the
+    stubs run `--no-pairing` and share one bootstrap port (loadtests/pdstub.py)."""
+    bootstrap = free_port()
+    found = Cluster("stub", [], bootstrap, [])
+    with contextlib.ExitStack() as stack:
+        for i, cpu in enumerate(cpus):
+            prefill, decode = free_port(), free_port()
+            proc = stack.enter_context(running(
+                f"pdstub{i}", pinned(_stub(prefill, bootstrap, [decode], "--no-pairing"), cpu),
+                log_dir, f"http://{HOST}:{prefill}/health"))
+            found.prefill_ports.append(prefill)
+            found.decode_ports.append(decode)
+            found.pids.append(proc.pid)
         yield found

@@ -72,14 +72,18 @@ async def _finish(tasks: list[asyncio.Task]) -> None:
 
 
 async def closed_loop(route, concurrency: int, warmup: float, duration: float,
-                      meter=None) -> Closed:
-    """`concurrency` workers, each sending its next request as soon as the last one answered."""
+                      meter=None, latencies: list[float] | None = None) -> Closed:
+    """`concurrency` workers, each sending its next request as soon as the last one answered.
+
+    With `latencies`, the seconds each request counted in the window took are appended."""
     meter = meter or NullMeter()
     sessions = [route.session() for _ in range(concurrency)]
     state = {"counting": False, "stop": False, "done": 0, "errors": 0}
+    clock = time.perf_counter
 
     async def worker(session) -> None:
         while not state["stop"]:
+            sent = clock()
             try:
                 await session.call()
             except ReplyError:
@@ -89,6 +93,8 @@ async def closed_loop(route, concurrency: int, warmup: float, duration: float,
                 continue
             if state["counting"]:
                 state["done"] += 1
+                if latencies is not None:
+                    latencies.append(clock() - sent)
 
     tasks = [asyncio.create_task(worker(s)) for s in sessions]
     try:

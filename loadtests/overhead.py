@@ -42,7 +42,7 @@ from pathlib import Path
 from loadtests import loads, peers, profile
 from loadtests.client import ReplyError
 from loadtests.cluster import BACKENDS, Cluster, cluster
-from loadtests.launch import HOST, ROOT, free_port, pinned, running
+from loadtests.launch import HOST, ROOT, OutOfTime, free_port, pinned, running, stop_after
 from loadtests.procstat import WindowMeter, peak_rss_mb, wait_quiet
 from loadtests.report import (
     Run,
@@ -245,18 +245,6 @@ class Bench:
         return "\n\n".join(texts)
 
 
-def _on_signal(signum, _frame):
-    raise SystemExit(f"stopped by signal {signum}")
-
-
-class OutOfTime(Exception):
-    """--timeout was reached."""
-
-
-def _on_alarm(_signum, _frame):
-    raise OutOfTime("benchmark exceeded --timeout; stopping")
-
-
 def measure_quietly(bench: Bench, target: Target, round_no: int, give_up_at: float) -> Run:
     """Measure; again (up to --retries) when other work disturbed it. Keeps the calmest."""
     args = bench.args
@@ -309,9 +297,7 @@ def run_all(args: argparse.Namespace, targets: list[Target], peer_python: Path |
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGALRM, _on_alarm)
-    signal.alarm(int(args.timeout))
+    stop_after(args.timeout)
     if args.load_cpu is not None:
         os.sched_setaffinity(0, {args.load_cpu})
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pd-overhead-"))

@@ -12,6 +12,11 @@ Why not the simulator (`backends.sim`): it models SGLang faithfully, including t
 handshake over HTTP between decode and prefill, and costs about 2-3 ms of CPU per PD request;
 on one shared core that caps any proxy at a few hundred requests per second. This stub costs
 a small fraction of that (raw asyncio protocol, httptools parser, prepared answers).
+
+`--no-pairing` is for several stub processes behind one proxy (`loadtests.scaling`): the two
+legs of a room may then reach different processes, which cannot meet, so each leg is answered
+at once. Every leg must still carry a room, decode legs the bootstrap host and port (give every
+process the same `--bootstrap-port`), and a room is refused if one role sees it twice.
 """
 
 from __future__ import annotations
@@ -33,12 +38,23 @@ SSE = b"text/event-stream"
 
 
 class Rooms:
-    """Meeting point of the two legs of each bootstrap room."""
+    """Meeting point of the two legs of each bootstrap room (or, unpaired, a check that no
+    role sees a room twice)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, paired: bool = True) -> None:
         self.timeout = timeout
+        self.paired = paired
         self.waiting: dict[int, tuple[str, asyncio.Future]] = {}
-        self.done: OrderedDict[int, None] = OrderedDict()
+        self.done: OrderedDict[object, None] = OrderedDict()
+
+    async def enter(self, room: int, role: str) -> str | None:
+        """None when the leg may be answered, else the error message."""
+        if self.paired:
+            return await self.meet(room, role)
+        if (room, role) in self.done:
+            return f"Duplicate {role} bootstrap room {room}"
+        self._finish((room, role))
+        return None
 
     async def meet(self, room: int, role: str) -> str | None:
         """Wait for the other leg of `room`; None when paired, else the error message."""
@@ -67,7 +83,7 @@ class Rooms:
                 del self.waiting[room]
                 self._finish(room)
 
-    def _finish(self, room: int) -> None:
+    def _finish(self, room: object) -> None:
         self.done[room] = None
         if len(self.done) > TOMBSTONES:
             self.done.popitem(last=False)
@@ -128,7 +144,7 @@ class Server:
             return
         self.running += 1
         try:
-            error = await self.rooms.meet(body["bootstrap_room"], self.role)
+            error = await self.rooms.enter(body["bootstrap_room"], self.role)
             if error is not None:
                 reply.full(500, orjson.dumps(
                     {"object": "error", "message": error, "type": "500", "code": 500}))
@@ -297,8 +313,8 @@ class Connection(asyncio.Protocol):
 
 
 async def serve(host: str, prefill_port: int, bootstrap_port: int, decode_ports: list[int],
-                pair_timeout: float) -> None:
-    rooms = Rooms(pair_timeout)
+                pair_timeout: float, paired: bool = True) -> None:
+    rooms = Rooms(pair_timeout, paired)
     loop = asyncio.get_running_loop()
     servers = [Server("prefill", prefill_port, bootstrap_port, rooms)]
     servers += [Server("decode", port, bootstrap_port, rooms) for port in decode_ports]
@@ -320,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a decode port (repeat for more decode servers)")
     parser.add_argument("--pair-timeout", type=float, default=5.0,
                         help="seconds a leg waits for the other leg of its room")
+    parser.add_argument("--no-pairing", action="store_true",
+                        help="answer each leg at once (the other may go to another process)")
     args = parser.parse_args(argv)
     try:
         import uvloop
@@ -327,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         runner = asyncio.run
     runner(serve(args.host, args.prefill_port, args.bootstrap_port, args.decode_port,
-                 args.pair_timeout))
+                 args.pair_timeout, paired=not args.no_pairing))
 
 
 if __name__ == "__main__":

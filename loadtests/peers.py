@@ -5,7 +5,8 @@ and outside our environment (default `/opt/peers-venv`); it is created once and 
 mini_lb imports aiohttp, fastapi, orjson and uvicorn (the wheel declares them). uvloop and
 httptools are added so that mini_lb's uvicorn gets the same event loop and HTTP parser as our
 gateway (SGLang's own environment ships uvloop): the comparison is between proxies, not between
-asyncio and uvloop.
+asyncio and uvloop. Where no registry can be reached (the device machine), sglang-router is
+installed beside our packages instead and `peer_python(..., python)` takes that interpreter.
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ def python_of(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
+def works(python: Path) -> bool:
+    """Whether `python` (a path, or a name on PATH) imports the peers as expected."""
+    try:
+        done = subprocess.run([str(python), "-c", CHECK], capture_output=True, timeout=60,
+                              cwd="/")
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
 def ready(venv: Path) -> bool:
     python = python_of(venv)
-    if not python.exists():
-        return False
-    done = subprocess.run([str(python), "-c", CHECK], capture_output=True, timeout=60,
-                          cwd="/")
-    return done.returncode == 0
+    return python.exists() and works(python)
 
 
 def ensure_venv(venv: Path = DEFAULT_VENV) -> Path:
@@ -49,3 +56,14 @@ def ensure_venv(venv: Path = DEFAULT_VENV) -> Path:
     if not ready(venv):
         raise RuntimeError(f"peers venv {venv} still fails: {CHECK}")
     return python_of(venv)
+
+
+def peer_python(venv: Path, python: str | None = None) -> Path:
+    """The interpreter that runs the peers: `python` as given (where sglang-router is
+    installed beside our own packages, as on a machine without a registry), else the venv's,
+    created if needed."""
+    if python is None:
+        return ensure_venv(venv)
+    if not works(Path(python)):
+        raise RuntimeError(f"{python} cannot run the peers: {CHECK}")
+    return Path(python)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -17,8 +17,8 @@ def _stat_fields(pid: int) -> list[str]:
     return raw[raw.rindex(")") + 2:].split()
 
 
-def descendants(root: int) -> list[int]:
-    """`root` and every live process below it."""
+def process_tree() -> dict[int, list[int]]:
+    """Parent pid -> its live children, from one pass over /proc."""
     children: dict[int, list[int]] = {}
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
@@ -28,6 +28,12 @@ def descendants(root: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(root: int, tree: dict[int, list[int]] | None = None) -> list[int]:
+    """`root` and every live process below it (in `tree`, else read now)."""
+    children = process_tree() if tree is None else tree
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -36,17 +42,23 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def cpu_seconds(root: int) -> float:
-    """User + system CPU of the tree, including children it has already reaped."""
-    total = 0
-    for pid in descendants(root):
+def cpu_by_process(root: int, tree: dict[int, list[int]] | None = None) -> dict[int, float]:
+    """User + system CPU of each process of the tree (with the children it has reaped)."""
+    out = {}
+    for pid in descendants(root, tree):
         try:
             fields = _stat_fields(pid)
         except OSError:
             continue
         # After the command: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14).
-        total += int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
-    return total / TICKS
+        ticks = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+        out[pid] = ticks / TICKS
+    return out
+
+
+def cpu_seconds(root: int, tree: dict[int, list[int]] | None = None) -> float:
+    """User + system CPU of the tree, including children it has already reaped."""
+    return sum(cpu_by_process(root, tree).values())
 
 
 def peak_rss_mb(root: int) -> float:
@@ -95,28 +107,40 @@ class Usage:
     loadgen: float
     other: float  # CPU of all other processes: other people's work on the machine
     cores: dict[str, float]  # busy seconds per core ("cpu0", "cpu1", ...)
+    proxy_procs: dict[int, float] = field(default_factory=dict)  # the proxy's, per process
 
 
 class WindowMeter:
-    """`start()` and `stop()` around a window; `stop()` says who used the CPU in it."""
+    """`start()` and `stop()` around a window; `stop()` says who used the CPU in it.
 
-    def __init__(self, proxy_pid: int | None, backend_pids: list[int]) -> None:
+    The load generator is this process, or the processes `loadgen_pids` when it runs in
+    several (loadtests/loadgen.py)."""
+
+    def __init__(self, proxy_pid: int | None, backend_pids: list[int],
+                 loadgen_pids: list[int] | None = None) -> None:
         self.proxy_pid = proxy_pid
         self.backend_pids = backend_pids
-        self._start: tuple[float, float, float, dict] = (0.0, 0.0, 0.0, {})
+        self.loadgen_pids = loadgen_pids
+        self._start: tuple[dict[int, float], float, float, dict] = ({}, 0.0, 0.0, {})
 
-    def _now(self) -> tuple[float, float, float, dict]:
-        proxy = cpu_seconds(self.proxy_pid) if self.proxy_pid is not None else 0.0
-        backends = sum(cpu_seconds(pid) for pid in self.backend_pids)
-        # The load generator is this process alone (its children are the proxy and servers).
-        return proxy, backends, time.process_time(), busy_per_cpu()
+    def _now(self) -> tuple[dict[int, float], float, float, dict]:
+        tree = process_tree()
+        proxy = cpu_by_process(self.proxy_pid, tree) if self.proxy_pid is not None else {}
+        backends = sum(cpu_seconds(pid, tree) for pid in self.backend_pids)
+        if self.loadgen_pids is None:  # this process alone (its children: proxy and servers)
+            loadgen = time.process_time()
+        else:
+            loadgen = sum(cpu_seconds(pid, tree) for pid in self.loadgen_pids)
+        return proxy, backends, loadgen, busy_per_cpu()
 
     def start(self) -> None:
         self._start = self._now()
 
     def stop(self) -> Usage:
-        proxy, backends, loadgen, cores = self._now()
-        proxy -= self._start[0]
+        procs, backends, loadgen, cores = self._now()
+        before_procs = self._start[0]
+        per_proc = {pid: cpu - before_procs.get(pid, 0.0) for pid, cpu in procs.items()}
+        proxy = sum(procs.values()) - sum(before_procs.values())
         backends -= self._start[1]
         loadgen -= self._start[2]
         before = self._start[3]
@@ -124,7 +148,7 @@ class WindowMeter:
         busy = {name: now[0] - before[name][0] for name, now in cores.items()
                 if name != "all" and name in before}
         other = max(0.0, tasks - proxy - backends - loadgen)
-        return Usage(proxy, backends, loadgen, other, busy)
+        return Usage(proxy, backends, loadgen, other, busy, per_proc)
 
 
 def wait_quiet(max_cores: float, patience: float, sample: float = 1.0) -> float:

@@ -75,12 +75,18 @@ def summarize(runs: list[Run]) -> dict[str, dict]:
     return out
 
 
-def _fmt(value, digits: int = 0, suffix: str = "") -> str:
+def fmt(value, digits: int = 0, suffix: str = "") -> str:
     if value is None:
         return "-"
     if isinstance(value, float) and math.isinf(value):
         return "overload"
     return f"{value:,.{digits}f}{suffix}"
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
 def results_table(summary: dict[str, dict]) -> str:
@@ -94,15 +100,15 @@ def results_table(summary: dict[str, dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in summary.items():
         cpu = row["cpu_per_1k"]
-        cells = [name, _fmt(row["rps"]), _fmt(cpu, 3), _fmt(1000 / cpu if cpu else None),
-                 _fmt(row["proxy_busy"] * 100 if row["proxy_busy"] is not None else None, 0,
+        cells = [name, fmt(row["rps"]), fmt(cpu, 3), fmt(1000 / cpu if cpu else None),
+                 fmt(row["proxy_busy"] * 100 if row["proxy_busy"] is not None else None, 0,
                       "%")]
         for rate in rates:
             point = row["open_loop"][rate]
-            cells.append(f"{_fmt(point['p50_ms'], 2)} / {_fmt(point['p99_ms'], 2)}")
-            cells.append(_fmt(point["added_p99_ms"], 2))
-        cells += [_fmt(row["events_per_s"]), _fmt(row["stream_cpu_per_1k_events"], 3),
-                  _fmt(row["rss_mb"], 0), str(row["errors"])]
+            cells.append(f"{fmt(point['p50_ms'], 2)} / {fmt(point['p99_ms'], 2)}")
+            cells.append(fmt(point["added_p99_ms"], 2))
+        cells += [fmt(row["events_per_s"]), fmt(row["stream_cpu_per_1k_events"], 3),
+                  fmt(row["rss_mb"], 0), str(row["errors"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -124,11 +130,11 @@ def ratios_table(summary: dict[str, dict]) -> str:
     for us in ours:
         for peer in peers:
             a, b = summary[us], summary[peer]
-            cells = [f"{us} / {peer}", _fmt(_ratio(a["rps"], b["rps"]), 2, "x"),
-                     _fmt(_ratio(b["cpu_per_1k"], a["cpu_per_1k"]), 2, "x"),
-                     _fmt(_ratio(a["cpu_per_1k"], b["cpu_per_1k"]), 2, "x"),
-                     _fmt(_ratio(a["events_per_s"], b["events_per_s"]), 2, "x"),
-                     _fmt(_ratio(a["rss_mb"], b["rss_mb"]), 2, "x")]
+            cells = [f"{us} / {peer}", fmt(_ratio(a["rps"], b["rps"]), 2, "x"),
+                     fmt(_ratio(b["cpu_per_1k"], a["cpu_per_1k"]), 2, "x"),
+                     fmt(_ratio(a["cpu_per_1k"], b["cpu_per_1k"]), 2, "x"),
+                     fmt(_ratio(a["events_per_s"], b["events_per_s"]), 2, "x"),
+                     fmt(_ratio(a["rss_mb"], b["rss_mb"]), 2, "x")]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -142,17 +148,17 @@ def goals(summary: dict[str, dict], ours: str = "gateway") -> list[tuple[str, st
     out: list[tuple[str, str, bool | None]] = []
     ratio = _ratio(mini["cpu_per_1k"], us["cpu_per_1k"]) if mini else None
     out.append(("at least 4x mini_lb's requests per CPU-second",
-                f"{_fmt(ratio, 2)}x", None if ratio is None else ratio >= 4))
+                f"{fmt(ratio, 2)}x", None if ratio is None else ratio >= 4))
     ratio = _ratio(us["cpu_per_1k"], router["cpu_per_1k"]) if router else None
     out.append(("CPU-seconds per 1000 requests within 2x of the Rust router's",
-                f"{_fmt(ratio, 2)}x the router's", None if ratio is None else ratio <= 2))
+                f"{fmt(ratio, 2)}x the router's", None if ratio is None else ratio <= 2))
     rate = "1000" if "1000" in us["open_loop"] else None
     added = us["open_loop"][rate]["added_p99_ms"] if rate else None
-    out.append(("p99 added latency at 1000 req/s under 5 ms", f"{_fmt(added, 2)} ms",
+    out.append(("p99 added latency at 1000 req/s under 5 ms", f"{fmt(added, 2)} ms",
                 None if added is None else added < 5))
     ratio = _ratio(us["events_per_s"], router["events_per_s"]) if router else None
     out.append(("streaming throughput within 10% of the Rust router's",
-                f"{_fmt(ratio, 2)}x the router's", None if ratio is None else ratio >= 0.9))
+                f"{fmt(ratio, 2)}x the router's", None if ratio is None else ratio >= 0.9))
     return out
 
 
@@ -183,14 +189,14 @@ def clients_table(summary: dict[str, dict], runs: list[Run] | None = None) -> st
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, label in present:
         row = summary[name]
-        cells = [f"{label} (`{name}`)", _fmt(row["rps"]), _fmt(row["cpu_per_1k"], 3),
-                 _fmt(_ratio(row["cpu_per_1k"], own and own["cpu_per_1k"]), 2, "x"),
-                 _fmt(row["events_per_s"]),
-                 _fmt(_ratio(row["events_per_s"], own and own["events_per_s"]), 2, "x"),
-                 _fmt(row["stream_cpu_per_1k_events"], 4),
-                 _fmt(_ratio(row["stream_cpu_per_1k_events"],
+        cells = [f"{label} (`{name}`)", fmt(row["rps"]), fmt(row["cpu_per_1k"], 3),
+                 fmt(_ratio(row["cpu_per_1k"], own and own["cpu_per_1k"]), 2, "x"),
+                 fmt(row["events_per_s"]),
+                 fmt(_ratio(row["events_per_s"], own and own["events_per_s"]), 2, "x"),
+                 fmt(row["stream_cpu_per_1k_events"], 4),
+                 fmt(_ratio(row["stream_cpu_per_1k_events"],
                              own and own["stream_cpu_per_1k_events"]), 2, "x"),
-                 _fmt(row["rss_mb"], 0)]
+                 fmt(row["rss_mb"], 0)]
         lines.append("| " + " | ".join(cells) + " |")
     aio = summary.get("gateway-aiohttp")
     ratio = _ratio(aio and aio["cpu_per_1k"], own and own["cpu_per_1k"])
@@ -226,12 +232,12 @@ def noise_table(summary: dict[str, dict]) -> str:
     head += [f"{c} busy (closed / streams)" for c in cores]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in summary.items():
-        cells = [name, _fmt(row["proxy_busy"], 2), _fmt(row["backend_busy"], 2),
-                 _fmt(row["loadgen_busy"], 2), _fmt(row["other_busy"], 2)]
+        cells = [name, fmt(row["proxy_busy"], 2), fmt(row["backend_busy"], 2),
+                 fmt(row["loadgen_busy"], 2), fmt(row["other_busy"], 2)]
         for c in cores:
             closed, streams = row["cores"].get(c), row["stream_cores"].get(c)
-            cells.append(f"{_fmt(closed and closed * 100, 0, '%')} / "
-                         f"{_fmt(streams and streams * 100, 0, '%')}")
+            cells.append(f"{fmt(closed and closed * 100, 0, '%')} / "
+                         f"{fmt(streams and streams * 100, 0, '%')}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

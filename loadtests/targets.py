@@ -33,7 +33,9 @@ class Target:
 def _gateway(*extra: str):
     def argv(c: Cluster, port: int, _peer_python: Path | None) -> list[str]:
         args = [sys.executable, "-m", "gateway", "--host", HOST, "--port", str(port),
-                "--log-level", "warning", "--prefill", c.prefill_url, str(c.bootstrap_port)]
+                "--log-level", "warning"]
+        for url in c.prefill_urls:
+            args += ["--prefill", url, str(c.bootstrap_port)]
         for url in c.decode_urls:
             args += ["--decode", url]
         return args + list(extra)
@@ -43,8 +45,9 @@ def _gateway(*extra: str):
 def _router(*extra: str):
     def argv(c: Cluster, port: int, peer_python: Path | None) -> list[str]:
         args = [str(peer_python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                "--host", HOST, "--port", str(port),
-                "--prefill", c.prefill_url, str(c.bootstrap_port)]
+                "--host", HOST, "--port", str(port)]
+        for url in c.prefill_urls:
+            args += ["--prefill", url, str(c.bootstrap_port)]
         for url in c.decode_urls:
             args += ["--decode", url]
         return args + list(extra)

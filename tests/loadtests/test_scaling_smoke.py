@@ -1,0 +1,46 @@
+"""The multi-core benchmark, smoke-sized: our gateway at 1 and 2 workers on loopback.
+
+Nothing is pinned on a 2-core machine (the layout needs two CPUs beside the proxy's), so the
+figures say nothing about speed; the test checks that every part runs, every measured row
+has traffic and no errors, and that the tables are written. The peers join when their venv
+is ready (loadtests/peers.py), never installed by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from loadtests import peers
+from tests.procs import ROOT
+
+
+def test_gateway_at_one_and_two_workers_serves_without_errors(tmp_path):
+    targets = ["gateway", "gateway-reuseport"]
+    if peers.ready(peers.DEFAULT_VENV):
+        targets += ["sglang-router", "mini-lb"]
+    out, markdown = tmp_path / "scaling.json", tmp_path / "scaling.md"
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.scaling", "--quick", "--workers", "1,2",
+         "--duration", "1", "--targets", ",".join(targets), "--timeout", "80",
+         "--out", str(out), "--markdown", str(markdown), "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=90, cwd=ROOT)
+    output = done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0, output
+
+    points = json.loads(out.read_text())["points"]
+    measured = {(p["target"], p["workers"]) for p in points}
+    assert {("gateway", 1), ("gateway", 2), ("gateway-reuseport", 2)} <= measured, output
+    for point in points:
+        assert point["rps"] > 0, (point, output)
+        assert point["requests"] > 0, point
+        assert point["errors"] == 0, (point, output)
+        assert point["cpu_per_1k"] is not None and point["cpu_per_1k"] > 0, point
+    gateway_2 = next(p for p in points if (p["target"], p["workers"]) == ("gateway", 2))
+    assert gateway_2["scaling"] is not None, gateway_2
+    assert gateway_2["process_max"] is not None, gateway_2  # two workers seen separately
+
+    tables = markdown.read_text()
+    for target, workers in measured:
+        assert f"| {target} | {workers} |" in tables, tables
