@@ -105,9 +105,10 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
                           max_header_count=config.max_header_count,
                           max_head_bytes=config.max_header_bytes,
                           send_timeout=config.send_timeout)
+    # per serving process: what it bounds is the process's own file descriptors, and the
+    # kernel does not spread connections evenly over workers (a share of limit/N per worker
+    # answered 503 while the gateway as a whole had room: docs/WORKERS.md)
     connections = connection_limit(config.max_client_connections)
-    if worker is not None:
-        connections = max(64, connections // worker.count)
     app.state.gateway.serving = {"connections": connections, "tls": bool(config.ssl_certfile),
                                  "mtls": bool(config.ssl_ca_certs)}
     tune_gc()

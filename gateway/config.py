@@ -85,9 +85,9 @@ class GatewayConfig:
 
     # Client connections (gateway/server_protocol.py)
     max_client_connections: OptionalCount = _opt(
-        0, "client connections and requests served at once before new ones get 503 "
-        "(0 = from the open-file limit: a third of it, each request may hold two upstream "
-        "connections)")
+        0, "client connections and requests one serving process (each of --workers) serves "
+        "at once before new ones get 503 (0 = from the open-file limit: a third of it, each "
+        "request may hold two upstream connections)")
     head_timeout: Seconds = _opt(
         10.0, "seconds a client has to send a request's headers (slowloris)")
     body_timeout: Seconds = _opt(60.0, "seconds a client has to send a request's body")

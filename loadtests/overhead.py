@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-pin", action="store_true", help="do not pin anything to a CPU")
     p.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV,
                    help="venv with sglang-router 0.3.2; created when missing")
+    p.add_argument("--peers-python", help="run the peers with this interpreter instead of a "
+                   "venv (sglang_router importable there, e.g. python3 with PYTHONPATH)")
     p.add_argument("--out", type=Path, help="write settings, medians and every run as JSON")
     p.add_argument("--markdown", type=Path, help="also write the tables to this file")
     p.add_argument("--profile", type=Path, metavar="DIR",
@@ -308,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     peer_python = None
     if any(t.peer for t in targets):
         try:
-            peer_python = peers.ensure_venv(args.peers_venv)
+            peer_python = peers.peer_python(args.peers_venv, args.peers_python)
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
             print(f"peers unavailable, skipping them: {exc}", file=sys.stderr)
             targets = [t for t in targets if not t.peer]
