@@ -90,12 +90,15 @@ class Deadline:
         self._timer = timers.at(when, self._expire)
 
     def move(self, when: float) -> None:
-        """Now due at `when` instead (earlier or later)."""
-        if self._timer is None or when == self.when:
+        """Now due at `when` instead: earlier re-arms the timer, later only notes it (the
+        timer, when it comes, finds the deadline moved on and waits again)."""
+        timer = self._timer
+        if timer is None or when == self.when:
             return
-        self._timer.cancel()
         self.when = when
-        self._timer = self._timers.at(when, self._expire)
+        if when < timer.when:
+            timer.cancel()
+            self._timer = self._timers.at(when, self._expire)
 
     def cancel(self) -> None:
         if self._timer is not None:
@@ -103,5 +106,9 @@ class Deadline:
             self._timer = None
 
     def _expire(self) -> None:
+        timers = self._timers
+        if self.when > timers.loop().time() + timers.resolution:  # moved later meanwhile
+            self._timer = timers.at(self.when, self._expire)
+            return
         self._timer = None
         self.interrupt.fire(Expired())

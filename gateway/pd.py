@@ -69,6 +69,9 @@ class _PrefillWatch:
             self.interrupt.fire(error)
 
 
+REQUEST_TIMEOUT = "request_timeout"  # UpstreamError.reason: the request's deadline passed
+
+
 class PDDispatcher:
     def __init__(self, upstream: Upstream, control: Upstream, rooms: RoomAllocator,
                  timeouts: Timeouts, model: LatencyModel | None = None,
@@ -152,14 +155,15 @@ class PDDispatcher:
         p_task.add_done_callback(watch)
         response: UpstreamResponse | None = None
         handed_over = False
-        deadline = attempt.deadline = Deadline(self.timers, interrupt, attempt.started_at + first)
+        deadline = attempt.deadline = Deadline(
+            self.timers, interrupt, min(attempt.started_at + first, attempt.not_after))
         try:
             if attempt.progressed:  # the prefill answered before we got here
                 limit = attempt.started_at + self.timeouts.response
                 if attempt.view.stream:
                     limit = min(limit, loop.time() + self.model.gap_deadline(
                         attempt.decode.url, self.timeouts.response))
-                deadline.move(limit)
+                deadline.move(min(limit, attempt.not_after))
             response, answer = await self._decode_leg(attempt)
             self.progress(attempt)
             attempt.decode.last_success = time.monotonic()  # alive: it is answering
@@ -217,7 +221,7 @@ class PDDispatcher:
             if by_prefill and attempt.view.stream:
                 limit = min(limit, now + self.model.gap_deadline(attempt.decode.url,
                                                                  self.timeouts.response))
-            attempt.deadline.move(limit)
+            attempt.deadline.move(min(limit, attempt.not_after))
 
     def rescue(self, worker: Worker, why: str) -> int:
         """Stop every attempt waiting on `worker` (marked down, or its breaker opened)."""
@@ -227,7 +231,13 @@ class PDDispatcher:
                  now: float) -> UpstreamError:
         """No answer in time. Each leg still waiting is a suspect (a hung decode keeps its
         prefill waiting too, and the reverse): both feed their breakers and both are avoided
-        by the retry."""
+        by the retry. The request's own deadline passing is no server's fault."""
+        if now >= attempt.not_after - self.timers.resolution:
+            for leg in ("prefill", "decode"):
+                self.leg_done(attempt, leg, None)
+            return UpstreamError("the request's deadline passed", leg="both",
+                                 worker_url=attempt.prefill.url, retryable=False, status=504,
+                                 reason=REQUEST_TIMEOUT)
         if not attempt.progressed:  # a suspected hang: its cohort on the pair too
             rescue.pair_cohort(attempt)
             rescue.suspect_if_hung(attempt, now, first, self.suspect_seconds)

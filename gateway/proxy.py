@@ -14,12 +14,11 @@ import random
 import orjson
 
 from gateway.aborts import Aborted
-from gateway.cancel import Deadline, Expired, Interrupt
 from gateway.errors import GatewayError, UpstreamError
 from gateway.failover import Continuation, error_end, resumable
 from gateway.inflight import Tracked
 from gateway.metrics import Metrics
-from gateway.pd import Answer, Attempt, PDDispatcher
+from gateway.pd import REQUEST_TIMEOUT, Answer, Attempt, PDDispatcher
 from gateway.relay import Capture, StreamBroken
 from gateway.request import RequestView
 from gateway.scheduler import Scheduler
@@ -48,9 +47,8 @@ class Proxy:
         broken stream, `avoid` the servers it should not go to first."""
         avoid = list(avoid)
         last_error: GatewayError | None = None
-        interrupt = Interrupt()
         loop = asyncio.get_running_loop()
-        deadline = Deadline(self.dispatcher.timers, interrupt, loop.time() + self.request_timeout)
+        not_after = loop.time() + self.request_timeout  # each attempt's deadline is capped
         try:
             for number in range(1, self.max_attempts + 1):
                 if tracked.aborted:
@@ -60,6 +58,7 @@ class Proxy:
                 prefill = target.server
                 attempt = self.dispatcher.prepare(view, prefill, decode, tracked,
                                                   target.rank)
+                attempt.not_after = not_after
                 if placement is not None:
                     placement.started(attempt)
                 attempt.resumable = (self.failover and depth < Resumed.MAX_DEPTH
@@ -85,18 +84,20 @@ class Proxy:
                     avoid += (prefill, decode)
                     self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
                     delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
-                    await asyncio.sleep(delay * (0.5 + random.random() / 2))
-        except asyncio.CancelledError:
-            if not isinstance(interrupt.reason(), Expired):
-                raise
-            detail = f"; last failure: {last_error.message}" if last_error else ""
-            raise GatewayError(
-                f"request did not complete within {self.request_timeout:g}s{detail}",
-                status=504) from None
-        finally:
-            deadline.cancel()
-            interrupt.close()
+                    delay *= 0.5 + random.random() / 2
+                    if loop.time() + delay >= not_after:
+                        raise self._out_of_time(last_error) from None
+                    await asyncio.sleep(delay)
+        except UpstreamError as exc:
+            if exc.reason == REQUEST_TIMEOUT:
+                raise self._out_of_time(last_error) from None
+            raise
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _out_of_time(self, last_error: GatewayError | None) -> GatewayError:
+        detail = f"; last failure: {last_error.message}" if last_error else ""
+        return GatewayError(f"request did not complete within {self.request_timeout:g}s{detail}",
+                            status=504)
 
     def _started(self, attempt: Attempt) -> None:
         tokens = attempt.view.prompt_tokens

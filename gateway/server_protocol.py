@@ -21,11 +21,12 @@ Refusals (400 for a request httptools cannot parse, 414, 431) answer in the gate
 shape and close the connection. Everything else (parsing, flow control, keep-alive,
 pipelining) stays uvicorn's. The limits are tested at the socket level in tests/security/.
 
-The deadlines, and uvicorn's own keep-alive wait, are armed on the gateway's `Timers`
-(gateway/timers.py), not as loop timers: one request's head and body share one timer that
-moves on only when its phase's deadline is due, and `on_response_complete` is uvicorn's with
-that one change. A loop timer per phase and per keep-alive wait cost about a tenth of the
-gateway's CPU per request (docs/BENCHMARKS.md, "Cost per request").
+The deadlines, and uvicorn's own keep-alive wait, cost nothing per request: each phase (head,
+body, keep-alive wait) only notes when it ends, and one check per connection, every quarter
+of the shortest limit (at most a second, on the gateway's `Timers`), closes a connection whose
+phase ran out; `on_response_complete` is uvicorn's with that one change. A loop timer per
+phase and per keep-alive wait cost about a tenth of the gateway's CPU per request
+(docs/BENCHMARKS.md, "Cost per request").
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.errors import error_body
 from gateway.timers import Timers
 
+INF = float("inf")
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -47,6 +50,13 @@ class ServerLimits:
     max_head_bytes: int = 32 * 1024
     max_url_bytes: int = 8 * 1024
     send_timeout: float = 30.0
+    keep_alive: float = 5.0  # uvicorn's default timeout_keep_alive (gateway/cli.py keeps it)
+
+    @property
+    def period(self) -> float:
+        """How often a connection checks its deadlines: a quarter of the shortest, at most
+        a second (a deadline is met at most that late)."""
+        return min(1.0, self.head_timeout, self.body_timeout, self.keep_alive) / 4
 
 
 REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
@@ -88,13 +98,14 @@ def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProt
             self._head_bytes = 0
             self._header_count = 0
             self._refused = False
-            self._deadline = None  # the Timer of the current request's head or body
-            self._due = 0.0  # when the current phase ends (the timer may be set earlier)
             self._stall = None
-            self._arm(self._limits.head_timeout)
+            self._waiting = False  # in the keep-alive wait between two requests
+            self._due = self._timers.loop().time() + self._limits.head_timeout
+            self._check = self._timers.after(self._limits.period, self._tick)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._check.cancel()
+            self._due = INF
             if self._stall is not None:
                 self._stall.cancel()
                 self._stall = None
@@ -122,34 +133,25 @@ def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProt
                 self.cycle.scope[STALLED] = True
             self.transport.abort()  # close() would wait for the client to read the buffer
 
-        def _arm(self, seconds: float) -> None:
-            """The current phase ends `seconds` from now: moves the timer only if that is
-            before it (a later end is found by `_expired`)."""
-            self._due = due = self._timers.loop().time() + seconds
-            timer = self._deadline
-            if timer is None or not timer.active or due < timer.when:
-                self._disarm()
-                self._deadline = self._timers.at(due, self._expired)
+        def _phase(self, seconds: float) -> None:
+            """The current phase (head, body, keep-alive wait) ends `seconds` from now."""
+            self._due = self._timers.loop().time() + seconds
 
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _expired(self) -> None:
-            self._deadline = None
-            if self._due > self._timers.loop().time() + self._timers.resolution:
-                self._deadline = self._timers.at(self._due, self._expired)  # a later phase
+        def _tick(self) -> None:
+            """The connection's periodic check: has its current phase run out?"""
+            if self.transport.is_closing():
                 return
-            if not self.transport.is_closing():
-                if self.cycle is not None and not self.cycle.response_complete:
-                    self.cycle.disconnected = True  # the app sees http.disconnect
-                self.transport.close()
+            if self._timers.loop().time() < self._due:
+                self._check = self._timers.after(self._limits.period, self._tick)
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.disconnected = True  # the app sees http.disconnect
+            self.transport.close()
 
         def _answer(self, status: int, message: str) -> None:
             """Write a refusal in the gateway's error shape and close the connection."""
             self._refused = True
-            self._disarm()
+            self._due = INF
             body = orjson.dumps(error_body(message, "invalid_request_error", str(status)))
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
@@ -168,8 +170,9 @@ def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProt
             super().on_message_begin()
             self._head_bytes = 0
             self._header_count = 0
-            if self._deadline is None:
-                self._arm(self._limits.head_timeout)
+            if self._due == INF or self._waiting:  # not the connection's first head
+                self._waiting = False
+                self._phase(self._limits.head_timeout)
 
         def on_url(self, url: bytes) -> None:
             self._head_bytes += len(url)
@@ -186,17 +189,17 @@ def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProt
             super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
-            self._arm(self._limits.body_timeout)
+            self._phase(self._limits.body_timeout)
             super().on_headers_complete()
             if self.cycle is not None:
                 self.cycle.scope[DEPARTURE] = Departure()
 
         def on_message_complete(self) -> None:
-            self._disarm()
+            self._due = INF  # the app answers now; a stalled answer has its own deadline
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
-            # uvicorn's (0.54), with the keep-alive wait on the gateway's timers
+            # uvicorn's (0.54), with the keep-alive wait checked by _tick
             self.server_state.total_requests += 1
             if self.transport.is_closing():
                 return
@@ -205,8 +208,8 @@ def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProt
             if self.pipeline:
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
-            else:
-                self.timeout_keep_alive_task = self._timers.after(  # type: ignore[assignment]
-                    self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            else:  # the keep-alive wait: ended by the next request's first byte, or by _tick
+                self._waiting = True
+                self._phase(self.timeout_keep_alive)
 
     return GuardedHttpToolsProtocol

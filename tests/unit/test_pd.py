@@ -293,3 +293,24 @@ def test_stream_that_stalls_ends_with_a_timeout_event():
     error = orjson.loads(events[-2][len(b"data: "):])["error"]
     assert "went silent mid-stream" in error["message"] and error["code"] == "504"
     assert 0.25 < elapsed < 5
+
+
+def test_the_request_deadline_caps_its_attempts_and_names_itself():
+    """--request-timeout below the learned/cold first-progress deadline: the attempt ends at
+    the request's deadline with a 504 that says so, and no server is blamed for it."""
+    cluster = FakeCluster({P1: FakeServer("prefill", hang=True),
+                           D1: FakeServer("decode", hang=True)})
+
+    async def go():
+        async with gateway(cluster, "--request-timeout", "0.3") as (client, app):
+            started = time.monotonic()
+            r = await client.post("/generate", json={"text": "x"})
+            took = time.monotonic() - started
+            worker = next(w for w in app.state.gateway.pool if w.url == P1)
+            return r, took, worker
+
+    r, took, prefill = run(go())
+    assert r.status_code == 504
+    assert "request did not complete within 0.3s" in r.json()["error"]["message"]
+    assert 0.25 < took < 3.0
+    assert prefill.breaker.consecutive_failures == 0 and prefill.suspect_until == 0.0
