@@ -48,9 +48,10 @@ _PUBLIC = frozenset({Role.PUBLIC})
 _PUBLIC_INFERENCE = frozenset({Role.PUBLIC, Role.INFERENCE})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Caller:
-    """The authenticated caller of one request."""
+    """The authenticated caller of one request (never changed once made; not frozen, which
+    would make every request pay a frozen __init__)."""
 
     roles: frozenset[Role]  # what its credentials grant (PUBLIC always)
     key_id: str | None  # "inference:3" / "admin:0"; None without a key

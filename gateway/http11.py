@@ -368,11 +368,14 @@ class HTTPClient:
 
         Sent once: a failure after the request was written is raised, never resent."""
         pool = self._pool(base_url)
-        request = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + pool.authority.encode()
-                   + b"\r\nUser-Agent: " + self.user_agent
-                   + b"\r\nContent-Type: application/json\r\nAccept-Encoding: identity"
-                   + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n" + headers
-                   + b"\r\n" + body)
+        head = pool.heads.get(path)
+        if head is None:  # the same for every request to this server and path
+            head = pool.heads[path] = (
+                b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + pool.authority.encode()
+                + b"\r\nUser-Agent: " + self.user_agent
+                + b"\r\nContent-Type: application/json\r\nAccept-Encoding: identity"
+                + b"\r\nContent-Length: ")
+        request = b"%s%d\r\n%s\r\n%s" % (head, len(body), headers, body)
         connection = await self._acquire(pool)
         response = Response(asyncio.get_running_loop())
         connection.start(response, request)

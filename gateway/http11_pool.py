@@ -39,6 +39,7 @@ class HostPool:
         self.active: set[_Connection] = set()
         self.pending = 0  # connects in progress and places handed to a waiter
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.heads: dict[str, bytes] = {}  # per path: the request head up to Content-Length
 
     @property
     def size(self) -> int:

@@ -29,9 +29,11 @@ PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pa
 DP_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class RequestView:
-    """What the gateway needs to know about one inference request."""
+    """What the gateway needs to know about one inference request. Treated as immutable
+    (derive with `dataclasses.replace`), but not frozen: a frozen dataclass's __init__ costs
+    7x a plain one (3 us here, on every request)."""
 
     endpoint: str
     body: dict
