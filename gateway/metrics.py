@@ -7,12 +7,14 @@ the pool at scrape time by a collector, so the request path does not update gaug
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.metric_buffer import BufferedCounter, BufferedHistogram, MetricBuffer
 from gateway.workers import WorkerPool, breaker_state_code
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -92,6 +94,33 @@ class Metrics:
             "gateway_client_disconnects", "Clients that went away before the answer ended",
             ["endpoint"], registry=own)
         registry.register(PoolCollector(pool))
+        self.buffer = MetricBuffer()  # the per-request updates (gateway/metric_buffer.py)
+
+    def buffered_counter(self, child) -> BufferedCounter:
+        return self.buffer.counter(child)
+
+    def buffered_histogram(self, child) -> BufferedHistogram:
+        return self.buffer.histogram(child)
+
+    def child(self, worker, metric, *labels: str, url_first: bool = False) -> BufferedCounter:
+        """The buffered child of counter `metric` for this worker (and labels), resolved once
+        per worker: `labels()` costs a lock and a dict lookup per call."""
+        key = (id(metric), labels)
+        child = worker.metric_children.get(key)
+        if child is None:
+            values = (worker.url, *labels) if url_first or not labels else (*labels, worker.url)
+            child = worker.metric_children[key] = self.buffer.counter(metric.labels(*values))
+        return child
+
+    def flush(self) -> None:
+        """Publish what the request path buffered (before any read of the registry)."""
+        self.buffer.flush()
+
+    async def run_flusher(self, interval: float = 1.0) -> None:
+        """Publish every `interval` seconds (so other workers' scrapes see this one)."""
+        while True:
+            await asyncio.sleep(interval)
+            self.flush()
 
     def watch_scheduler(self, scheduler) -> None:
         """Gauges of the scheduler's own state (quarantined pairs, panic picks)."""

@@ -100,21 +100,20 @@ class Proxy:
                             status=504)
 
     def _started(self, attempt: Attempt) -> None:
+        m = self.metrics
         tokens = attempt.view.prompt_tokens
         target = attempt.prefill_target
         attempt.prefill.start(tokens)
         if target is not attempt.prefill:
             target.start(tokens)
-            _child(attempt.prefill, self.metrics.rank_requests, str(target.rank),
-                   url_first=True).inc()
+            m.child(attempt.prefill, m.rank_requests, str(target.rank), url_first=True).inc()
         attempt.decode.start(tokens)
         self.scheduler.dispatched(target, attempt.decode, attempt.view)
         predicted = self.scheduler.policies["prefill"].predicted_hit(target, attempt.view)
         if predicted:
-            _child(attempt.prefill, self.metrics.predicted_tokens).inc(predicted * tokens)
-        decisions = self.metrics.decisions
-        _child(attempt.prefill, decisions, "prefill", self._policy_names["prefill"]).inc()
-        _child(attempt.decode, decisions, "decode", self._policy_names["decode"]).inc()
+            m.child(attempt.prefill, m.predicted_tokens).inc(predicted * tokens)
+        m.child(attempt.prefill, m.decisions, "prefill", self._policy_names["prefill"]).inc()
+        m.child(attempt.decode, m.decisions, "decode", self._policy_names["decode"]).inc()
 
     def leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
         """Called once per leg by the dispatcher: release counters, feed breaker and policy.
@@ -127,7 +126,8 @@ class Proxy:
                 attempt.pair_verdict = "pair" if pairs.record_failure(p_url, d_url) else "server"
             if attempt.pair_verdict == "pair":
                 ok = None
-                _child(attempt.prefill, self.metrics.pair_failures, d_url, url_first=True).inc()
+                self.metrics.child(attempt.prefill, self.metrics.pair_failures, d_url,
+                                   url_first=True).inc()
         elif ok is True and leg == "decode":
             pairs.record_success(p_url, d_url)
         elif ok is None and leg == "decode" and attempt.pair_verdict is None:
@@ -141,15 +141,16 @@ class Proxy:
             target.finish(attempt.view.prompt_tokens)
         self.scheduler.completed(leg, target, attempt.view, ok is True)
         if ok is False:
-            _child(worker, self.metrics.leg_failures, leg, "error", url_first=True).inc()
+            self.metrics.child(worker, self.metrics.leg_failures, leg, "error",
+                               url_first=True).inc()
 
     def prefill_answered(self, attempt: Attempt, body: bytes) -> None:
         """Count prompt and cached tokens the prefill reports (its cache is the one that
         matters for time to first token)."""
         prompt, cached = usage_of(body)
         if prompt:
-            _child(attempt.prefill, self.metrics.prompt_tokens).inc(prompt)
-            _child(attempt.prefill, self.metrics.cached_tokens).inc(cached)
+            self.metrics.child(attempt.prefill, self.metrics.prompt_tokens).inc(prompt)
+            self.metrics.child(attempt.prefill, self.metrics.cached_tokens).inc(cached)
 
 
 class Resumed:
@@ -196,17 +197,6 @@ class Resumed:
         finally:
             if nxt.close is not None:
                 await nxt.close()
-
-
-def _child(worker: Worker, metric, *labels: str, url_first: bool = False):
-    """The metric's child for this worker (and labels), looked up once per worker: `labels()`
-    costs a lock and a dict lookup per call, several times per request otherwise."""
-    key = (id(metric), labels)
-    child = worker.metric_children.get(key)
-    if child is None:
-        values = (worker.url, *labels) if url_first or not labels else (*labels, worker.url)
-        child = worker.metric_children[key] = metric.labels(*values)
-    return child
 
 
 def _reason(exc: UpstreamError) -> str:

@@ -68,6 +68,7 @@ class Gateway:
         except (OSError, ValueError) as exc:  # missing, unreadable, not a certificate
             raise ConfigError(f"upstream_ca_file {config.upstream_ca_file!r}: {exc}") from None
         self.timers = Timers()  # the per-request deadlines (gateway/timers.py)
+        self._flusher: asyncio.Task | None = None  # publishes buffered metrics every second
         self.pool = WorkerPool()
         for spec in config.prefill + config.decode:
             self.pool.add(self._new_worker(spec.url, spec.role, spec.bootstrap_port))
@@ -221,6 +222,7 @@ class Gateway:
             successes=c.health_successes, loads_interval=c.loads_interval,
             on_down=lambda worker: self.dispatcher.rescue(worker, "was marked down"))
         self.health.start()
+        self._flusher = asyncio.get_running_loop().create_task(self.metrics.run_flusher())
         for policy in self.scheduler.policies.values():
             await policy.start()
         if c.prefill_selector or c.decode_selector:
@@ -282,6 +284,9 @@ class Gateway:
 
     async def stop(self) -> None:
         self.shutting_down = True
+        if self._flusher is not None:
+            self._flusher.cancel()
+        self.metrics.flush()
         for cache in self._info_caches.values():
             await cache.close()
         if self.discovery is not None:

@@ -46,6 +46,7 @@ async def data(request: Request) -> Response:
         counts = roles[server["role"]]
         counts["total"] += 1
         counts["usable"] += 1 if server["usable"] else 0
+    gw.metrics.flush()
     families = {f.name: f for f in gw.registry.collect()}  # summed over workers, if any
     prompt = _totals(_family(families, "gateway_prompt_tokens"), "worker")
     cached = _totals(_family(families, "gateway_cached_tokens"), "worker")

@@ -68,10 +68,11 @@ class InferenceEndpoint:
         self.endpoint = endpoint
         m = gateway.metrics
         self._requests = {}
-        self._e2e = m.e2e.labels(endpoint)
-        self._ttft = {False: m.ttft.labels(endpoint, "false"), True: m.ttft.labels(endpoint, "true")}
-        self._itl = m.itl.labels(endpoint)
-        self._bytes = m.stream_bytes.labels(endpoint)
+        self._e2e = m.buffered_histogram(m.e2e.labels(endpoint))
+        self._ttft = {stream: m.buffered_histogram(m.ttft.labels(endpoint, str(stream).lower()))
+                      for stream in (False, True)}
+        self._itl = m.buffered_histogram(m.itl.labels(endpoint))
+        self._bytes = m.buffered_counter(m.stream_bytes.labels(endpoint))
         self._disconnects = m.disconnects.labels(endpoint)
         self._slow = m.slow_clients.labels(endpoint)
 
@@ -132,8 +133,8 @@ class InferenceEndpoint:
             interrupt.close()
             counter = self._requests.get(status)
             if counter is None:
-                counter = self._requests[status] = gw.metrics.requests.labels(
-                    self.endpoint, str(status))
+                counter = self._requests[status] = gw.metrics.buffered_counter(
+                    gw.metrics.requests.labels(self.endpoint, str(status)))
             counter.inc()
             self._e2e.observe(time.perf_counter() - started)
             if status == 499:

@@ -152,5 +152,7 @@ def redact(value: Any) -> Any:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.gateway.registry),
+    gw = request.app.state.gateway
+    gw.metrics.flush()
+    return Response(generate_latest(gw.registry),
                     media_type=CONTENT_TYPE_LATEST)

@@ -109,7 +109,11 @@ def test_metrics_are_summed_over_workers(cluster):
     for _ in range(30):
         with httpx.Client(timeout=20) as client:
             assert generate(gateway, client).status_code == 200
-    assert total_requests(gateway) - before == 30
+    # each worker publishes its buffered figures every second (gateway/metric_buffer.py)
+    deadline = time.monotonic() + 5.0
+    while (seen := total_requests(gateway) - before) < 30 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert seen == 30
 
 
 def total_requests(gateway: str) -> float:
