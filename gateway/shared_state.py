@@ -27,6 +27,7 @@ from multiprocessing import resource_tracker, shared_memory
 from gateway.key_limits import take
 
 SERVER_SLOTS = 1024
+OTHERS_TTL = 0.005  # seconds the other workers' in-flight sums are reused
 MAGIC = 0x70646777  # "pdgw"
 
 
@@ -66,6 +67,7 @@ class SharedState:
         elif self.words[0] != MAGIC:
             raise RuntimeError(f"shared block {name} is not a gateway's")
         self._slots: dict[str, int] = {}
+        self._others: dict[int, tuple[float, int, int]] = {}  # slot -> (when, requests, tokens)
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
 
     @contextlib.contextmanager
@@ -110,7 +112,20 @@ class SharedState:
         return (sum(words[flight:flight + self.workers]),
                 sum(words[tokens:tokens + self.workers]))
 
-    # -- admission ---------------------------------------------------------------------------
+    def others(self, slot: int, worker: int, now: float) -> tuple[int, int]:
+        """`totals` less this worker's own column, at most `OTHERS_TTL` old: the policies
+        ask for every candidate on every request, and the other workers' share of a
+        server's load is not worth a fresh sum each time (the caller adds its own count,
+        which is exact)."""
+        cached = self._others.get(slot)
+        if cached is not None and now - cached[0] < OTHERS_TTL:
+            return cached[1], cached[2]
+        base = slot * self.workers + worker
+        requests, tokens = self.totals(slot)
+        requests -= self.words[self._in_flight + base]
+        tokens -= self.words[self._tokens + base]
+        self._others[slot] = (now, requests, tokens)
+        return requests, tokens
 
     def try_admit(self, worker: int, limit: int) -> bool:
         """Take one of the gateway-wide `limit` slots for this worker, if one is free."""

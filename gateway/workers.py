@@ -188,11 +188,13 @@ class Worker:
 
     def totals(self) -> tuple[int, int]:
         """In-flight requests and prompt tokens over the whole gateway: this process's, or
-        every worker process's with `--workers` (shared memory)."""
+        every worker process's with `--workers` (shared memory; the others' at most a few
+        milliseconds old)."""
         if self.shared is None:
             return self.in_flight, self.in_flight_tokens
-        state, slot, _ = self.shared
-        return state.totals(slot)
+        state, slot, me = self.shared
+        requests, tokens = state.others(slot, me, time.monotonic())
+        return self.in_flight + requests, self.in_flight_tokens + tokens
 
     def _publish(self) -> None:
         if self.shared is not None:

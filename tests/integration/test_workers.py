@@ -105,7 +105,7 @@ def test_every_worker_serves_and_rooms_stay_unique(cluster):
 
 def test_metrics_are_summed_over_workers(cluster):
     gateway = cluster["gateway"]
-    before = total_requests(gateway)
+    before = settled_total(gateway)  # earlier tests' requests published by every worker
     for _ in range(30):
         with httpx.Client(timeout=20) as client:
             assert generate(gateway, client).status_code == 200
@@ -114,6 +114,20 @@ def test_metrics_are_summed_over_workers(cluster):
     while (seen := total_requests(gateway) - before) < 30 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert seen == 30
+
+
+def settled_total(gateway: str) -> float:
+    """The request count once no worker has any left to publish (two reads 1.2 s apart,
+    more than a publishing period, agree)."""
+    deadline = time.monotonic() + 10.0
+    last = total_requests(gateway)
+    while time.monotonic() < deadline:
+        time.sleep(1.2)
+        now = total_requests(gateway)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("the summed request count did not settle")
 
 
 def total_requests(gateway: str) -> float:
