@@ -34,8 +34,8 @@ RESTART_BACKOFF = (1.0, 30.0)
 
 def worker_count(setting: int | str) -> int:
     """`auto`: the cores this process may run on."""
-    if setting == "auto":
-        return max(1, len(os.sched_getaffinity(0)))
+    if setting == "auto":  # at most 32: the worker id has 5 bits in every room
+        return max(1, min(32, len(os.sched_getaffinity(0))))
     return int(setting)
 
 
