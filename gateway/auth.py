@@ -44,6 +44,7 @@ class Role(enum.Enum):
     ADMIN = "admin"
 
 
+ADMIN_TENANT = "admin"  # the tenant of admin callers (their aborts, flushes...)
 _PUBLIC = frozenset({Role.PUBLIC})
 _PUBLIC_INFERENCE = frozenset({Role.PUBLIC, Role.INFERENCE})
 
@@ -58,6 +59,7 @@ class Caller:
     loopback: bool
     address: str = ""  # the client's IP address as the socket says (no forwarded headers)
     key_index: int | None = None  # which inference key (its per-key limits)
+    tenant: str = "anonymous"  # whose usage this is: the key's tenant (configured), else this
 
     @property
     def owner(self) -> str:
@@ -127,10 +129,13 @@ class Auth:
     """Identifies callers and enforces the role a route needs."""
 
     def __init__(self, inference_keys: tuple[str, ...], admin_keys: tuple[str, ...],
-                 limits: KeyLimits | None = None) -> None:
+                 limits: KeyLimits | None = None, tenants: tuple[str, ...] = ()) -> None:
         self.inference = _KeySet(inference_keys)
         self.admin = _KeySet(admin_keys)
         self.limits = limits or KeyLimits(len(inference_keys))
+        if len(tenants) != len(inference_keys):
+            tenants = ("default",) * len(inference_keys)
+        self.tenants = tenants  # the tenant of each inference key
 
     @property
     def inference_open(self) -> bool:
@@ -187,12 +192,13 @@ class Auth:
         admin = self.admin.index(candidate)
         inference = self.inference.index(candidate)
         if admin >= 0:
-            return Caller(self._open | {Role.ADMIN}, f"admin:{admin}", loopback, address)
+            return Caller(self._open | {Role.ADMIN}, f"admin:{admin}", loopback, address,
+                          tenant=ADMIN_TENANT)
         if inference >= 0:
             if needed is Role.INFERENCE:
                 self.limits.take_request(inference)
             return Caller(_PUBLIC_INFERENCE, f"inference:{inference}", loopback, address,
-                          key_index=inference)
+                          key_index=inference, tenant=self.tenants[inference])
         if needed is Role.PUBLIC or (needed is Role.INFERENCE and self.inference_open):
             # an unknown key where none is needed (OpenAI clients always send one)
             return Caller(self._open, None, loopback, address)

@@ -19,6 +19,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import re
 import typing
 import zlib
 from dataclasses import field
@@ -174,7 +175,11 @@ class GatewayConfig:
         (), "API keys accepted on inference routes (comma-separated; prefer "
         "--api-key-file or GATEWAY_API_KEYS: flags show in the process list)", kind="list",
         aliases=("--api-key",))
-    api_key_file: str | None = _opt(None, "file with one inference API key per line")
+    api_key_file: str | None = _opt(
+        None, "file with one inference API key per line, optionally followed by the name of "
+        "its tenant (KEY TENANT; default tenant: 'default')")
+    api_key_tenants: tuple[str, ...] = _opt(
+        (), "the tenant of each inference key, in the order of api_keys", cli=False)
     admin_api_keys: tuple[str, ...] = _opt(
         (), "API keys for the admin API (server changes, flush, abort of any request, "
         "status data); without any, those routes answer only loopback clients", kind="list",
@@ -338,15 +343,33 @@ def load_config(argv: list[str] | None = None,
             values[key] = values.get(key) or value
     if values.get("replica_id") is None:
         values["replica_id"] = replica_id_from_pod_name(environ.get("POD_NAME"))
+    tenants = ["default"] * len(values.get("api_keys", ()))
     for keys, path in (("api_keys", "api_key_file"), ("admin_api_keys", "admin_api_key_file")):
         if values.get(path):
             lines = read_lines(values[path], "API key")
             if not lines:  # an empty Secret would silently leave the routes open
                 raise ConfigError(f"setting {path!r}: {values[path]} holds no key")
-            values[keys] = tuple(values.get(keys, ())) + lines
+            pairs = [key_and_tenant(line, path) for line in lines]
+            values[keys] = tuple(values.get(keys, ())) + tuple(key for key, _ in pairs)
+            if keys == "api_keys":
+                tenants += [tenant for _, tenant in pairs]
+    values["api_key_tenants"] = tuple(tenants)
     cfg = _construct(values, prefill, decode)
     _validate(cfg)
     return cfg
+
+
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def key_and_tenant(line: str, path: str) -> tuple[str, str]:
+    """`KEY` or `KEY TENANT` (a key file's line); the tenant names the key in metrics and
+    accounting, so it comes from configuration, never from clients."""
+    parts = line.split()
+    if len(parts) > 2 or (len(parts) == 2 and not TENANT_NAME.fullmatch(parts[1])):
+        raise ConfigError(f"setting {path!r}: a line must be KEY or KEY TENANT, the tenant "
+                          "1-64 characters of A-Z a-z 0-9 _ . -")
+    return parts[0], parts[1] if len(parts) == 2 else "default"
 
 
 def replica_id_from_pod_name(name: str | None) -> int | None:

@@ -89,7 +89,8 @@ class Gateway:
                                    config.queue_timeout, self.metrics, shared=self._mine())
         self.limits = KeyLimits(len(config.api_keys), config.rate_limit, config.rate_burst,
                                 config.rate_limit_tokens, self.metrics, shared=self.shared)
-        self.auth = Auth(config.api_keys, config.admin_api_keys, self.limits)
+        self.auth = Auth(config.api_keys, config.admin_api_keys, self.limits,
+                         config.api_key_tenants)
         self.siblings = Siblings(self, worker.control if worker is not None else None)
         self.inflight = InFlight()
         self.context = ContextCheck(self.pool, None)

@@ -4,6 +4,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.auth import Auth, Role, presented_key
+from gateway.config import ConfigError, load_config
 from gateway.errors import Forbidden, TooManyRequests, Unauthorized
 from gateway.key_limits import KeyLimits
 from gateway.metrics import Metrics
@@ -112,3 +113,28 @@ def test_no_token_limit_by_default():
     limits = KeyLimits(1)
     for _ in range(100):
         limits.take_tokens(0, 10**6)
+
+
+def test_callers_carry_their_configured_tenant(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nkey-a team-a\nkey-b\nkey-c team-a\n")
+    config = load_config(["--prefill", "http://p:1", "--decode", "http://d:2",
+                          "--api-key", "flag-key", "--api-key-file", str(keys),
+                          "--admin-api-key", "adm-key"], environ={})
+    assert config.api_keys == ("flag-key", "key-a", "key-b", "key-c")
+    assert config.api_key_tenants == ("default", "team-a", "default", "team-a")
+    auth = Auth(config.api_keys, config.admin_api_keys, tenants=config.api_key_tenants)
+    tenant = {k: auth.caller(scope(authorization=f"Bearer {k}"), Role.INFERENCE).tenant
+              for k in ("key-a", "key-b", "flag-key")}
+    assert tenant == {"key-a": "team-a", "key-b": "default", "flag-key": "default"}
+    assert auth.caller(scope(authorization="Bearer adm-key"), Role.ADMIN).tenant == "admin"
+    assert Auth((), ()).caller(scope(), Role.INFERENCE).tenant == "anonymous"
+
+
+@pytest.mark.parametrize("line", ["key-a team a", "key-a team/a", "key-a " + "t" * 65])
+def test_a_bad_tenant_name_is_a_config_error(tmp_path, line):
+    keys = tmp_path / "keys"
+    keys.write_text(line + "\n")
+    with pytest.raises(ConfigError, match="KEY TENANT"):
+        load_config(["--prefill", "http://p:1", "--decode", "http://d:2",
+                     "--api-key-file", str(keys)], environ={})
