@@ -46,6 +46,7 @@ class Row:
     error_samples: list[str]
     policy: dict  # the gateway's view (routing decisions, predicted hits); {} for peers
     per_rank: list[list[int]] = field(default_factory=list)  # served, per prefill, per DP rank
+    ttft_p90_ms: float = float("nan")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +73,8 @@ def make_row(target: str, drive: Drive, servers: ServerFigures, usage: Usage, wi
         proxy_cpu_s=usage.proxy, own_cores=(usage.proxy + usage.backends + usage.loadgen) / window,
         busy_cores=sum(usage.cores.values()) / window,
         per_server=list(servers.requests.values()), error_samples=sorted(set(errors))[:5],
-        policy=policy, per_rank=[[r[0] for r in ranks] for ranks in servers.ranks.values()])
+        policy=policy, per_rank=[[r[0] for r in ranks] for ranks in servers.ranks.values()],
+        ttft_p90_ms=percentile(ttfts, 90) if ttfts else float("nan"))
 
 
 HEADER = ("target", "reqs", "errors", "hit rate", "client hit", "TTFT p50 ms", "TTFT p99 ms",
