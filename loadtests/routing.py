@@ -50,7 +50,7 @@ from loadtests.routing_dp import add_arguments, build_dp_setup, run_dp  # noqa: 
 from loadtests.routing_hard import HARD_WORKLOADS, build_hard_setup, run_hard  # noqa: E402
 from loadtests.routing_measure import measure  # noqa: E402
 from loadtests.routing_report import margin, text_table  # noqa: E402
-from loadtests.routing_targets import ALL, QUICK, Target, parse_targets  # noqa: E402
+from loadtests.routing_targets import ALL, KNOWN, QUICK, Target, parse_targets  # noqa: E402
 from loadtests.routing_workloads import (  # noqa: E402
     ChatShape,
     FewshotShape,
@@ -106,19 +106,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "share, hit ratio against one rank; see loadtests/routing_dp.py); "
                              "hot, docqa, agent, hard (all three): the harder workloads with "
                              "the sticky oracle (loadtests/routing_hard.py)")
-    parser.add_argument("--targets", help=f"comma-separated, from: {', '.join(ALL)}")
+    parser.add_argument("--targets", help=f"comma-separated, from: {', '.join(KNOWN)}")
     parser.add_argument("--duration", type=float,
                         help="seconds of arrivals per workload and target (default: chat 40, "
-                             "fewshot 20; quick 6 and 3; dp: chat 20, unrelated 12)")
+                             "fewshot 20; quick 6 and 3; dp: chat 20, unrelated 12; hot 20, "
+                             "docqa and agent 30, quick 3)")
     parser.add_argument("--rate", type=float,
                         help="requests per second (chat: turns per second; default: chat 12, "
-                             "fewshot 16; quick 10; dp: chat 6, unrelated 20)")
+                             "fewshot 16; quick 10; dp: chat 6, unrelated 20; hot 70, docqa 6, "
+                             "agent 12 steps/s)")
     parser.add_argument("--prefills", type=int,
-                        help="prefill servers (default 4; quick 2; dp 2)")
-    parser.add_argument("--decodes", type=int, help="decode servers (default 4; quick 1; dp 2)")
+                        help="prefill servers (default 4; quick 2; dp 2; hard 4)")
+    parser.add_argument("--decodes", type=int,
+                        help="decode servers (default 4; quick 1; dp 2; hard 2)")
     parser.add_argument("--cache-tokens", type=int,
                         help="prefix cache per prefill server, tokens, split over its DP ranks "
-                             "(default 16384; quick 2500; dp 16384, dp quick 8000)")
+                             "(default 16384; quick 2500; dp 16384, dp quick 8000; hot 16384, "
+                             "docqa 40960, agent 32768)")
     parser.add_argument("--system-prompts", type=int,
                         help="shared system prompts of the chat workload (default 4; quick 2)")
     parser.add_argument("--seed", type=int, default=0)

@@ -8,13 +8,19 @@ Done-when, for `DEFAULT` on every workload: hit ratio >= 0.97x the oracle's wher
 TTFT p50 <= 0.6x sglang-router cache_aware's; on `hot` also the busiest prefill at most 1.5x
 its fair share while the hit ratio stays within 5 points of the best row (the oracle
 included).
+
+`python -m loadtests.routing_hard_report results.json` prints the Markdown tables and verdicts
+of a run written with `--out` (for docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+from pathlib import Path
 
-from loadtests.routing_report import Row
+from loadtests.routing_report import Row, render_markdown, render_text
 
 DEFAULT = "gateway:cache_aware"
 PEER = "sglang-router:cache_aware"
@@ -58,19 +64,12 @@ def _oracle(rows: list[Row]) -> Row | None:
 
 def text_table(rows: list[Row]) -> str:
     oracle = _oracle(rows)
-    table = [list(HEADER)] + [cells(r, oracle) for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(HEADER))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(line, widths, strict=True)))
-                     for line in table)
+    return render_text(HEADER, [cells(r, oracle) for r in rows])
 
 
 def markdown_table(rows: list[Row]) -> str:
     oracle = _oracle(rows)
-    lines = ["| " + " | ".join(HEADER) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADER))) + "|"]
-    lines += ["| " + " | ".join(cells(r, oracle)) + " |" for r in rows]
-    return "\n".join(lines)
+    return render_markdown(HEADER, [cells(r, oracle) for r in rows])
 
 
 def _met(ok: bool) -> str:
@@ -106,3 +105,22 @@ def verdicts(workload: str, rows: list[Row]) -> list[str]:
                    f"{100 * best.hit_rate:.1f}% ({100 * gap:.1f} points; <= "
                    f"{100 * HOT_HIT_POINTS:.0f}: {_met(gap <= HOT_HIT_POINTS)})")
     return out
+
+
+def rows_from(section: dict) -> list[Row]:
+    """The rows of one workload back from `--out` JSON."""
+    fields = set(Row.__dataclass_fields__)
+    return [Row(**{k: v for k, v in row.items() if k in fields}) for row in section["rows"]]
+
+
+def main(argv: list[str]) -> int:
+    results = json.loads(Path(argv[0]).read_text())
+    for name, section in results["workloads"].items():
+        if "verdicts" in section and "rows" in section:
+            print(f"{name}:\n\n{markdown_table(rows_from(section))}\n")
+            print("\n".join(section["verdicts"]) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -100,19 +100,28 @@ def cells(row: Row) -> list[str]:
             _share(row.per_server)]
 
 
-def text_table(rows: list[Row]) -> str:
-    table = [list(HEADER)] + [cells(r) for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(HEADER))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w)
+def render_text(header: tuple[str, ...], lines: list[list[str]], left: int = 1) -> str:
+    """Aligned columns: the first `left` to the left, the others to the right."""
+    table = [list(header)] + lines
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w)
                                for i, (c, w) in enumerate(zip(line, widths, strict=True)))
                      for line in table)
 
 
+def render_markdown(header: tuple[str, ...], lines: list[list[str]], left: int = 1) -> str:
+    out = ["| " + " | ".join(header) + " |",
+           "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
+    out += ["| " + " | ".join(line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def text_table(rows: list[Row]) -> str:
+    return render_text(HEADER, [cells(r) for r in rows])
+
+
 def markdown_table(rows: list[Row]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADER))) + "|"]
-    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return render_markdown(HEADER, [cells(r) for r in rows])
 
 
 def best_of_ours(rows: list[Row]) -> Row | None:
