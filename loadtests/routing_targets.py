@@ -6,6 +6,8 @@ A target name is `gateway:<prefill policy>` (decode: least_load), `sglang-router
 `--dp-aware` (one worker per DP rank, `url@rank`); in PD mode 0.3.2 then sends the decode leg
 to `http://0.0.0.0/generate` and fails every request, so it is in no default list. Every
 proxy listens on 127.0.0.1; a peer runs from the peers' venv (`loadtests/peers.py`).
+`oracle` is no proxy: the load generator routes by the plan's structure and sends both PD
+legs itself (`loadtests/routing_oracle.py`); it exists for plans with shared prefixes.
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ GATEWAY_POLICIES = ("cache_aware", "prefix_cache", "min_ttft", "least_load", "ro
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "random")
 ALL = ([f"gateway:{p}" for p in GATEWAY_POLICIES]
        + [f"sglang-router:{p}" for p in ROUTER_POLICIES] + ["mini-lb"])
-KNOWN = ALL + ["sglang-router:round_robin", "sglang-router:cache_aware+dp-aware"]
+KNOWN = ALL + ["sglang-router:round_robin", "sglang-router:cache_aware+dp-aware", "oracle"]
 QUICK = ["gateway:cache_aware", "gateway:round_robin"]
 # DP ranks: our default (cache_aware) and exact-index policies against the peers
 DP = ["gateway:cache_aware", "gateway:prefix_cache", "sglang-router:cache_aware",
       "sglang-router:round_robin", "mini-lb"]
 QUICK_DP = ["gateway:cache_aware"]
+# Harder workloads: our policies that route on prefixes or load, the peers' cache_aware and
+# round robin, and the oracle.
+HARD = ["gateway:cache_aware", "gateway:prefix_cache", "gateway:min_ttft",
+        "gateway:round_robin", "sglang-router:cache_aware", "sglang-router:round_robin",
+        "oracle"]
+QUICK_HARD = ["gateway:cache_aware", "gateway:round_robin", "oracle"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,12 @@ class Target:
 
     @property
     def peer(self) -> bool:
-        return not self.ours
+        return self.kind in ("sglang-router", "mini-lb")
+
+    @property
+    def proxy(self) -> bool:
+        """A process the requests go through (the oracle is none)."""
+        return self.kind != "oracle"
 
     @property
     def ready_path(self) -> str:
