@@ -41,6 +41,22 @@ class ServerLoad:
     token_usage: float = 0.0
     max_running_requests: int = 0
     updated_at: float = 0.0
+    # cumulative, SGLang's Scheduler._record_step_counters: tokens its prefill steps extended
+    # and their busy time; successive snapshots give the server's measured prefill speed
+    prefill_tokens: int = 0
+    prefill_busy_us: int = 0
+    prefill_speed: float = 0.0  # tokens/s, smoothed over snapshots; 0 until measured
+
+    def follow(self, before: ServerLoad) -> None:
+        """Carry the measured prefill speed over from the previous snapshot, updated by
+        what the server prefilled in between (a restart's smaller counters teach nothing)."""
+        tokens = self.prefill_tokens - before.prefill_tokens
+        busy = self.prefill_busy_us - before.prefill_busy_us
+        speed = before.prefill_speed
+        if tokens > 0 and busy > 0:
+            sample = tokens * 1e6 / busy
+            speed = sample if speed == 0.0 else 0.7 * speed + 0.3 * sample
+        self.prefill_speed = speed
 
 
 @dataclass(eq=False)
@@ -173,15 +189,20 @@ class Worker:
             if not isinstance(entry, dict):
                 continue
             one = _load_entry(entry, now)
+            rank = entry.get("dp_rank", position)
+            ranked = isinstance(rank, int) and 0 <= rank < len(self.ranks)
+            one.follow(self.ranks[rank].load if ranked else self.load)
             total.running += one.running
             total.waiting += one.waiting
             total.waiting_uncached_tokens += one.waiting_uncached_tokens
             total.used_tokens += one.used_tokens
             total.max_total_tokens += one.max_total_tokens
             total.max_running_requests += one.max_running_requests
+            total.prefill_tokens += one.prefill_tokens
+            total.prefill_busy_us += one.prefill_busy_us
+            total.prefill_speed += one.prefill_speed  # ranks prefill side by side: a sum
             usages.append(one.token_usage)
-            rank = entry.get("dp_rank", position)
-            if isinstance(rank, int) and 0 <= rank < len(self.ranks):
+            if ranked:
                 self.ranks[rank].load = one
         total.token_usage = max(usages) if usages else 0.0
         self.load = total
@@ -266,7 +287,9 @@ def _load_entry(entry: dict, now: float) -> ServerLoad:
         waiting_uncached_tokens=number("num_waiting_uncached_tokens"),
         used_tokens=number("num_used_tokens"), max_total_tokens=number("max_total_num_tokens"),
         token_usage=float(usage) if isinstance(usage, (int, float)) else 0.0,
-        max_running_requests=number("max_running_requests"), updated_at=now)
+        max_running_requests=number("max_running_requests"), updated_at=now,
+        prefill_tokens=number("total_prefill_uncached_tokens"),
+        prefill_busy_us=number("total_prefill_busy_us"))
 
 
 class WorkerPool:

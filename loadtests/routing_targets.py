@@ -26,7 +26,11 @@ GATEWAY_POLICIES = ("cache_aware", "prefix_cache", "min_ttft", "least_load", "ro
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "random")
 ALL = ([f"gateway:{p}" for p in GATEWAY_POLICIES]
        + [f"sglang-router:{p}" for p in ROUTER_POLICIES] + ["mini-lb"])
-KNOWN = ALL + ["sglang-router:round_robin", "sglang-router:cache_aware+dp-aware", "oracle"]
+# `@wN`: the gateway with `--workers N` (the hit ratio must survive N processes that share
+# no prefix tree: docs/WORKERS.md)
+WORKERS = ["gateway:cache_aware@w4", "gateway:prefix_cache@w4"]
+KNOWN = ALL + WORKERS + ["sglang-router:round_robin", "sglang-router:cache_aware+dp-aware",
+                         "oracle"]
 QUICK = ["gateway:cache_aware", "gateway:round_robin"]
 # DP ranks: our default (cache_aware) and exact-index policies against the peers
 DP = ["gateway:cache_aware", "gateway:prefix_cache", "sglang-router:cache_aware",
@@ -50,7 +54,14 @@ class Target:
 
     @property
     def policy(self) -> str:
-        return self.name.split(":", 1)[1] if ":" in self.name else "random"
+        policy = self.name.split(":", 1)[1] if ":" in self.name else "random"
+        return policy.split("@", 1)[0]
+
+    @property
+    def workers(self) -> int:
+        """Serving processes of our gateway (`@wN`), 1 without."""
+        _, _, suffix = self.name.partition("@w")
+        return int(suffix) if suffix else 1
 
     @property
     def ours(self) -> bool:
@@ -71,7 +82,8 @@ class Target:
 
     def argv(self, cluster: Cluster, port: int, peer_python: Path | None) -> list[str]:
         if self.ours:
-            return _gateway(cluster, port, self.policy)
+            return _gateway(cluster, port, self.policy) + (
+                ["--workers", str(self.workers)] if self.workers > 1 else [])
         policy, _, flag = self.policy.partition("+")
         extra = ["--mini-lb"] if self.kind == "mini-lb" else [
             "--policy", policy, *([f"--{flag}"] if flag else []), "--log-level", "warn",

@@ -124,8 +124,8 @@ def load_snapshot(state: SimState, rank: DpRank) -> dict[str, Any]:
         "gen_throughput": round(eng.gen_throughput, 3),
         "cache_hit_rate": round(eng.cache_hit_rate, 6),
         "utilization": round(eng.num_running / cfg.max_running_requests, 6),
-        "total_prefill_uncached_tokens": eng.prompt_tokens_total - eng.cached_tokens_total,
-        "total_prefill_busy_us": 0, "decode_moments": None,
+        "total_prefill_uncached_tokens": eng.prefill_step_tokens_total,
+        "total_prefill_busy_us": eng.prefill_busy_us_total, "decode_moments": None,
         "memory": {"weight_gb": 15.0, "kv_cache_gb": 52.0, "graph_gb": 0.5,
                    "token_capacity": cfg.max_total_tokens},
         "disaggregation": {
