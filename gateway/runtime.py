@@ -93,8 +93,11 @@ class Gateway:
                          config.api_key_tenants)
         self.siblings = Siblings(self, worker.control if worker is not None else None)
         self.inflight = InFlight()
-        self.context = ContextCheck(self.pool, None)
-        self.tokens = PromptTokens(config.tokenizer_threads)
+        self.tokens = PromptTokens(
+            config.tokenizer_threads,
+            always=self.scheduler.policies["prefill"].wants_token_ids
+            or config.rate_limit_tokens > 0)
+        self.context = ContextCheck(self.pool, None, self.tokens)
         self.shutting_down = False
         self.serving: dict = {}  # how the server side listens (set by the command line)
         self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)

@@ -12,6 +12,7 @@ cluster and a port. Every proxy listens on 127.0.0.1 and logs at warning level w
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,10 +62,31 @@ def _rust_router(c: Cluster, port: int, peer_python: Path | None) -> list[str]:
                    )(c, port, peer_python)
 
 
+def _tokenizer_dir() -> str:
+    """A tiny served model's tokenizer (backends/tiny_tokenizer.py), made once per run."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from backends.tiny_tokenizer import train, write_model  # noqa: PLC0415 - this target only
+
+        _TOKENIZER = str(write_model(Path(tempfile.mkdtemp(prefix="tok-")) / "model", train()))
+    return _TOKENIZER
+
+
+_TOKENIZER: str | None = None
+
+
+def _gateway_tokenizer(c: Cluster, port: int, peer_python: Path | None) -> list[str]:
+    return _gateway("--tokenizer", _tokenizer_dir(), "--prefill-policy", "prefix_cache")(
+        c, port, peer_python)
+
+
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("floor", "no proxy: the load generator sends both PD legs itself", None),
     Target("gateway", "our gateway, default policies (cache_aware prefill, least_load decode)",
            _gateway(), ours=True, ready_path="/readiness"),
+    Target("gateway-tokenizer", "our gateway, prefix_cache prefill with the model's tokenizer "
+           "(a tiny model's): every prompt tokenized", _gateway_tokenizer, ours=True,
+           ready_path="/readiness"),
     Target("gateway-rr", "our gateway, --policy round_robin",
            _gateway("--policy", "round_robin"), ours=True, ready_path="/readiness"),
     Target("gateway-own", "our gateway, --upstream-client fast (the own HTTP/1.1 client)",

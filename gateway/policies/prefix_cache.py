@@ -106,6 +106,7 @@ def load_tokenizer(path: str) -> Callable[[str], list[int]] | None:
 class PrefixCachePolicy(CacheAwarePolicy):
     name = "prefix_cache"
     Options = PrefixCacheOptions
+    wants_token_ids = True  # chat and text prompts match the KV events block by block
 
     def __init__(self, role: str, options: PrefixCacheOptions | None = None) -> None:
         super().__init__(role, options)
