@@ -114,62 +114,74 @@ class Tracing:
         """Blocking (flushes what is queued, bounded): run off the event loop."""
         self.export.stop()
 
-    def request(self, scope, endpoint: str, request_id: str) -> RequestTrace:
+    def request(self, scope, request_id: str) -> RequestTrace:
         carrier = client_carrier(scope["headers"])
         parent = PROPAGATOR.extract(carrier) if carrier is not None else ROOT
         path = scope["path"]
         span = self.tracer.start_span(
             f"POST {path}", context=parent, kind=SpanKind.SERVER,
-            attributes={"http.request.method": "POST", "url.path": path, "http.route": path,
-                        "gateway.endpoint": endpoint, "gateway.request_id": request_id})
+            attributes={"http.request.method": "POST", "http.route": path,
+                        "gateway.request_id": request_id})
         return RequestTrace(self, span)
 
 
-class RequestTrace:
-    """One request's span, the parent of its picks, legs and relays."""
+def trace_headers(span) -> tuple[tuple[str, str], ...]:
+    """`traceparent` (and `tracestate`) naming `span`, as a leg sends them."""
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier, set_span_in_context(span, ROOT))
+    return tuple(carrier.items())
 
-    __slots__ = ("tracing", "span", "context", "attempts")
+
+class RequestTrace:
+    """One request's span, the parent of its picks, legs and relays. A request the sampler
+    left out makes no child spans: its legs carry the request span's context (flag "not
+    sampled", so SGLang records nothing either), made once."""
+
+    __slots__ = ("tracing", "span", "context", "attempts", "recording", "unsampled")
 
     def __init__(self, tracing: Tracing, span) -> None:
         self.tracing = tracing
         self.span = span
-        self.context = set_span_in_context(span, ROOT)
+        self.recording = span.is_recording()
+        self.context = set_span_in_context(span, ROOT) if self.recording else None
+        self.unsampled = () if self.recording else trace_headers(span)
         self.attempts = 0
 
     def admitted(self, caller, view) -> None:
         """Who asked for what, once the request is authenticated and parsed."""
-        if self.span.is_recording():
+        if self.recording:
             self.span.set_attributes({
                 "gateway.tenant": caller.tenant, "gateway.stream": view.stream,
-                "gateway.items": view.room_count or 1, "gateway.n": view.n,
+                "gateway.items": (view.room_count or 1) * view.n,
                 "gateway.prompt_tokens": view.prompt_tokens})
 
     def picked(self, attempt, retry: int, depth: int, started_ns: int) -> AttemptTrace:
         """The scheduler chose a pair (and the dispatcher gave it rooms): a finished span."""
         self.attempts += 1
-        policies = self.tracing.policies
-        attributes = {"gateway.retry": retry, "gateway.prefill.server": attempt.prefill.url,
-                      "gateway.decode.server": attempt.decode.url,
-                      "gateway.prefill.policy": policies["prefill"],
-                      "gateway.decode.policy": policies["decode"]}
-        if attempt.prefill_rank is not None:
-            attributes["gateway.prefill.dp_rank"] = attempt.prefill_rank
-        if depth:
-            attributes["gateway.continuation"] = depth
-        self.tracing.tracer.start_span("pick", context=self.context, start_time=started_ns,
-                                       attributes=attributes).end()
+        if self.recording:
+            policies = self.tracing.policies
+            attributes = {"gateway.retry": retry, "gateway.prefill.server": attempt.prefill.url,
+                          "gateway.decode.server": attempt.decode.url,
+                          "gateway.prefill.policy": policies["prefill"],
+                          "gateway.decode.policy": policies["decode"]}
+            if attempt.prefill_rank is not None:
+                attributes["gateway.prefill.dp_rank"] = attempt.prefill_rank
+            if depth:
+                attributes["gateway.continuation"] = depth
+            self.tracing.tracer.start_span("pick", context=self.context, attributes=attributes,
+                                           start_time=started_ns).end()
         return AttemptTrace(self, attempt, retry)
 
     def failed(self, error, retry: int) -> None:
         """Why an attempt failed (the retry decision follows)."""
-        if self.span.is_recording():
+        if self.recording:
             self.span.add_event("attempt_failed", {
                 "gateway.retry": retry, "gateway.leg": error.leg or "",
                 "gateway.retryable": error.retryable, "exception.message": error.message})
 
     def finish(self, status: int) -> None:
         span = self.span
-        if span.is_recording():
+        if self.recording:
             span.set_attributes({"http.response.status_code": status,
                                  "gateway.attempts": self.attempts})
             if status >= 500:
@@ -178,7 +190,7 @@ class RequestTrace:
 
 
 class AttemptTrace:
-    """The leg spans and the relay span of one attempt."""
+    """The leg spans and the relay span of one attempt (none when not recording)."""
 
     __slots__ = ("request", "attempt", "retry", "legs", "statuses", "relay", "chunks", "bytes")
 
@@ -194,19 +206,18 @@ class AttemptTrace:
 
     def leg_started(self, leg: str, worker) -> tuple[tuple[str, str], ...]:
         """Start the leg's span; the headers that carry it to the server."""
+        request = self.request
+        if not request.recording:
+            return request.unsampled
         attempt = self.attempt
         rooms = attempt.rooms
-        span = self.request.tracing.tracer.start_span(
-            leg, context=self.request.context, kind=SpanKind.CLIENT,
-            attributes={"gateway.leg": leg, "gateway.retry": self.retry,
-                        "server.address": worker.url, "http.request.method": "POST",
-                        "url.full": worker.url + attempt.view.path,
+        span = request.tracing.tracer.start_span(
+            leg, context=request.context, kind=SpanKind.CLIENT,
+            attributes={"gateway.retry": self.retry, "server.address": worker.url,
                         "gateway.rid": attempt.rid_list[0],
                         "gateway.bootstrap_room": rooms if isinstance(rooms, int) else rooms[0]})
         self.legs[leg] = span
-        carrier: dict[str, str] = {}
-        PROPAGATOR.inject(carrier, set_span_in_context(span, ROOT))
-        return tuple(carrier.items())
+        return trace_headers(span)
 
     def answered(self, leg: str, status: int) -> None:
         self.statuses[leg] = status
@@ -218,7 +229,7 @@ class AttemptTrace:
         """ok: True answered, False failed (the server's fault), None neither: cancelled,
         or refused (a 4xx, the request's fault)."""
         span = self.legs.pop(leg, None)
-        if span is None:  # stopped before it was sent
+        if span is None:  # stopped before it was sent, or not recording
             return
         refused = self.statuses.get(leg, 0) >= 400
         outcome = "ok" if ok else "failed" if ok is False else "refused" if refused \
@@ -229,9 +240,10 @@ class AttemptTrace:
         span.end()
 
     def relay_started(self) -> None:
-        self.relay = self.request.tracing.tracer.start_span(
-            "relay", context=self.request.context,
-            attributes={"gateway.retry": self.retry, "server.address": self.attempt.decode.url})
+        request = self.request
+        if request.recording:
+            self.relay = request.tracing.tracer.start_span(
+                "relay", context=request.context, attributes={"gateway.retry": self.retry})
 
     def relayed(self, data: bytes) -> None:
         self.chunks += 1

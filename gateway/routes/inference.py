@@ -83,8 +83,8 @@ class InferenceEndpoint:
         status = 500
         interrupt = Interrupt()
         state = {"started": False}
-        trace = gw.tracing.request(scope, self.endpoint, request_id) \
-            if gw.tracing is not None else None  # tracing.RequestTrace
+        # tracing.RequestTrace with tracing on (--otlp-endpoint), else None
+        trace = gw.tracing.request(scope, request_id) if gw.tracing is not None else None
         try:
             try:
                 caller = gw.auth.caller(scope, Role.INFERENCE)

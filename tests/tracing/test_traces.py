@@ -85,7 +85,7 @@ def test_a_request_without_traceparent_starts_a_trace_that_reaches_both_legs(tra
     (request,) = spans["POST /generate"]
     assert request.parent_id == "" and request.kind == "SERVER"
     assert request.attributes["http.response.status_code"] == 200
-    assert request.attributes["gateway.endpoint"] == "generate"
+    assert request.attributes["http.route"] == "/generate"
     assert request.attributes["gateway.stream"] is False
     check_legs(spans, sims, request)
     assert "relay" not in spans
