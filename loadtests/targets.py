@@ -102,6 +102,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("gateway-tracing", "our gateway, every request traced, OTLP/HTTP to a local "
            "collector that discards (rotel)", _gateway(), ours=True, ready_path="/readiness",
            sidecar=otlp_blackhole),
+    Target("gateway-tracing-10", "gateway-tracing with --otlp-sample-ratio 0.1 (one request "
+           "in ten recorded)", _gateway("--otlp-sample-ratio", "0.1"), ours=True,
+           ready_path="/readiness", sidecar=otlp_blackhole),
     Target("sglang-router", "sglang-router 0.3.2 (Rust), --policy random",
            _rust_router, peer=True, ready_path="/readiness"),
     Target("mini-lb", "sglang-router 0.3.2 --mini-lb (Python, FastAPI + aiohttp)",
