@@ -54,6 +54,7 @@ Port = Annotated[int, Field(gt=0, lt=65536)]
 Count = Annotated[int, Field(ge=1, le=1_000_000)]
 OptionalCount = Annotated[int, Field(ge=0, le=1_000_000)]  # 0: unlimited / off
 Bytes = Annotated[int, Field(ge=1024, le=1 << 34)]
+OTLP_URL = r"^https?://[^\s/?#]+(/[^\s?#]*)?$"  # a collector: scheme, host[:port], path
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -197,6 +198,15 @@ class GatewayConfig:
         "is reused, so callers cannot make the servers work per call (0 = shared only while "
         "one is being computed)")
     shutdown_grace: OptionalSeconds = _opt(30.0, "seconds to finish in-flight requests on SIGTERM")
+
+    # Tracing (gateway/tracing.py, docs/TRACING.md): OpenTelemetry spans, off unless an endpoint
+    otlp_endpoint: Annotated[str, Field(pattern=OTLP_URL, max_length=2048)] | None = _opt(
+        None, "OTLP collector URL; turns tracing on (http/protobuf: path default /v1/traces)")
+    otlp_protocol: Literal["http/protobuf", "grpc"] = _opt("http/protobuf", "OTLP transport")
+    otlp_sample_ratio: Annotated[float, Field(ge=0, le=1)] = _opt(
+        1.0, "share of new traces recorded (a client's valid traceparent decides its own)")
+    otlp_service_name: Annotated[str, Field(min_length=1, max_length=128)] = _opt(
+        "pd-gateway", "service.name of the gateway's spans")
 
     # Identity
     replica_id: Annotated[int, Field(ge=0, le=4095)] | None = _opt(

@@ -93,6 +93,9 @@ class Metrics:
         self.disconnects = Counter(
             "gateway_client_disconnects", "Clients that went away before the answer ended",
             ["endpoint"], registry=own)
+        self.trace_spans_dropped = Counter(
+            "gateway_trace_spans_dropped", "Trace spans not exported (tracing on), by reason: "
+            "queue_full, export_failed", ["reason"], registry=own)
         registry.register(PoolCollector(pool))
         self.buffer = MetricBuffer()  # the per-request updates (gateway/metric_buffer.py)
 

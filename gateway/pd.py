@@ -290,10 +290,14 @@ class PDDispatcher:
     # -- the legs ----------------------------------------------------------------------------
 
     async def _open(self, attempt: Attempt, leg: str, worker: Worker) -> UpstreamResponse:
+        trace = attempt.trace  # tracing.AttemptTrace, or None (tracing off)
         with translate_errors(leg, worker):
             payload = attempt.prefill_payload if leg == "prefill" else attempt.payload
-            response = await self.upstream.post(worker.url, attempt.view.path, payload,
-                                                attempt.request_id)
+            response = await self.upstream.post(
+                worker.url, attempt.view.path, payload, attempt.request_id,
+                trace.leg_started(leg, worker) if trace is not None else ())
+            if trace is not None:
+                trace.answered(leg, response.status)
             if response.status >= 400:
                 try:
                     body = await response.read()
@@ -362,6 +366,8 @@ class PDDispatcher:
         if leg in attempt.outcome:
             return
         attempt.outcome[leg] = ok
+        if attempt.trace is not None:
+            attempt.trace.leg_done(leg, ok)
         self.on_leg_done(attempt, leg, ok)
 
     # -- background chores ----------------------------------------------------------------------

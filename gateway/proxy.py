@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import orjson
 
@@ -49,15 +50,19 @@ class Proxy:
         last_error: GatewayError | None = None
         loop = asyncio.get_running_loop()
         not_after = loop.time() + self.request_timeout  # each attempt's deadline is capped
+        trace = tracked.trace  # tracing.RequestTrace, or None (tracing off)
         try:
             for number in range(1, self.max_attempts + 1):
                 if tracked.aborted:
                     raise Aborted(f"request {tracked.request_id} was aborted")
                 prefer = placement.prefer if placement is not None else None
+                picking = time.time_ns() if trace is not None else 0
                 target, decode = self.scheduler.pick(view, avoid, prefer)
                 prefill = target.server
                 attempt = self.dispatcher.prepare(view, prefill, decode, tracked,
                                                   target.rank)
+                if trace is not None:
+                    attempt.trace = trace.picked(attempt, number - 1, depth, picking)
                 attempt.not_after = not_after
                 if placement is not None:
                     placement.started(attempt)
@@ -74,6 +79,8 @@ class Proxy:
                     tracked.attempts.discard(attempt)
                     if not isinstance(exc, UpstreamError):
                         raise
+                    if trace is not None:
+                        trace.failed(exc, number - 1)
                     last_error = exc
                     if not exc.retryable or number == self.max_attempts:
                         raise

@@ -83,6 +83,7 @@ class Gateway:
             create_policy(decode_name, "decode", options.get(decode_name)),
         )
         self.metrics.watch_scheduler(self.scheduler)
+        self.tracing = self._tracing() if config.otlp_endpoint else None
         self.rooms = RoomAllocator(config.replica_id,
                                    worker_id=worker.id if worker is not None else None)
         self.admission = Admission(config.max_concurrency, config.max_queue,
@@ -170,6 +171,18 @@ class Gateway:
         """The in-flight record of a request the gateway makes itself (health generation)."""
         return Tracked(request_id=f"probe-{new_id()}", owner="gateway")
 
+    def _tracing(self):
+        """The process's tracer (gateway/tracing.py), imported only when tracing is on; a
+        missing extra is a configuration error, never a silent "off"."""
+        try:
+            from gateway.tracing import Tracing  # noqa: PLC0415 - pd-gateway[tracing]
+            return Tracing(self.config, self.metrics,
+                           {role: p.name for role, p in self.scheduler.policies.items()},
+                           self.version)
+        except ImportError as exc:
+            raise ConfigError(f"otlp_endpoint: tracing needs the OpenTelemetry packages "
+                              f"(pip install 'pd-gateway[tracing]'): {exc}") from None
+
     def _mine(self):
         """(shared state, this worker's id) with --workers, else None."""
         return (self.shared, self.worker.id) if self.worker is not None else None
@@ -188,6 +201,8 @@ class Gateway:
             await self.worker.control.start()
         if c.upstream_insecure:
             log.warning("--upstream-insecure: certificates of https servers are NOT verified")
+        if self.tracing is not None:
+            self.tracing.start()
         self.client = build_client(c.connect_timeout, c.max_connections, self.transport,
                                    self.tls)
         self.context.client = self.client
@@ -310,3 +325,5 @@ class Gateway:
             await self.worker.control.stop()
         self.tokens.close()
         self.timers.close()
+        if self.tracing is not None:  # the last spans leave (bounded), off the event loop
+            await asyncio.to_thread(self.tracing.stop)

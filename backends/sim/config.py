@@ -135,6 +135,7 @@ class SimConfig:
     num_dp_ranks: int = 1  # schedulers (DP ranks) in this server
     attn_dp: bool = False  # the ranks are attention-DP groups (--enable-dp-attention)
     load_balance_method: str = "round_robin"  # resolved: never "auto"
+    enable_trace: bool = False  # record received trace headers (/sim/stats); no spans
     faults: Faults = field(default_factory=Faults, compare=False)
 
     @property
@@ -224,6 +225,9 @@ def _flag_table() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
         (("--enable-cache-report",), {"action": argparse.BooleanOptionalAction,
                                       "default": d.enable_cache_report,
                                       "help": "usage.prompt_tokens_details.cached_tokens"}),
+        (("--enable-trace",), {"action": "store_true",
+                               "help": "record the traceparent/tracestate headers of generation "
+                                       "requests in /sim/stats (emits no spans)"}),
         (("--enable-metrics",), {"action": "store_true",
                                  "help": "accepted for SGLang compatibility; /metrics is always on"}),
         (("--kv-events-config",), {"default": None, "help": "SGLang KVEventsConfig JSON"}),
@@ -306,7 +310,7 @@ def _resolve(ns: argparse.Namespace) -> SimConfig:
         kv_events=kv_events, kv_events_encoding=ns.kv_events_encoding, seed=ns.seed,
         log_level=ns.log_level, num_dp_ranks=num_dp_ranks, attn_dp=attn_dp,
         load_balance_method=resolve_load_balance_method(ns.load_balance_method, ns.mode),
-        faults=faults, **timing,
+        enable_trace=ns.enable_trace, faults=faults, **timing,
     )
 
 

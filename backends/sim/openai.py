@@ -225,7 +225,7 @@ async def _serve(request: Request, endpoint: str, chat: bool) -> ASGIApp:
                 return rank
             generate_body["routed_dp_rank"] = rank
         parsed = parse_generate(generate_body, state.config)
-        jobs, warmups = make_jobs(state, parsed)
+        jobs, warmups = make_jobs(state, parsed, request.scope, endpoint)
     except BadRequest as exc:
         state.stats.record(endpoint, "", None, "failed", str(exc))
         return JSONResponse(openai_error(400, str(exc)), status_code=400)

@@ -83,6 +83,8 @@ class InferenceEndpoint:
         status = 500
         interrupt = Interrupt()
         state = {"started": False}
+        # tracing.RequestTrace with tracing on (--otlp-endpoint), else None
+        trace = gw.tracing.request(scope, request_id) if gw.tracing is not None else None
         try:
             try:
                 caller = gw.auth.caller(scope, Role.INFERENCE)
@@ -95,7 +97,10 @@ class InferenceEndpoint:
                 view = await gw.tokens.count(view)
                 gw.limits.take_tokens(caller.key_index, view.prompt_tokens)
                 await gw.context.check(view)
-                tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt)
+                tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt,
+                                  trace=trace)
+                if trace is not None:
+                    trace.admitted(caller, view)
                 gw.inflight.add(tracked)
                 try:
                     async with gw.admission.slot():
@@ -139,6 +144,8 @@ class InferenceEndpoint:
             self._e2e.observe(time.perf_counter() - started)
             if status == 499:
                 self._disconnects.inc()
+            if trace is not None:
+                trace.finish(status)
 
     async def _serve(self, view, tracked: Tracked, scope: Scope, receive: Receive, send: Send,
                      started: float, state: dict) -> int:
