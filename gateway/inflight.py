@@ -83,6 +83,7 @@ class Tracked:
     attempts: set = field(default_factory=set)  # pd.Attempt objects running now
     aborted: bool = False
     interrupt: object | None = None  # cancel.Interrupt of the request's task
+    usage: object | None = None  # usage.RequestUsage: its figures (None for the gateway's own)
 
     def keys(self) -> tuple[str, ...]:
         return (self.request_id, *self.rids)
