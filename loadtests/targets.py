@@ -12,6 +12,7 @@ cluster and a port. Every proxy listens on 127.0.0.1 and logs at warning level w
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            _gateway(), ours=True, ready_path="/readiness"),
     Target("gateway-rr", "our gateway, --policy round_robin",
            _gateway("--policy", "round_robin"), ours=True, ready_path="/readiness"),
+    Target("gateway-accesslog", "our gateway, --access-log to a file (one JSON line per request)",
+           _gateway("--access-log", str(Path(tempfile.gettempdir()) / "gateway-bench-access.log")),
+           ours=True, ready_path="/readiness"),
     Target("gateway-own", "our gateway, --upstream-client fast (the own HTTP/1.1 client)",
            _gateway("--upstream-client", "fast"), ours=True, ready_path="/readiness"),
     Target("gateway-aiohttp", "our gateway, --upstream-client aiohttp",
