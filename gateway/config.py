@@ -71,6 +71,9 @@ class GatewayConfig:
     port: Port = _opt(8000, "port to listen on")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = _opt(
         "warning", "log level")
+    access_log: str | None = _opt(
+        None, "write one JSON line per inference request to this file ('-': standard output): "
+        "tenant, model, pair, status, times, tokens (docs/OBSERVABILITY.md); off by default")
 
     # TLS for clients (docs/SECURITY.md)
     ssl_certfile: str | None = _opt(None, "serve HTTPS with this certificate (PEM)")

@@ -84,6 +84,7 @@ class Tracked:
     aborted: bool = False
     interrupt: object | None = None  # cancel.Interrupt of the request's task
     trace: object | None = None  # tracing.RequestTrace with tracing on, else None
+    usage: object | None = None  # usage.RequestUsage: its figures (None for the gateway's own)
 
     def keys(self) -> tuple[str, ...]:
         return (self.request_id, *self.rids)

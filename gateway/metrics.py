@@ -96,6 +96,22 @@ class Metrics:
         self.trace_spans_dropped = Counter(
             "gateway_trace_spans_dropped", "Trace spans not exported (tracing on), by reason: "
             "queue_full, export_failed", ["reason"], registry=own)
+        # Usage accounting per tenant and model (gateway/usage.py): tenants come from the
+        # key file, models from the servers; anything else is "other"
+        self.tenant_requests = Counter(
+            "gateway_tenant_requests", "Inference requests answered, per tenant and model",
+            ["tenant", "model"], registry=own)
+        self.tenant_errors = Counter(
+            "gateway_tenant_errors", "Inference requests answered with an error status (4xx, "
+            "including 499 for a client that left, or 5xx), per tenant and model",
+            ["tenant", "model", "status_class"], registry=own)
+        self.tenant_tokens = Counter(
+            "gateway_tenant_tokens", "Tokens per tenant and model: prompt tokens the prefill "
+            "servers report as cached or computed (uncached), and completion tokens the "
+            "answers report", ["tenant", "model", "kind"], registry=own)
+        self.access_log_dropped = Counter(
+            "gateway_access_log_dropped", "Access log lines dropped because the writer could "
+            "not keep up (or the file could not be written)", registry=own)
         registry.register(PoolCollector(pool))
         self.buffer = MetricBuffer()  # the per-request updates (gateway/metric_buffer.py)
 

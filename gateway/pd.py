@@ -27,6 +27,7 @@ from collections.abc import Callable
 import orjson
 
 from gateway import rescue
+from gateway.answer_tokens import ask_for_usage
 from gateway.attempt import Answer, Attempt, Timeouts, make_rids
 from gateway.bootstrap import RoomAllocator
 from gateway.cancel import Deadline, Expired, Interrupt
@@ -121,6 +122,7 @@ class PDDispatcher:
             body["bootstrap_host"] = [prefill.bootstrap_host] * count
             body["bootstrap_port"] = [prefill.bootstrap_port] * count
         body["bootstrap_room"] = rooms
+        ask_for_usage(view, body)  # an OpenAI stream's usage event (kept from the client)
         rid, rid_list, unsuffix = make_rids(body.get("rid"), count)
         body["rid"] = rid
         if rank is not None:

@@ -90,6 +90,8 @@ class Proxy:
                     # decode never came for the KV)
                     avoid += (prefill, decode)
                     self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
+                    if tracked.usage is not None:
+                        tracked.usage.retries += 1
                     delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
                     delay *= 0.5 + random.random() / 2
                     if loop.time() + delay >= not_after:
@@ -121,6 +123,8 @@ class Proxy:
             m.child(attempt.prefill, m.predicted_tokens).inc(predicted * tokens)
         m.child(attempt.prefill, m.decisions, "prefill", self._policy_names["prefill"]).inc()
         m.child(attempt.decode, m.decisions, "decode", self._policy_names["decode"]).inc()
+        if attempt.tracked.usage is not None:
+            attempt.tracked.usage.dispatched(attempt)
 
     def leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
         """Called once per leg by the dispatcher: release counters, feed breaker and policy.
@@ -150,6 +154,8 @@ class Proxy:
         if ok is False:
             self.metrics.child(worker, self.metrics.leg_failures, leg, "error",
                                url_first=True).inc()
+        if leg == "prefill" and attempt.tracked.usage is not None:
+            attempt.tracked.usage.prefill_settled()
 
     def prefill_answered(self, attempt: Attempt, body: bytes) -> None:
         """Count prompt and cached tokens the prefill reports (its cache is the one that
@@ -158,6 +164,8 @@ class Proxy:
         if prompt:
             self.metrics.child(attempt.prefill, self.metrics.prompt_tokens).inc(prompt)
             self.metrics.child(attempt.prefill, self.metrics.cached_tokens).inc(cached)
+            if attempt.tracked.usage is not None:  # the tenant's share of the same figures
+                attempt.tracked.usage.prefill_reported(prompt, cached)
 
 
 class Resumed:
@@ -198,6 +206,8 @@ class Resumed:
             yield error_end(exc)
             return
         self.failovers.labels(view.endpoint, "continued").inc()
+        if self.tracked.usage is not None:
+            self.tracked.usage.failovers += 1
         try:
             async for chunk in cont.splice(nxt.stream):
                 yield chunk

@@ -16,6 +16,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.aborts import Aborts
+from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.aiohttp_upstream import AiohttpUpstream
 from gateway.auth import Auth
@@ -29,6 +30,7 @@ from gateway.errors import BadRequest, GatewayError
 from gateway.health import HealthChecker
 from gateway.inflight import InFlight, Tracked, new_id
 from gateway.key_limits import KeyLimits
+from gateway.latency_history import LatencyHistory
 from gateway.metrics import Metrics
 from gateway.pd import PDDispatcher, Timeouts
 from gateway.policies import create_policy
@@ -41,6 +43,7 @@ from gateway.siblings import Siblings
 from gateway.timers import Timers
 from gateway.ttlcache import TtlCache
 from gateway.upstream import FastUpstream, HttpxUpstream, build_client, ssl_context
+from gateway.usage import Usage
 from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger("gateway")
@@ -84,6 +87,13 @@ class Gateway:
         )
         self.metrics.watch_scheduler(self.scheduler)
         self.tracing = self._tracing() if config.otlp_endpoint else None
+        self.usage = Usage(self.metrics, self.pool, config.model)  # per tenant and model
+        self.access_log = None
+        if config.access_log:
+            self.access_log = AccessLog(config.access_log, self.metrics.access_log_dropped)
+            self.usage.sink = self.access_log.write
+        self.latency = LatencyHistory(self.read_metrics)  # the status page's plots
+        self._latency_task: asyncio.Task | None = None
         self.rooms = RoomAllocator(config.replica_id,
                                    worker_id=worker.id if worker is not None else None)
         self.admission = Admission(config.max_concurrency, config.max_queue,
@@ -148,6 +158,12 @@ class Gateway:
                 + (f" per worker; {self.worker.count} workers" if self.worker is not None
                    else ""))
 
+    def read_metrics(self) -> list:
+        """The registry's metric families, this process's buffered figures published first
+        (summed over the workers with --workers)."""
+        self.metrics.flush()
+        return list(self.registry.collect())
+
     def info_cache(self, name: str) -> TtlCache:
         """The shared, time-limited answer of an endpoint that makes servers work."""
         cache = self._info_caches.get(name)
@@ -197,6 +213,11 @@ class Gateway:
 
     async def start(self) -> None:
         c = self.config
+        if self.access_log is not None:
+            try:
+                self.access_log.start()
+            except OSError as exc:
+                raise StartupError(f"access log {c.access_log}: {exc}") from None
         if self.worker is not None:
             await self.worker.control.start()
         if c.upstream_insecure:
@@ -242,6 +263,7 @@ class Gateway:
             on_down=lambda worker: self.dispatcher.rescue(worker, "was marked down"))
         self.health.start()
         self._flusher = asyncio.get_running_loop().create_task(self.metrics.run_flusher())
+        self._latency_task = asyncio.get_running_loop().create_task(self.latency.run())
         for policy in self.scheduler.policies.values():
             await policy.start()
         if c.prefill_selector or c.decode_selector:
@@ -305,6 +327,8 @@ class Gateway:
         self.shutting_down = True
         if self._flusher is not None:
             self._flusher.cancel()
+        if self._latency_task is not None:
+            self._latency_task.cancel()
         self.metrics.flush()
         for cache in self._info_caches.values():
             await cache.close()
@@ -327,3 +351,5 @@ class Gateway:
         self.timers.close()
         if self.tracing is not None:  # the last spans leave (bounded), off the event loop
             await asyncio.to_thread(self.tracing.stop)
+        if self.access_log is not None:  # last: requests that ended during shutdown too
+            self.access_log.close()

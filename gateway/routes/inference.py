@@ -20,6 +20,7 @@ import time
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.answer_tokens import StreamTokens
 from gateway.attempt import Answer
 from gateway.auth import Role
 from gateway.cancel import Interrupt
@@ -85,11 +86,14 @@ class InferenceEndpoint:
         state = {"started": False}
         # tracing.RequestTrace with tracing on (--otlp-endpoint), else None
         trace = gw.tracing.request(scope, request_id) if gw.tracing is not None else None
+        usage = gw.usage.begin(self.endpoint, request_id, started)
         try:
             try:
                 caller = gw.auth.caller(scope, Role.INFERENCE)
+                usage.tenant = caller.tenant
                 raw = await read_body(scope, receive, gw.config.max_body_bytes)
                 view = parse_request(self.endpoint, raw)
+                gw.usage.parsed(usage, view)
                 items = view.room_count
                 if items is not None and items > gw.config.max_items:
                     raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
@@ -98,14 +102,14 @@ class InferenceEndpoint:
                 gw.limits.take_tokens(caller.key_index, view.prompt_tokens)
                 await gw.context.check(view)
                 tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt,
-                                  trace=trace)
+                                  trace=trace, usage=usage)
                 if trace is not None:
                     trace.admitted(caller, view)
                 gw.inflight.add(tracked)
                 try:
                     async with gw.admission.slot():
                         status = await self._serve(view, tracked, scope, receive, send,
-                                                   started, state)
+                                                   started, state, usage)
                 finally:
                     gw.inflight.remove(tracked)
             except asyncio.CancelledError:
@@ -146,9 +150,10 @@ class InferenceEndpoint:
                 self._disconnects.inc()
             if trace is not None:
                 trace.finish(status)
+            gw.usage.finish(usage, status)
 
     async def _serve(self, view, tracked: Tracked, scope: Scope, receive: Receive, send: Send,
-                     started: float, state: dict) -> int:
+                     started: float, state: dict, usage) -> int:
         """Run the request and send its answer while a watcher listens for a disconnect."""
         watch = _Watch(tracked.interrupt, scope)
         departure = scope.get(DEPARTURE)
@@ -161,7 +166,7 @@ class InferenceEndpoint:
             answer: Answer = await self.gw.serve(view, tracked)
             try:
                 return await self._send_answer(answer, tracked.request_id, send, started,
-                                               watch, state)
+                                               watch, state, usage, view)
             finally:
                 if answer.close is not None:
                     await answer.close()
@@ -173,7 +178,7 @@ class InferenceEndpoint:
                 watcher.cancel()
 
     async def _send_answer(self, answer: Answer, request_id: str, send: Send, started: float,
-                           watch: _Watch, state: dict) -> int:
+                           watch: _Watch, state: dict, usage, view) -> int:
         headers = [(b"content-type", answer.content_type),
                    (b"x-request-id", request_id.encode())]
         if answer.stream is None:
@@ -182,7 +187,9 @@ class InferenceEndpoint:
                         "headers": headers})
             watch.done = True
             await send({"type": "http.response.body", "body": answer.body})
-            self._ttft[False].observe(time.perf_counter() - started)
+            usage.ttft = time.perf_counter() - started
+            usage.tail = answer.body  # its completion tokens are read once it is counted
+            self._ttft[False].observe(usage.ttft)
             self._bytes.inc(len(answer.body))
             return answer.status
         headers.append((b"cache-control", b"no-cache"))
@@ -192,20 +199,31 @@ class InferenceEndpoint:
         itl = self._itl
         sent = 0
         last = 0.0
+        meter = usage.meter = StreamTokens.of(view)  # None for most: read at the end only
+        feed = meter.feed if meter is not None else None
+        previous = final = b""
         try:
             async for chunk in answer.stream:
+                if feed is not None:  # the usage event the client did not ask for is cut
+                    chunk = feed(chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 now = time.perf_counter()
                 if last:
                     itl.observe(now - last)
                 else:
-                    self._ttft[True].observe(now - started)
+                    usage.ttft = now - started
+                    self._ttft[True].observe(usage.ttft)
                 last = now
                 sent += len(chunk)
+                previous, final = final, chunk
         except asyncio.CancelledError:
             if not watch.interrupt.fired:  # the server is shutting down: end the stream properly
                 await _end_stream_early(send, request_id)
             raise
+        finally:
+            usage.tail = previous + final  # the final events: completion tokens
         watch.done = True
         await send({"type": "http.response.body", "body": b""})
         self._bytes.inc(sent)
