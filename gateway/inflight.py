@@ -83,6 +83,7 @@ class Tracked:
     attempts: set = field(default_factory=set)  # pd.Attempt objects running now
     aborted: bool = False
     interrupt: object | None = None  # cancel.Interrupt of the request's task
+    not_after: float | None = None  # the client's own deadline (loop time), if it sent one
 
     def keys(self) -> tuple[str, ...]:
         return (self.request_id, *self.rids)
