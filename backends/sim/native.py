@@ -96,6 +96,7 @@ def make_jobs(state: SimState, parsed: ParsedRequest) -> tuple[list[Job], list[J
     live = [rid for rid in parsed.rids if rid in state.jobs]
     if live:
         raise BadRequest(f"Duplicate request ID detected: {live[0]}")
+    state.stats.priorities[str(parsed.priority)] += 1
     return [Job(spec=s) for s in parsed.items], [Job(spec=s) for s in parsed.warmups]
 
 
@@ -139,7 +140,7 @@ async def answer_generate(state: SimState, body: bytes, scope: Scope, receive: R
         jobs, warmups = make_jobs(state, parsed)
     except BadRequest as exc:
         state.stats.record(ENDPOINT, "", None, "failed", str(exc))
-        status, payload = native_error(400, str(exc))
+        status, payload = native_error(getattr(exc, "status", 400), str(exc))
         await send_json(send, status, payload)
         return
     except InternalError as exc:  # an exception FastAPI answers with its bare 500

@@ -25,6 +25,7 @@ class SimStats:
         self.outcomes: Counter[str] = Counter({k: 0 for k in OUTCOMES})
         self.flush_count = 0
         self.rooms: deque[dict[str, Any]] = deque(maxlen=_RECENT_ROOMS)
+        self.priorities: Counter[str] = Counter()  # requests by `priority` sent ("None")
 
     def received(self, endpoint: str) -> None:
         self.requests[endpoint] += 1
@@ -46,5 +47,6 @@ class SimStats:
             "in_flight": in_flight,
             "flush_count": self.flush_count,
             "rooms": list(self.rooms),
+            "priorities": dict(self.priorities),
             **extra,
         }
