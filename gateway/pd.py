@@ -31,6 +31,7 @@ from gateway.answer_tokens import ask_for_usage
 from gateway.attempt import Answer, Attempt, Timeouts, make_rids
 from gateway.bootstrap import RoomAllocator
 from gateway.cancel import Deadline, Expired, Interrupt
+from gateway.config_tenants import KEEP, forwarded_priority, set_priority
 from gateway.deadlines import LatencyModel
 from gateway.errors import BadRequest, UpstreamError
 from gateway.inflight import Tracked
@@ -88,6 +89,7 @@ class PDDispatcher:
         self.on_leg_done: LegCallback = lambda attempt, leg, ok: None
         self.on_prefill_body: Callable[[Attempt, bytes], None] = lambda attempt, body: None
         self._background: set[asyncio.Task] = set()
+        self.forward_priority = "off"  # --forward-priority: auto, on, off
 
     # -- building the attempt -------------------------------------------------------------
 
@@ -127,11 +129,18 @@ class PDDispatcher:
         body["rid"] = rid
         if rank is not None:
             body["disagg_prefill_dp_rank"] = rank
+        mode = self.forward_priority  # docs/TENANCY.md: each leg per its server's scheduling
+        p_value = d_value = KEEP
+        if mode != "off":
+            p_value = forwarded_priority(prefill, view.priority, mode)
+            set_priority(body, d_value := forwarded_priority(decode, view.priority, mode))
         try:
             payload = orjson.dumps(body)
             prefill_payload = payload
-            if routed:
-                body["routed_dp_rank"] = rank
+            if routed or p_value != d_value:
+                if routed:
+                    body["routed_dp_rank"] = rank
+                set_priority(body, p_value)
                 prefill_payload = orjson.dumps(body)
         except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
             raise BadRequest(f"request body cannot be forwarded: {exc}") from None

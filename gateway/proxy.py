@@ -51,6 +51,8 @@ class Proxy:
         loop = asyncio.get_running_loop()
         not_after = loop.time() + self.request_timeout  # each attempt's deadline is capped
         trace = tracked.trace  # tracing.RequestTrace, or None (tracing off)
+        if tracked.not_after is not None and tracked.not_after < not_after:
+            not_after = tracked.not_after  # the client's own deadline (gateway/tenancy.py)
         try:
             for number in range(1, self.max_attempts + 1):
                 if tracked.aborted:
@@ -118,7 +120,8 @@ class Proxy:
             m.child(attempt.prefill, m.rank_requests, str(target.rank), url_first=True).inc()
         attempt.decode.start(tokens)
         self.scheduler.dispatched(target, attempt.decode, attempt.view)
-        predicted = self.scheduler.policies["prefill"].predicted_hit(target, attempt.view)
+        predicted = self.scheduler.policies["prefill"].predicted_hit(target, attempt.view) \
+            if self.scheduler.by_policy else None  # a session or a sample's own choice
         if predicted:
             m.child(attempt.prefill, m.predicted_tokens).inc(predicted * tokens)
         m.child(attempt.prefill, m.decisions, "prefill", self._policy_names["prefill"]).inc()

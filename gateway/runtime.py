@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from gateway.aborts import Aborts
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
+from gateway.affinity import SessionAffinity
 from gateway.aiohttp_upstream import AiohttpUpstream
 from gateway.auth import Auth
 from gateway.bootstrap import RoomAllocator
@@ -40,6 +41,7 @@ from gateway.proxy import Proxy
 from gateway.samples import Samples
 from gateway.scheduler import Scheduler
 from gateway.siblings import Siblings
+from gateway.tenancy import Tenancy
 from gateway.timers import Timers
 from gateway.ttlcache import TtlCache
 from gateway.upstream import FastUpstream, HttpxUpstream, build_client, ssl_context
@@ -84,6 +86,7 @@ class Gateway:
             self.pool,
             create_policy(prefill_name, "prefill", options.get(prefill_name)),
             create_policy(decode_name, "decode", options.get(decode_name)),
+            affinity=SessionAffinity.from_config(config, self.metrics),
         )
         self.metrics.watch_scheduler(self.scheduler)
         self.tracing = self._tracing() if config.otlp_endpoint else None
@@ -97,11 +100,14 @@ class Gateway:
         self.rooms = RoomAllocator(config.replica_id,
                                    worker_id=worker.id if worker is not None else None)
         self.admission = Admission(config.max_concurrency, config.max_queue,
-                                   config.queue_timeout, self.metrics, shared=self._mine())
+                                   config.queue_timeout, self.metrics, shared=self._mine(),
+                                   timers=self.timers)
         self.limits = KeyLimits(len(config.api_keys), config.rate_limit, config.rate_burst,
                                 config.rate_limit_tokens, self.metrics, shared=self.shared)
         self.auth = Auth(config.api_keys, config.admin_api_keys, self.limits,
                          config.api_key_tenants)
+        self.tenancy = Tenancy(config.tenants, self.auth.tenants, config.priority_header,
+                               config.deadline_header, config.session_header)
         self.siblings = Siblings(self, worker.control if worker is not None else None)
         self.inflight = InFlight()
         self.tokens = PromptTokens(
@@ -243,6 +249,7 @@ class Gateway:
             LatencyModel(DeadlineOptions(percentile=c.hang_percentile, factor=c.hang_factor,
                                          floor=c.hang_floor, cold=c.hang_cold)),
             timers=self.timers)
+        self.dispatcher.forward_priority = c.forward_priority
         self.aborts = Aborts(self.inflight, control, timeout=5.0)
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout,

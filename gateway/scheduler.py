@@ -13,6 +13,10 @@ choice picks the rank that holds the prefix, and a load-aware one spreads over a
 then steers the request to that rank. Decode ranks are left to the decode server: its own
 DataParallelController balances them (round robin by default) with figures the gateway
 only sees late, and what the decode caches is what the prefill sends it.
+
+Sessions: a request with a session id (`--session-header`) takes its prefill target from
+`affinity.SessionAffinity` instead of the prefill policy (which still hears of the dispatch);
+`by_policy` says whether the last prefill choice was the policy's own.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
+from gateway.affinity import SessionAffinity
 from gateway.errors import ServiceUnavailable
 from gateway.pairs import PairHealth
 from gateway.policies import Policy
@@ -42,8 +47,11 @@ def targets(workers: list[Worker]) -> list[Target]:
 
 class Scheduler:
     def __init__(self, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
-                 pairs: PairHealth | None = None) -> None:
+                 pairs: PairHealth | None = None, affinity: SessionAffinity | None = None
+                 ) -> None:
         self.pool = pool
+        self.affinity = affinity
+        self.by_policy = True
         self.pairs = pairs or PairHealth()
         self.policies = {"prefill": prefill_policy, "decode": decode_policy}
         self.panics = {"prefill": 0, "decode": 0}  # picks made in panic mode, per role
@@ -52,7 +60,10 @@ class Scheduler:
 
     def workers_changed(self) -> None:
         """Tell the policies the current workers (membership or probed details changed)."""
-        self.policies["prefill"].on_workers_changed(targets(self.pool.role("prefill")))
+        prefills = targets(self.pool.role("prefill"))
+        self.policies["prefill"].on_workers_changed(prefills)
+        if self.affinity is not None:
+            self.affinity.on_workers_changed(prefills)
         self.policies["decode"].on_workers_changed(self.pool.role("decode"))
 
     def candidates(self, role: str, view: RequestView, avoid: Collection[Worker]) -> list[Worker]:
@@ -96,12 +107,16 @@ class Scheduler:
                 f"no usable {missing} server (all down, draining or circuit-open)",
                 headers={"retry-after": "1"},
             )
+        self.by_policy = False
         if prefer is not None and prefer[0] in prefills:
             worker, rank = prefer
             prefill = worker.ranks[rank] if rank is not None and rank < len(worker.ranks) \
                 else worker
+        elif view.session is not None and self.affinity is not None:
+            prefill = self.affinity.pick(view.session, targets(prefills))
         else:
             prefill = self.policies["prefill"].pick(targets(prefills), view)
+            self.by_policy = True
         server = prefill.server.url
         partners = [d for d in decodes if not self.pairs.blocked(server, d.url)]
         decode = self.policies["decode"].pick(partners or decodes, view)

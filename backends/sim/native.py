@@ -100,6 +100,7 @@ def make_jobs(state: SimState, parsed: ParsedRequest, scope: Scope | None = None
     live = [rid for rid in parsed.rids if rid in state.jobs]
     if live:
         raise BadRequest(f"Duplicate request ID detected: {live[0]}")
+    state.stats.priorities[str(parsed.priority)] += 1
     return [Job(spec=s) for s in parsed.items], [Job(spec=s) for s in parsed.warmups]
 
 
@@ -143,7 +144,7 @@ async def answer_generate(state: SimState, body: bytes, scope: Scope, receive: R
         jobs, warmups = make_jobs(state, parsed, scope)
     except BadRequest as exc:
         state.stats.record(ENDPOINT, "", None, "failed", str(exc))
-        status, payload = native_error(400, str(exc))
+        status, payload = native_error(getattr(exc, "status", 400), str(exc))
         await send_json(send, status, payload)
         return
     except InternalError as exc:  # an exception FastAPI answers with its bare 500

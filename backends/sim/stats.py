@@ -27,6 +27,7 @@ class SimStats:
         self.flush_count = 0
         self.rooms: deque[dict[str, Any]] = deque(maxlen=_RECENT_ROOMS)
         self.traces: deque[dict[str, Any]] = deque(maxlen=_RECENT_ROOMS)
+        self.priorities: Counter[str] = Counter()  # requests by `priority` sent ("None")
 
     def received(self, endpoint: str) -> None:
         self.requests[endpoint] += 1
@@ -58,5 +59,6 @@ class SimStats:
             "flush_count": self.flush_count,
             "rooms": list(self.rooms),
             "traces": list(self.traces),
+            "priorities": dict(self.priorities),
             **extra,
         }

@@ -1,8 +1,10 @@
 """The inference endpoints as pure ASGI apps: the request path, kept short.
 
-auth -> read body -> parse once -> count prompt tokens (exact with the model's tokenizer) ->
-per-key token limit -> context check -> in-flight table -> admission slot -> serve (one PD request,
-or n single-sample ones for n > 1) -> answer. The work runs in the request's own task, under
+auth -> tenancy headers (tenant, priority class, deadline, session: gateway/tenancy.py) ->
+read body -> parse once -> count prompt tokens (exact with the model's tokenizer) -> per-key
+token limit -> context check -> in-flight table -> admission slot (fair queue) -> serve (one PD
+request, or n single-sample ones for n > 1) -> answer. The disconnect watch is armed before
+the admission wait, so a client that leaves while queued leaves the queue at once. The work runs in the request's own task, under
 one `Interrupt`: the client's departure fires it (told by the server protocol directly,
 `server_protocol.Departure`; under another ASGI server a watcher task waits for
 `http.disconnect` instead), `/abort_request` fires
@@ -91,8 +93,10 @@ class InferenceEndpoint:
             try:
                 caller = gw.auth.caller(scope, Role.INFERENCE)
                 usage.tenant = caller.tenant
+                ticket = gw.tenancy.classify(scope["headers"], caller.key_index)
                 raw = await read_body(scope, receive, gw.config.max_body_bytes)
                 view = parse_request(self.endpoint, raw)
+                view.priority, view.session = ticket[1], ticket[3]  # completing the new view
                 gw.usage.parsed(usage, view)
                 items = view.room_count
                 if items is not None and items > gw.config.max_items:
@@ -102,14 +106,13 @@ class InferenceEndpoint:
                 gw.limits.take_tokens(caller.key_index, view.prompt_tokens)
                 await gw.context.check(view)
                 tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt,
-                                  trace=trace, usage=usage)
+                                  trace=trace, usage=usage, not_after=ticket[2])
                 if trace is not None:
                     trace.admitted(caller, view)
                 gw.inflight.add(tracked)
                 try:
-                    async with gw.admission.slot():
-                        status = await self._serve(view, tracked, scope, receive, send,
-                                                   started, state, usage)
+                    status = await self._serve(view, tracked, ticket, scope, receive, send,
+                                               started, state, usage)
                 finally:
                     gw.inflight.remove(tracked)
             except asyncio.CancelledError:
@@ -152,9 +155,10 @@ class InferenceEndpoint:
                 trace.finish(status)
             gw.usage.finish(usage, status)
 
-    async def _serve(self, view, tracked: Tracked, scope: Scope, receive: Receive, send: Send,
-                     started: float, state: dict, usage) -> int:
-        """Run the request and send its answer while a watcher listens for a disconnect."""
+    async def _serve(self, view, tracked: Tracked, ticket: tuple, scope: Scope,
+                     receive: Receive, send: Send, started: float, state: dict, usage) -> int:
+        """Wait for a slot, run the request and send its answer, while a watcher listens for
+        a disconnect (`ticket`: tenant, class, deadline, session from gateway/tenancy.py)."""
         watch = _Watch(tracked.interrupt, scope)
         departure = scope.get(DEPARTURE)
         watcher = None
@@ -162,14 +166,19 @@ class InferenceEndpoint:
             departure.callback = watch.left
         else:
             watcher = asyncio.get_running_loop().create_task(watch(receive))
+        admission = self.gw.admission
         try:
-            answer: Answer = await self.gw.serve(view, tracked)
+            await admission.acquire(ticket[0], ticket[1], ticket[2])
             try:
-                return await self._send_answer(answer, tracked.request_id, send, started,
-                                               watch, state, usage, view)
+                answer: Answer = await self.gw.serve(view, tracked)
+                try:
+                    return await self._send_answer(answer, tracked.request_id, send, started,
+                                                   watch, state, usage, view)
+                finally:
+                    if answer.close is not None:
+                        await answer.close()
             finally:
-                if answer.close is not None:
-                    await answer.close()
+                admission.release()
         finally:
             watch.done = True
             if departure is not None:
