@@ -6,7 +6,7 @@ the exact state see `prefix_cache`). What it does better than sglang-router's `c
   the whole `input_ids`, so two conversations sharing a system prompt are told apart by their
   history, not lumped together by their first message;
 - one global memory bound for the tree, enforced on every insert (no periodic eviction thread
-  that lets the tree overshoot), LRU leaves first;
+  that lets the tree overshoot), LRU leaves first (a token counts 4 characters);
 - the load signal counts prompt tokens and server-reported `/v1/loads` figures, not only
   request counts (`load.py`);
 - workers whose match is within a few percent of the best count as tied and the least loaded
@@ -55,7 +55,7 @@ class CacheAwareOptions(LoadOptions):
     match_threshold: float = 0.3
     balance_abs_threshold: float = 32.0  # load units (one request + one per token_unit tokens)
     balance_rel_threshold: float = 1.5
-    max_tree_size: int = 1 << 24  # characters/tokens over all workers (~16.8 M)
+    max_tree_size: int = 1 << 26  # characters over all workers (a token counts 4; ~67 M)
     eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound evicts
     placement_min: int = 256  # key length (characters or tokens) placed on the ring
     placement_epsilon: float = 0.25  # a ring placement's load bound: (1 + eps) x average
