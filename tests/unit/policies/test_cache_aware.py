@@ -113,7 +113,8 @@ def test_stats_count_decisions() -> None:
     policy.pick([a, b], generate_ids(SEEN))
     policy.on_dispatch(a, generate_ids(SEEN))
     policy.pick([a, b], generate_ids(SEEN))
-    assert policy.stats()["decisions"] == {"cache": 1, "load": 1, "balance": 0, "placement": 0}
+    assert policy.stats()["decisions"] == {"cache": 1, "capacity": 0, "load": 1, "balance": 0,
+                                           "placement": 0}
 
 
 def test_fresh_long_prompts_are_placed_the_same_way_by_every_instance() -> None:
