@@ -75,44 +75,47 @@ class Capacity:
         """Which candidates a matched request may go to, and why: "cache" (its history or
         the best match, as without capacities) or "capacity". `lengths` are the candidates'
         matches, `floor` the best's band, `unit` the size of a key item."""
+        ends = matched.ends
+        if ends and matched.end >= floor:
+            keep = [n >= floor and w.url in ends for w, n in zip(candidates, lengths, strict=True)]
+            if True in keep:
+                last = max((w for w, k in zip(candidates, keep, strict=True) if k),
+                           key=lambda w: ends[w.url])
+                self._continued(tree, last, ends[last.url], (key_len - matched.end) * unit, now)
+                return keep, "cache"
         holders = [n >= floor for n in lengths]
-        if matched.end >= floor:
-            stamps = [(t, i) for i, held in enumerate(holders)
-                      if held and (t := matched.used_at(candidates[i].url)) is not None]
-            if stamps:
-                used, last = max(stamps)
-                self._continued(tree, candidates[last], used, (key_len - matched.end) * unit,
-                                now)
-                keep = {i for _, i in stamps}
-                return [i in keep for i in range(len(candidates))], "cache"
         self._branch()
-        if not self._known(candidates):
+        budgets = self._budgets(candidates)
+        if budgets is None:
             return holders, "cache"
-        spare, fits = self._spare(tree, candidates, [(key_len - n) * unit for n in lengths],
-                                  now)
+        spare, free, fits = self._spare(tree, candidates, budgets,
+                                        [(key_len - n) * unit for n in lengths], now)
         roomy = [f and h for f, h in zip(fits, holders, strict=True)]
         if roomy == holders or not (any(roomy) or any(fits)):
             return holders, "cache"
-        return (roomy if any(roomy) else self._most(tree, candidates, spare, fits)), "capacity"
+        return (roomy if any(roomy) else _most(spare, free, fits)), "capacity"
 
     def placeable(self, tree: PrefixTree, candidates: Sequence[Worker], need: int,
                   now: float) -> list[bool] | None:
         """The candidates a new prompt of `need` size units should be placed among (the
         most spare); None: capacities unknown."""
         self._branch()
-        if not self._known(candidates):
+        budgets = self._budgets(candidates)
+        if budgets is None:
             return None
-        spare, _ = self._spare(tree, candidates, [need] * len(candidates), now)
-        return self._most(tree, candidates, spare, [True] * len(candidates))
+        spare, free, _ = self._spare(tree, candidates, budgets, [need] * len(candidates), now)
+        return _most(spare, free, [True] * len(candidates))
 
     def _continued(self, tree: PrefixTree, worker: Worker, used: float, added: int,
                    now: float) -> None:
-        """Learn from a continuation: how long its earlier key waited, what it adds."""
+        """Learn from a continuation: how long its earlier key waited, what it adds. The wait
+        is not learned where content does not survive CENSOR reuse intervals."""
         budget = self.budget(worker)
-        oldest = tree.oldest(worker.url)
-        survives = (not budget or tree.worker_size(worker.url) + added <= budget
-                    or oldest is None or now - oldest >= CENSOR * self.reuse)
-        if survives or not self.samples:
+        censored = False
+        if self.samples and budget and tree.worker_size(worker.url) + added > budget:
+            oldest = tree.oldest(worker.url)
+            censored = oldest is not None and now - oldest < CENSOR * self.reuse
+        if not censored:
             self.reuse = _ewma(self.reuse, now - used, self.samples)
             self.samples += 1
         self.step = _ewma(self.step, added, self.continuations)
@@ -124,20 +127,30 @@ class Capacity:
             self.branches /= 2
             self.continuations /= 2
 
-    def _known(self, candidates: Sequence[Worker]) -> bool:
-        return self.samples > 0 and all(self.budget(w) for w in candidates)
+    def _budgets(self, candidates: Sequence[Worker]) -> list[int] | None:
+        """Each candidate's budget; None while any is unknown or no reuse was learned."""
+        if not self.samples:
+            return None
+        budgets = [self.budget(w) for w in candidates]
+        return budgets if all(budgets) else None
 
-    def _spare(self, tree: PrefixTree, candidates: Sequence[Worker], needs: Sequence[int],
-               now: float) -> tuple[list[int], list[bool]]:
+    def _spare(self, tree: PrefixTree, candidates: Sequence[Worker], budgets: Sequence[int],
+               needs: Sequence[int], now: float) -> tuple[list[int], list[int], list[bool]]:
+        """Per candidate: spare, free capacity, and whether its need plus growth fits."""
         before = now - REUSE_MARGIN * self.reuse
         growth = self.growth()
-        spare = [self.budget(w) - tree.worker_size(w.url) + tree.stale(w.url, before, WALK)
-                 for w in candidates]
-        return spare, [s >= need + growth for s, need in zip(spare, needs, strict=True)]
+        spare, free, fits = [], [], []
+        for w, budget, need in zip(candidates, budgets, needs, strict=True):
+            unused = budget - tree.worker_size(w.url)
+            room = unused + tree.stale(w.url, before, WALK)
+            spare.append(room)
+            free.append(unused)
+            fits.append(room >= need + growth)
+        return spare, free, fits
 
-    def _most(self, tree: PrefixTree, candidates: Sequence[Worker], spare: Sequence[int],
-              among: Sequence[bool]) -> list[bool]:
-        rank = [(s, self.budget(w) - tree.worker_size(w.url)) if ok else (-1, -1)
-                for w, s, ok in zip(candidates, spare, among, strict=True)]
-        best = max(rank)
-        return [r == best for r in rank]
+
+def _most(spare: Sequence[int], free: Sequence[int], among: Sequence[bool]) -> list[bool]:
+    """The candidates (of `among`) with the most spare, then the most free capacity."""
+    rank = [(s, f) if ok else (-1, -1) for s, f, ok in zip(spare, free, among, strict=True)]
+    best = max(rank)
+    return [r == best for r in rank]

@@ -58,14 +58,13 @@ class _Node:
 
 class Match(dict):
     """Per worker, the length of the longest prefix of the key it was sent; `end`: where the
-    deepest earlier key on that path ended (0: none), for `used_at`."""
+    deepest earlier key on that path ended (0: none); `ends`: the workers holding that key,
+    each with when it was last sent it (read only)."""
 
-    __slots__ = ("end", "_node")
+    __slots__ = ("end", "ends")
 
-    def used_at(self, url: str) -> float | None:
-        """When `url` was last sent the earlier key ending at `end` (None: it holds none)."""
-        node = self._node
-        return None if node is None else node.workers.get(url)
+
+_NO_ENDS: dict[str, float] = {}
 
 
 def _common_length(label: _Stored, key: _Stored, pos: int) -> int:
@@ -166,7 +165,7 @@ class PrefixTree:
                 end_at, end_node = pos, child
             node = child
         result.end = end_at
-        result._node = end_node
+        result.ends = _NO_ENDS if end_node is None else end_node.workers
         return result
 
     def insert(self, key: Key, url: str, now: float | None = None, budget: int = 0) -> None:
