@@ -32,6 +32,7 @@ WORKERS = ["gateway:cache_aware@w4", "gateway:prefix_cache@w4"]
 KNOWN = ALL + WORKERS + ["sglang-router:round_robin", "sglang-router:cache_aware+dp-aware",
                          "oracle"]
 QUICK = ["gateway:cache_aware", "gateway:round_robin"]
+CAPACITY_POLICIES = ("cache_aware", "prefix_cache")  # take option cache_tokens
 # DP ranks: our default (cache_aware) and exact-index policies against the peers
 DP = ["gateway:cache_aware", "gateway:prefix_cache", "sglang-router:cache_aware",
       "sglang-router:round_robin", "mini-lb"]
@@ -105,10 +106,15 @@ def _gateway(cluster: Cluster, port: int, policy: str) -> list[str]:
         args += ["--prefill", server.url, str(server.bootstrap_port)]
     for server in cluster.decodes:
         args += ["--decode", server.url]
+    options: dict = {}
+    if policy in CAPACITY_POLICIES:
+        # the simulator's cache is smaller than the KV pool its /v1/loads reports (a real
+        # server's radix cache is that pool), so the policy is told the cache of a target
+        options["cache_tokens"] = cluster.options.cache_tokens // cluster.options.dp_ranks
     if policy == "prefix_cache":
-        endpoints = {s.url: s.kv_events_endpoint for s in cluster.prefills}
-        args += ["--policy-options", orjson.dumps({"prefix_cache": {"endpoints": endpoints}})
-                 .decode()]
+        options["endpoints"] = {s.url: s.kv_events_endpoint for s in cluster.prefills}
+    if options:
+        args += ["--policy-options", orjson.dumps({policy: options}).decode()]
     return args
 
 

@@ -43,7 +43,7 @@ class MinTtftOptions:
     prefill_tokens_per_second: float = 20000.0
     token_unit: int = 512  # decode without fresh figures: tokens that weigh like one request
     load_max_age: float = 6.0  # seconds a /v1/loads snapshot counts as fresh
-    max_tree_size: int = 1 << 24  # characters/tokens over all workers
+    max_tree_size: int = 1 << 26  # characters over all workers (a token counts 4)
     eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound
     # A match shorter than this fraction of the prompt (role markers, a greeting) is noise,
     # not a cache hit worth following.

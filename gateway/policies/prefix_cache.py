@@ -1,7 +1,8 @@
 """prefix_cache: cache-aware routing on each server's EXACT prefix cache, from its KV events.
 
 Same decision as `cache_aware` (balance guard, match threshold, least loaded among the best
-matches); only the matched lengths differ. For a worker whose event stream is healthy, the
+matches, the cache-capacity test of `capacity.py` on the approximate tree's per-target
+budgets); only the matched lengths differ. For a worker whose event stream is healthy, the
 matched length is the number of leading prompt blocks its cache holds (`kv_index.py`, fed by
 `kv_events.py`). For a worker whose stream is stale (no event for `stale_after` seconds while it
 has traffic) or never spoke, and for every worker when the request has no token ids, the
@@ -158,7 +159,7 @@ class PrefixCachePolicy(CacheAwarePolicy):
     def on_dispatch(self, worker: Worker, view: RequestView) -> None:
         tokens = self.tokens_of(view)
         if tokens:
-            self.tree.insert(tokens, worker.url)
+            self.tree.insert(tokens, worker.url, budget=self.capacity.budget(worker))
         else:
             super().on_dispatch(worker, view)
         self.index.note_dispatch(worker.server.url, time.monotonic())
