@@ -40,6 +40,9 @@ class Attempt:
     prefill_rank: int | None = None  # the DP rank the prefill leg is steered to
     prefill_payload: bytes = b""  # the prefill leg's body when it differs (routed_dp_rank)
     prefill_target: object = None  # what the policy chose: the prefill Worker or its Rank
+    # prompt tokens the prefill leg counts in flight: the part the policy expects uncached
+    # there (the work it queues; gateway/policies/load.py), the whole prompt without a guess
+    prefill_tokens: int = 0
     prefill_future: asyncio.Future | None = None  # told (worker, rank) or None when done
     interrupt: object = None  # cancel.Interrupt of whatever waits on the servers now
     resumable: bool = False  # a broken stream may be continued on another pair

@@ -114,14 +114,16 @@ class Proxy:
         m = self.metrics
         tokens = attempt.view.prompt_tokens
         target = attempt.prefill_target
-        attempt.prefill.start(tokens)
+        predicted = self.scheduler.policies["prefill"].predicted_hit(target, attempt.view) \
+            if self.scheduler.by_policy else None  # a session or a sample's own choice
+        # the prefill's load is what it must compute: a cached prefix costs it little
+        attempt.prefill_tokens = tokens - round((predicted or 0.0) * tokens)
+        attempt.prefill.start(attempt.prefill_tokens)
         if target is not attempt.prefill:
-            target.start(tokens)
+            target.start(attempt.prefill_tokens)
             m.child(attempt.prefill, m.rank_requests, str(target.rank), url_first=True).inc()
         attempt.decode.start(tokens)
         self.scheduler.dispatched(target, attempt.decode, attempt.view)
-        predicted = self.scheduler.policies["prefill"].predicted_hit(target, attempt.view) \
-            if self.scheduler.by_policy else None  # a session or a sample's own choice
         if predicted:
             m.child(attempt.prefill, m.predicted_tokens).inc(predicted * tokens)
         m.child(attempt.prefill, m.decisions, "prefill", self._policy_names["prefill"]).inc()
@@ -147,12 +149,13 @@ class Proxy:
         elif ok is None and leg == "decode" and attempt.pair_verdict is None:
             pairs.release_probe(p_url, d_url)
         worker = attempt.prefill if leg == "prefill" else attempt.decode
-        if worker.finish(attempt.view.prompt_tokens, ok):
+        tokens = attempt.prefill_tokens if leg == "prefill" else attempt.view.prompt_tokens
+        if worker.finish(tokens, ok):
             self.dispatcher.rescue(worker, "opened its circuit breaker")
         target = worker
         if leg == "prefill" and attempt.prefill_target is not worker:
             target = attempt.prefill_target
-            target.finish(attempt.view.prompt_tokens)
+            target.finish(tokens)
         self.scheduler.completed(leg, target, attempt.view, ok is True)
         if ok is False:
             self.metrics.child(worker, self.metrics.leg_failures, leg, "error",

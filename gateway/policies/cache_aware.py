@@ -48,7 +48,14 @@ from dataclasses import dataclass
 
 from gateway.policies.base import Policy
 from gateway.policies.capacity import Capacity
-from gateway.policies.load import LoadOptions, imbalanced, load_scores, rotating_argmin
+from gateway.policies.load import (
+    LoadOptions,
+    cheapest,
+    imbalanced,
+    load_scores,
+    rotating_argmin,
+    with_uncached,
+)
 from gateway.policies.placement import Ring, anchor_of
 from gateway.policies.prefix_tree import CHARS_PER_TOKEN, Key, Match, PrefixTree
 from gateway.request import RequestView
@@ -110,7 +117,8 @@ class CacheAwarePolicy(Policy):
         super().__init__(role, options)
         self.tree = PrefixTree(self.options.max_tree_size, self.options.eviction_ttl)
         self._turn = 0
-        self._decisions = {"cache": 0, "capacity": 0, "load": 0, "balance": 0, "placement": 0}
+        self._decisions = {"cache": 0, "capacity": 0, "load": 0, "balance": 0,
+                           "placement": 0}
         self.ring = Ring()
         self.capacity = Capacity(self.options.cache_tokens)
         self._last_match: tuple[dict[str, int], int] = ({}, 0)
@@ -130,18 +138,21 @@ class CacheAwarePolicy(Policy):
             return candidates[0]
         now = time.monotonic()
         scores = load_scores(candidates, options, now)
+        lengths = [matched.get(w.url, 0) for w in candidates]
+        unit = 1 if isinstance(key, str) else CHARS_PER_TOKEN
+        costs = with_uncached(scores, lengths, key_len, key_len * unit / CHARS_PER_TOKEN,
+                              options.token_unit)
         if imbalanced(scores, options.balance_abs_threshold, options.balance_rel_threshold):
             self._decisions["balance"] += 1
-            return candidates[rotating_argmin(scores, turn)]
-        lengths = [matched.get(w.url, 0) for w in candidates]
+            return candidates[cheapest(costs, lengths, options.move_factor, turn)]
         best = max(lengths)
-        unit = 1 if isinstance(key, str) else CHARS_PER_TOKEN
         if best and key_len and best / key_len >= options.match_threshold:
             allowed, reason = self.capacity.allowed(self.tree, candidates, matched, lengths,
                                                     best - best * TIE_BAND, unit, key_len, now)
             self._decisions[reason] += 1
-            scores = [s if ok else INF for s, ok in zip(scores, allowed, strict=True)]
-        elif key is not None and key_len >= options.placement_min:
+            return candidates[rotating_argmin([s if ok else INF for s, ok in
+                                               zip(scores, allowed, strict=True)], turn)]
+        if key is not None and key_len >= options.placement_min:
             room = self.capacity.placeable(self.tree, candidates, key_len * unit, now)
             placed = self.ring.place(anchor_of(key), candidates, scores,
                                      options.placement_epsilon, room)
@@ -150,9 +161,7 @@ class CacheAwarePolicy(Policy):
                 return candidates[placed]
             if room is not None:
                 scores = [s if ok else INF for s, ok in zip(scores, room, strict=True)]
-            self._decisions["load"] += 1
-        else:
-            self._decisions["load"] += 1
+        self._decisions["load"] += 1
         return candidates[rotating_argmin(scores, turn)]
 
     def predicted_hit(self, worker: Worker, view: RequestView) -> float | None:

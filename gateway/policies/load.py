@@ -13,7 +13,16 @@ is comparing different things, so if any candidate lacks fresh figures, ALL cand
 on the gateway counters (the lesson of sglang-router's `power_of_two.rs`).
 
 Load units: one unit is one request; `token_unit` prompt tokens add one more; a server whose KV
-pool is full adds `usage_weight`.
+pool is full adds `usage_weight`. The tokens are those still to be computed: the gateway counts
+a prefill's in-flight request by the part its policy expected uncached there (gateway/proxy.py;
+the whole prompt without a guess), the server reports `waiting_uncached_tokens`; a cached
+prefix costs the server little, and counting it made a server holding a hot document look
+overloaded, so the guard sent its requests away from the cache (docs/BENCHMARKS.md).
+
+A request's *cost* on a target adds its own uncached part there to the target's load
+(`with_uncached`): what it would queue. Leaving the cache for a lower cost elsewhere pays only
+when that cost is clearly lower (`move_factor` times, plus one unit: `cheapest`, `spread`):
+the move computes the prefix a second time and takes room in a second cache.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ class LoadOptions:
     token_unit: int = 512  # prompt tokens that weigh as much as one request
     usage_weight: float = 32.0  # load units added by a full KV pool (token_usage 1.0)
     load_max_age: float = 6.0  # seconds a /v1/loads snapshot counts as fresh (3 polls at 2 s)
+    move_factor: float = 1.2  # leave the cache only for a cost this many times lower (+1 unit)
 
     def validate(self) -> None:
         if self.token_unit < 1:
@@ -39,6 +49,8 @@ class LoadOptions:
             raise ValueError(f"option 'usage_weight' must be >= 0, got {self.usage_weight}")
         if self.load_max_age <= 0:
             raise ValueError(f"option 'load_max_age' must be > 0, got {self.load_max_age}")
+        if self.move_factor < 1.0:
+            raise ValueError(f"option 'move_factor' must be >= 1, got {self.move_factor}")
 
 
 def is_fresh(worker: Worker, now: float, max_age: float) -> bool:
@@ -90,3 +102,47 @@ def imbalanced(scores: Sequence[float], abs_threshold: float, rel_threshold: flo
         return False
     high, low = max(scores), min(scores)
     return high - low > abs_threshold and high > low * rel_threshold
+
+
+def with_uncached(scores: Sequence[float], lengths: Sequence[int], key_len: int,
+                  tokens: float, token_unit: int) -> list[float]:
+    """Each target's load plus the request's own uncached part there (`lengths` of its
+    `key_len` matched; `tokens` the prompt's): the cost of sending it there."""
+    if not key_len:
+        return [s + tokens / token_unit for s in scores]
+    per_item = tokens / key_len / token_unit
+    return [s + (key_len - n) * per_item for s, n in zip(scores, lengths, strict=True)]
+
+
+def _clearly_lower(there: float, here: float, factor: float) -> bool:
+    return here > there * factor + 1.0
+
+
+def cheapest(costs: Sequence[float], lengths: Sequence[int], factor: float,
+             start: int) -> int:
+    """The imbalance guard's choice: of the targets whose cost is not clearly above the
+    lowest, the longest match (the cache keeps what the move would not save), then the
+    lowest cost (ties rotate from `start`)."""
+    low = min(costs)
+    near = [not _clearly_lower(low, c, factor) for c in costs]
+    longest = max(n for n, ok in zip(lengths, near, strict=True) if ok)
+    return rotating_argmin([c if ok and n == longest else float("inf")
+                            for c, n, ok in zip(costs, lengths, near, strict=True)], start)
+
+
+def spread(order: Sequence[str], candidates: Sequence, costs: Sequence[float],
+           allowed: Sequence[bool], chosen: int, factor: float) -> int | None:
+    """A target outside `allowed` (the holders of a prompt's prefix) whose cost is clearly
+    below that of the `chosen` holder, the lowest first, then the first in `order` (ring
+    order of the prompt's anchor, so processes agree); None: stay. Its cost includes
+    computing the prefix, so a second copy of a hot prefix is made only once the holders'
+    queues outweigh that."""
+    index = {c.url: i for i, c in enumerate(candidates)}
+    best = None
+    for url in order:
+        i = index.get(url)
+        if i is not None and not allowed[i] and (best is None or costs[i] < costs[best]):
+            best = i
+    if best is None or not _clearly_lower(costs[best], costs[chosen], factor):
+        return None
+    return best

@@ -69,6 +69,27 @@ def test_cache_or_load(a_load, b_load, query, expected) -> None:
     assert policy.pick([a, b], generate_ids(query)).url == expected
 
 
+DOCUMENT = list(range(20_000, 36_000))  # 16K tokens: a miss is ~31 load units
+
+
+@pytest.mark.parametrize(
+    ("a_load", "expected"),
+    [
+        pytest.param({"in_flight": 34}, "a", id="queue_as_long_as_the_miss_keeps_the_cache"),
+        pytest.param({"in_flight": 3, "tokens": 40_000}, "b",
+                     id="queued_uncached_work_clearly_dearer_moves"),
+    ],
+)
+def test_guard_weighs_the_uncached_work_where_it_would_go(a_load, expected) -> None:
+    """The imbalance guard fires (a is busy, b idle) but compares costs: a request whose 16K
+    prefix a holds waits there rather than recompute it on b for no gain."""
+    policy = CacheAwarePolicy("prefill")
+    a, b = worker("a", **a_load), worker("b")
+    policy.on_dispatch(a, generate_ids(DOCUMENT))
+    assert policy.pick([a, b], generate_ids(DOCUMENT + [1, 2, 3])).url == expected
+    assert policy.stats()["decisions"]["balance"] == 1
+
+
 def test_coincidental_overlap_counts_as_a_tie() -> None:
     """Both hold the 1000-token prefix; a's extra 10 tokens must not outweigh its load."""
     policy = CacheAwarePolicy("prefill")
@@ -113,8 +134,8 @@ def test_stats_count_decisions() -> None:
     policy.pick([a, b], generate_ids(SEEN))
     policy.on_dispatch(a, generate_ids(SEEN))
     policy.pick([a, b], generate_ids(SEEN))
-    assert policy.stats()["decisions"] == {"cache": 1, "capacity": 0, "load": 1, "balance": 0,
-                                           "placement": 0}
+    assert policy.stats()["decisions"] == {"cache": 1, "capacity": 0, "load": 1,
+                                           "balance": 0, "placement": 0}
 
 
 def test_fresh_long_prompts_are_placed_the_same_way_by_every_instance() -> None:

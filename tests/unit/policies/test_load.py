@@ -8,10 +8,12 @@ import pytest
 
 from gateway.policies.load import (
     LoadOptions,
+    cheapest,
     imbalanced,
     is_fresh,
     load_scores,
     rotating_argmin,
+    with_uncached,
 )
 from tests.unit.policies.util import worker
 
@@ -77,3 +79,28 @@ def test_rotating_argmin(values, start, expected) -> None:
 )
 def test_imbalanced(scores, expected) -> None:
     assert imbalanced(scores, 32, 1.5) is expected
+
+
+@pytest.mark.parametrize(
+    ("lengths", "key_len", "expected"),
+    [
+        pytest.param([1000, 0], 1000, [2.0, 12.0], id="a_full_hit_adds_nothing"),
+        pytest.param([500, 250], 1000, [7.0, 9.5], id="the_uncached_part_is_added"),
+        pytest.param([0, 0], 0, [12.0, 12.0], id="no_key_the_whole_prompt"),
+    ],
+)
+def test_with_uncached(lengths, key_len, expected) -> None:
+    assert with_uncached([2.0, 2.0], lengths, key_len, 1000, 100) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("costs", "lengths", "expected"),
+    [
+        pytest.param([34.0, 32.0], [16000, 0], 0, id="a_miss_elsewhere_as_dear_keeps_the_cache"),
+        pytest.param([60.0, 32.0], [16000, 0], 1, id="a_clearly_cheaper_miss_moves"),
+        pytest.param([40.0, 2.0, 2.5], [100, 0, 50], 2, id="of_the_cheap_ones_the_longest_match"),
+        pytest.param([3.0, 3.0], [0, 0], 1, id="ties_rotate"),
+    ],
+)
+def test_cheapest(costs, lengths, expected) -> None:
+    assert cheapest(costs, lengths, 1.2, 1) == expected
