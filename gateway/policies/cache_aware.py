@@ -54,6 +54,7 @@ from gateway.policies.load import (
     imbalanced,
     load_scores,
     rotating_argmin,
+    spread,
     with_uncached,
 )
 from gateway.policies.placement import Ring, anchor_of
@@ -117,7 +118,7 @@ class CacheAwarePolicy(Policy):
         super().__init__(role, options)
         self.tree = PrefixTree(self.options.max_tree_size, self.options.eviction_ttl)
         self._turn = 0
-        self._decisions = {"cache": 0, "capacity": 0, "load": 0, "balance": 0,
+        self._decisions = {"cache": 0, "capacity": 0, "spread": 0, "load": 0, "balance": 0,
                            "placement": 0}
         self.ring = Ring()
         self.capacity = Capacity(self.options.cache_tokens)
@@ -146,16 +147,24 @@ class CacheAwarePolicy(Policy):
             self._decisions["balance"] += 1
             return candidates[cheapest(costs, lengths, options.move_factor, turn)]
         best = max(lengths)
+        anchor = anchor_of(key) if key is not None else b""
         if best and key_len and best / key_len >= options.match_threshold:
             allowed, reason = self.capacity.allowed(self.tree, candidates, matched, lengths,
                                                     best - best * TIE_BAND, unit, key_len, now)
+            chosen = self.ring.first(anchor, candidates, scores, options.placement_epsilon,
+                                     allowed)
+            if chosen is None:  # every holder over the bound: the cheapest of them
+                chosen = rotating_argmin([c if ok else INF for c, ok in
+                                          zip(costs, allowed, strict=True)], turn)
+            copy = spread(self.ring.walk(anchor), candidates, costs, allowed, chosen,
+                          options.move_factor)
+            if copy is not None:
+                reason, chosen = "spread", copy
             self._decisions[reason] += 1
-            return candidates[rotating_argmin([s if ok else INF for s, ok in
-                                               zip(scores, allowed, strict=True)], turn)]
+            return candidates[chosen]
         if key is not None and key_len >= options.placement_min:
             room = self.capacity.placeable(self.tree, candidates, key_len * unit, now)
-            placed = self.ring.place(anchor_of(key), candidates, scores,
-                                     options.placement_epsilon, room)
+            placed = self.ring.place(anchor, candidates, scores, options.placement_epsilon, room)
             if placed is not None:
                 self._decisions["placement"] += 1
                 return candidates[placed]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
+from gateway.request import RequestView
 from tests.unit.policies.util import chat, generate_ids, worker
 
 SYSTEM = ("system", "You are a careful assistant. " * 20)  # ~600 characters, shared by all
@@ -134,7 +135,7 @@ def test_stats_count_decisions() -> None:
     policy.pick([a, b], generate_ids(SEEN))
     policy.on_dispatch(a, generate_ids(SEEN))
     policy.pick([a, b], generate_ids(SEEN))
-    assert policy.stats()["decisions"] == {"cache": 1, "capacity": 0, "load": 1,
+    assert policy.stats()["decisions"] == {"cache": 1, "capacity": 0, "spread": 0, "load": 1,
                                            "balance": 0, "placement": 0}
 
 
@@ -164,3 +165,42 @@ def test_ring_placement_spills_over_when_its_server_is_loaded() -> None:
     home = policy.pick(workers, view)
     home.in_flight = 40  # far over (1 + 0.25) x the average load
     assert policy.pick(workers, view) is not home
+
+
+FLEET = [f"http://10.0.1.{i}:30000" for i in range(1, 5)]
+HOT = list(range(40_000, 44_096))  # a hot 4K-token system prompt
+
+
+def conversation(n: int) -> RequestView:
+    return generate_ids(HOT + list(range(100_000 + n * 300, 100_300 + n * 300)))
+
+
+def test_a_hot_prefix_spreads_to_a_copy_and_comes_back_as_load_drops() -> None:
+    workers = [worker(url) for url in FLEET]
+    policy = CacheAwarePolicy("prefill")
+    policy.on_workers_changed(workers)
+    home = policy.pick(workers, conversation(0))
+    policy.on_dispatch(home, conversation(0))
+    assert policy.pick(workers, conversation(1)) is home  # idle: the cache wins
+    home.in_flight, home.in_flight_tokens = 12, 3600  # its queue outweighs a 4K miss
+    copy = policy.pick(workers, conversation(2))
+    assert copy is not home and policy.stats()["decisions"]["spread"] == 1
+    policy.on_dispatch(copy, conversation(2))
+    assert policy.pick(workers, conversation(3)) is copy  # the copy takes the overflow
+    home.in_flight, home.in_flight_tokens = 0, 0
+    assert policy.pick(workers, conversation(4)) is home  # load dropped: back to the first
+
+
+def test_instances_agree_on_which_holder_takes_a_new_conversation() -> None:
+    """Two processes whose trees hold the prefix on every target, with different histories
+    of ties, still send a new conversation to the same target (ring order, not turns)."""
+    workers = [worker(url) for url in FLEET]
+    policies = [CacheAwarePolicy("prefill"), CacheAwarePolicy("prefill")]
+    for policy in policies:
+        policy.on_workers_changed(workers)
+        for w in workers:
+            policy.on_dispatch(w, conversation(0))
+    policies[1].pick(workers, generate_ids(list(range(10))))  # a different turn count
+    for n in range(1, 20):
+        assert policies[0].pick(workers, conversation(n)) is policies[1].pick(
+            workers, conversation(n))
