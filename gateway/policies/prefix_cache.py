@@ -18,23 +18,23 @@ Where events come from, per worker (port = base + DP rank, for `worker.dp_size` 
 Workers that resolve to the same endpoint are not followed: their events could not be told
 apart. `replay_port` (0: none) is the ROUTER replay base on the same host.
 
-Token ids come from the request (`input_ids`, token prompts) or, for /generate and /v1/completions
-text, from `tokenizer_path` (a `tokenizer.json`, if the `tokenizers` package is installed). Chat
-text is not tokenized: the server applies a chat template first, which the gateway does not
-reproduce, so its hashes would not match.
+Token ids come from the request (`input_ids`, token prompts) or from the gateway's one
+tokenizer (`gateway/prompt_tokens.py`), which fills `RequestView.routing_tokens` for a policy
+that `wants_token_ids` (chat rendered with the model's chat template, as the server does).
+Without them (no tokenizer loaded), the approximate tree answers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
 from gateway.policies.kv_events import EventSource, KvEventSubscriber
 from gateway.policies.kv_index import KvIndex, salt_seed
-from gateway.request import CHAT, RequestView
+from gateway.request import RequestView
 from gateway.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,6 @@ class PrefixCacheOptions(CacheAwareOptions):
     block_size: int = 0  # server page size; 0 = from the descriptor or the events
     stale_after: float = 30.0  # seconds without events while traffic is pending
     max_blocks: int = 1 << 22  # (block, worker rank) entries over all workers (~140 B each)
-    tokenizer_path: str = ""  # tokenizer.json to tokenize text prompts; "" = tree for text
 
     def validate(self) -> None:
         super().validate()
@@ -66,9 +65,8 @@ class PrefixCacheOptions(CacheAwareOptions):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ValueError(f"option {name!r} must be a port number or 0, got {port}")
-        for name in ("topic", "tokenizer_path"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"option {name!r} must be a string")
+        if not isinstance(self.topic, str):
+            raise ValueError("option 'topic' must be a string")
         if self.block_size < 0:
             raise ValueError(f"option 'block_size' must be >= 0, got {self.block_size}")
         if self.stale_after <= 0:
@@ -87,23 +85,6 @@ def parse_tcp(endpoint: object) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def load_tokenizer(path: str) -> Callable[[str], list[int]] | None:
-    """An encode function from a tokenizer.json, or None without the `tokenizers` package."""
-    if not path:
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        log.warning("tokenizer_path is set but 'tokenizers' is not installed; "
-                    "text prompts use the approximate tree")
-        return None
-    try:
-        tokenizer = Tokenizer.from_file(path)
-    except Exception as exc:  # tokenizers raises its own exception type
-        raise ValueError(f"option 'tokenizer_path': cannot load {path!r}: {exc}") from None
-    return lambda text: tokenizer.encode(text).ids
-
-
 class PrefixCachePolicy(CacheAwarePolicy):
     name = "prefix_cache"
     Options = PrefixCacheOptions
@@ -113,22 +94,12 @@ class PrefixCachePolicy(CacheAwarePolicy):
         super().__init__(role, options)
         self.index = KvIndex(self.options.max_blocks)
         self.subscriber = KvEventSubscriber(self.index)
-        self.encode = load_tokenizer(self.options.tokenizer_path)
-        self._last_tokens: tuple[RequestView | None, tuple[int, ...] | None] = (None, None)
         self._matches = {"exact": 0, "approximate": 0}
         self._workers: dict[str, Worker] = {}  # followed for events
 
     def tokens_of(self, view: RequestView) -> tuple[int, ...] | None:
-        """The prompt's token ids, tokenizing text once per request when a tokenizer is set."""
-        if view.routing_tokens is not None:
-            return view.routing_tokens
-        if self.encode is None or not view.routing_text or view.endpoint == CHAT:
-            return None
-        seen, tokens = self._last_tokens
-        if seen is not view:
-            tokens = tuple(self.encode(view.routing_text))
-            self._last_tokens = (view, tokens)
-        return tokens
+        """The prompt's token ids: the request's, or the gateway tokenizer's."""
+        return view.routing_tokens
 
     def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
         known = self._workers

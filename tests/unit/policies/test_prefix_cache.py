@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import sys
+import dataclasses
 import time
 
 import pytest
 
+from gateway.policies.base import build_options
 from gateway.policies.kv_index import block_hashes
 from gateway.policies.prefix_cache import PrefixCacheOptions, PrefixCachePolicy, parse_tcp
 from tests.unit.policies.util import chat, completion, generate_ids, generate_text, worker
@@ -84,15 +85,18 @@ def test_requests_events_cannot_describe_use_the_tree(view, expected) -> None:
     assert p.pick([a, b], view) is {"a": a, "b": b}[expected]
 
 
-def test_text_is_tokenized_for_generate_and_completions_not_chat() -> None:
+@pytest.mark.parametrize("text_view", [generate_text, completion,
+                                       lambda text: chat(("user", text))],
+                         ids=["generate", "completions", "chat"])
+def test_text_matches_exactly_with_the_gateway_tokenizers_ids(text_view) -> None:
     p = policy()
-    p.encode = lambda text: PROMPT  # what a tokenizer.json would give
     a, b = worker(A), worker(B)
     holds(p, A, [])
     holds(p, B, PROMPT)
-    assert p.pick([a, b], generate_text("hello")) is b
-    assert p.pick([a, b], completion("hello")) is b
-    assert p.tokens_of(chat(("user", "hello"))) is None
+    plain = text_view("hello")
+    assert p.tokens_of(plain) is None  # no tokenizer loaded: the tree answers
+    tokenized = dataclasses.replace(plain, routing_tokens=tuple(PROMPT))  # prompt_tokens.py
+    assert p.pick([a, b], tokenized) is b
 
 
 def test_load_guard_still_applies() -> None:
@@ -138,11 +142,10 @@ def test_ipv6_worker_host_is_bracketed() -> None:
     assert [s.endpoint for s in sources] == ["tcp://[fd00::5]:5557"]
 
 
-def test_tokenizer_path_without_the_package_uses_the_tree(monkeypatch, caplog) -> None:
-    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails as if not installed
-    p = policy(tokenizer_path="/models/x/tokenizer.json")
-    assert p.encode is None and p.tokens_of(generate_text("hi")) is None
-    assert "not installed" in caplog.text
+def test_its_own_tokenizer_option_is_gone() -> None:
+    """One tokenizer per gateway (gateway/prompt_tokens.py): the policy takes no path."""
+    with pytest.raises(ValueError, match="unknown option 'tokenizer_path'"):
+        build_options(PrefixCachePolicy, {"tokenizer_path": "/models/x/tokenizer.json"})
 
 
 def test_workers_sharing_an_endpoint_are_not_followed() -> None:

@@ -75,7 +75,6 @@ BAD_VALUES = [
     ("prefix_cache", "stale_after", 0),
     ("prefix_cache", "block_size", -16),
     ("prefix_cache", "max_blocks", 0),
-    ("prefix_cache", "tokenizer_path", 3),
     ("min_ttft", "prefill_tokens_per_second", 0),
     ("min_ttft", "token_unit", 0),
     ("min_ttft", "max_tree_size", -1),
