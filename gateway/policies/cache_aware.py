@@ -149,15 +149,16 @@ class CacheAwarePolicy(Policy):
         best = max(lengths)
         anchor = anchor_of(key) if key is not None else b""
         if best and key_len and best / key_len >= options.match_threshold:
+            floor = best - best * TIE_BAND
             allowed, reason = self.capacity.allowed(self.tree, candidates, matched, lengths,
-                                                    best - best * TIE_BAND, unit, key_len, now)
+                                                    floor, unit, key_len, now)
             chosen = self.ring.first(anchor, candidates, scores, options.placement_epsilon,
                                      allowed)
             if chosen is None:  # every holder over the bound: the cheapest of them
                 chosen = rotating_argmin([c if ok else INF for c, ok in
                                           zip(costs, allowed, strict=True)], turn)
-            copy = spread(self.ring.walk(anchor), candidates, costs, allowed, chosen,
-                          options.move_factor)
+            copy = spread(self.ring.walk(anchor), candidates, costs,
+                          [n < floor for n in lengths], chosen, options.move_factor)
             if copy is not None:
                 reason, chosen = "spread", copy
             self._decisions[reason] += 1

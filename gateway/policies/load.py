@@ -131,17 +131,17 @@ def cheapest(costs: Sequence[float], lengths: Sequence[int], factor: float,
 
 
 def spread(order: Sequence[str], candidates: Sequence, costs: Sequence[float],
-           allowed: Sequence[bool], chosen: int, factor: float) -> int | None:
-    """A target outside `allowed` (the holders of a prompt's prefix) whose cost is clearly
-    below that of the `chosen` holder, the lowest first, then the first in `order` (ring
-    order of the prompt's anchor, so processes agree); None: stay. Its cost includes
-    computing the prefix, so a second copy of a hot prefix is made only once the holders'
-    queues outweigh that."""
+           fresh: Sequence[bool], chosen: int, factor: float) -> int | None:
+    """A `fresh` target (one not holding the prompt's prefix) whose cost is clearly below
+    that of the `chosen` holder, the lowest first, then the first in `order` (ring order of
+    the prompt's anchor, so processes agree); None: stay. Its cost includes computing the
+    prefix, so a new copy of a hot prefix is made only once the holders' queues outweigh
+    that; a holder the capacity test left out is no fresh target."""
     index = {c.url: i for i, c in enumerate(candidates)}
     best = None
     for url in order:
         i = index.get(url)
-        if i is not None and not allowed[i] and (best is None or costs[i] < costs[best]):
+        if i is not None and fresh[i] and (best is None or costs[i] < costs[best]):
             best = i
     if best is None or not _clearly_lower(costs[best], costs[chosen], factor):
         return None
