@@ -13,6 +13,7 @@ from gateway.policies.load import (
     is_fresh,
     load_scores,
     rotating_argmin,
+    spread,
     with_uncached,
 )
 from tests.unit.policies.util import worker
@@ -104,3 +105,18 @@ def test_with_uncached(lengths, key_len, expected) -> None:
 )
 def test_cheapest(costs, lengths, expected) -> None:
     assert cheapest(costs, lengths, 1.2, 1) == expected
+
+
+@pytest.mark.parametrize(
+    ("costs", "fresh", "expected"),
+    [
+        pytest.param([20.0, 5.0, 5.0], [False, True, True], 1, id="cheapest_fresh_first_on_ring"),
+        pytest.param([20.0, 9.0, 5.0], [False, True, True], 2, id="the_lowest_cost_wins"),
+        pytest.param([6.0, 5.0, 5.0], [False, True, True], None, id="not_clearly_lower_stays"),
+        pytest.param([20.0, 1.0, 18.0], [False, False, True], None,
+                     id="a_holder_left_out_is_no_new_copy"),
+    ],
+)
+def test_spread(costs, fresh, expected) -> None:
+    candidates = [worker(name) for name in "abc"]
+    assert spread(["a", "b", "c"], candidates, costs, fresh, 0, 1.2) == expected
