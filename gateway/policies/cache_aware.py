@@ -11,28 +11,38 @@ the exact state see `prefix_cache`). What it does better than sglang-router's `c
   budget of its cache size (option `cache_tokens`, else `max_total_num_tokens` from
   `/v1/loads`; a token counts 4 characters of text), its own LRU content first, so a match
   says what that target likely still holds (`prefix_tree.py`);
-- the load signal counts prompt tokens and server-reported `/v1/loads` figures, not only
-  request counts (`load.py`);
-- workers whose match is within a few percent of the best count as tied and the least loaded
-  of them wins, so a few characters of coincidental overlap past a shared system prompt do not
-  pin every request to one worker; a conversation's next turn stays with the targets that hold
-  its previous turn, not merely the shared part;
+- the load signal counts the tokens still to compute (a prefill's in-flight request by the
+  part predicted uncached there) and server-reported `/v1/loads` figures, not only request
+  counts, and a request's cost on a target adds its own uncached part there (`load.py`): a
+  server holding a hot document does not look busy for serving it;
+- workers whose match is within a few percent of the best count as tied, so a few characters
+  of coincidental overlap past a shared system prompt do not pin every request to one worker;
+  of the tied, the first in ring order of the prompt's anchor with bounded load wins
+  (`placement.Ring.first`): every worker process and replica picks the same one without
+  sharing state, a hot prefix's overflow goes to its next copy, and comes back as the load
+  drops; a conversation's next turn stays with the targets that hold its previous turn, not
+  merely the shared part;
+- hot prefixes: when the holders' queues make another target clearly cheaper, the prefill of
+  the prefix there included, a new copy is made there (`load.spread`, decision "spread");
 - cache capacity (`capacity.py`): a new branch of shared content (a new conversation matching
   only its system prompt) does not go to a target whose cache is full of content still in use
   while another has room: it goes to a holder of the shared prefix with room, else the target
   with the most room, so a hot system prompt spreads over more targets and conversations
   group by system prompt;
 - a prompt nobody was sent before is placed where every worker process and replica would place
-  it: consistent hashing with bounded loads on its anchor (`placement.py`), so a conversation
-  keeps meeting the server with its prefix across `--workers` and replicas, which share no
-  routing history; once capacities are known, among the targets with the most room.
+  it: consistent hashing with bounded loads on its anchor (`placement.py`; the anchor of a
+  long system prompt or document is its beginning, shared by all its conversations), so a
+  conversation keeps meeting the server with its prefix across `--workers` and replicas, which
+  share no routing history; once capacities are known, among the targets with the most room.
 
-Decision, in order:
-1. load imbalance (max - min > `balance_abs_threshold` and max > min * `balance_rel_threshold`,
-   in load units): the least loaded worker;
-2. best match / key length >= `match_threshold`: the least loaded of the best-matching workers
-   (a continuation: of those holding its previous turn; a new branch: of those it fits on, or
-   the target with the most room, `capacity.Capacity.allowed`);
+Decision, in order (costs and loads in load units, `load.py`):
+1. load imbalance (max - min > `balance_abs_threshold` and max > min * `balance_rel_threshold`):
+   of the targets whose cost is not clearly above the lowest (`move_factor`), the longest
+   match (`load.cheapest`): a cached 16K document is not recomputed for a queue as long;
+2. best match / key length >= `match_threshold`: of the best-matching workers (a continuation:
+   those holding its previous turn; a new branch: those it fits on, or the target with the most
+   room, `capacity.Capacity.allowed`), the first in ring order within the load bound, else the
+   cheapest of them; then a new copy elsewhere if clearly cheaper (decision "spread");
 3. a key of at least `placement_min` characters/tokens: its ring placement (bounded load:
    at most `1 + placement_epsilon` times the average) among the targets with the most room;
 4. otherwise (short prompts, little to cache) the least loaded worker (ties rotate).
