@@ -73,8 +73,11 @@ class Replay:
         messages = [*messages, {"role": "user", "content": conv.users[index]}]
         view = parse_request(CHAT, orjson.dumps({"messages": messages, "max_tokens": 48}))
         target = self.policy.pick(self.targets, view)
+        # as the proxy counts a prefill: the part the policy expects uncached there
+        predicted = self.policy.predicted_hit(target, view) or 0.0
+        counted = view.prompt_tokens - round(predicted * view.prompt_tokens)
         self.policy.on_dispatch(target, view)
-        target.start(view.prompt_tokens)
+        target.start(counted)
         tokens = encode(render_chat(messages))
         cache = self.caches[target.url]
         cached = cache.match(tokens)
@@ -87,9 +90,9 @@ class Replay:
 
         def done() -> None:
             if target.rank is None:
-                target.finish(view.prompt_tokens, True)
+                target.finish(counted, True)
             else:
-                target.finish(view.prompt_tokens)
+                target.finish(counted)
             self.policy.on_complete(target, view, True)
             self.at(self.now + conv.thinks[index],
                     lambda: self.turn(conv, index + 1, [*messages, reply], duration, rng))
