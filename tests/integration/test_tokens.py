@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from backends.tiny_tokenizer import train, write_model
+from gateway.policies.prefix_tree import CHARS_PER_TOKEN
 from gateway.tokenizer import load_tokenizer
 from tests.integration.conftest import sim_cluster
 
@@ -85,4 +86,5 @@ def test_text_prompts_are_routed_by_their_token_ids(counted):
     answer = httpx.post(cluster.gateway + "/generate", json=body, headers=KEY, timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.json()["meta_info"]["prompt_tokens"] > 0
-    assert tree_size() - before == len(ids)  # the cache-aware tree holds its ids, not its text
+    # the cache-aware tree holds its ids, not its text (a token is CHARS_PER_TOKEN size units)
+    assert tree_size() - before == len(ids) * CHARS_PER_TOKEN
