@@ -1,6 +1,6 @@
 """Priorities under a flood: does an interactive tenant keep its p99 while a batch tenant floods?
 
-    python -m loadtests.priority                  # every target, about 2.5 minutes
+    python -m loadtests.priority                  # every target, about 2 minutes
     python -m loadtests.priority --duration 10    # shorter windows
     python -m loadtests.priority --targets alone,gateway,fifo --markdown out.md --out out.json
 
