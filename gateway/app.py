@@ -21,7 +21,7 @@ from starlette.routing import Route
 from gateway.auth import Role
 from gateway.config import GatewayConfig
 from gateway.request import CHAT, COMPLETIONS, GENERATE
-from gateway.routes import admin, dashboard, info, operations
+from gateway.routes import admin, dashboard, info, models, operations
 from gateway.routes.errors import HANDLERS
 from gateway.routes.inference import InferenceEndpoint
 from gateway.runtime import Gateway
@@ -41,9 +41,10 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
     ("/health_generate", ("GET",), info.health_generate, PUBLIC),
     ("/metrics", ("GET",), info.metrics, PUBLIC),
     ("/dashboard", ("GET",), dashboard.page, PUBLIC),
-    ("/v1/models", ("GET",), info.models, INFERENCE),
-    ("/model_info", ("GET",), info.model_info, INFERENCE),
-    ("/get_model_info", ("GET",), info.model_info, INFERENCE),
+    ("/v1/models", ("GET",), models.list_models, INFERENCE),
+    ("/v1/models/{model:path}", ("GET",), models.model_card, INFERENCE),
+    ("/model_info", ("GET",), models.model_info, INFERENCE),
+    ("/get_model_info", ("GET",), models.model_info, INFERENCE),
     ("/server_info", ("GET",), info.server_info, INFERENCE),
     ("/get_server_info", ("GET",), info.server_info, INFERENCE),
     ("/v1/tokenize", ("POST",), operations.relay, INFERENCE),

@@ -202,7 +202,16 @@ class GatewayConfig:
     replica_id: Annotated[int, Field(ge=0, le=4095)] | None = _opt(
         None, "gateway replica id (0..4095) in every bootstrap room; default: POD_NAME's "
         "ordinal or hash, else random at start")
-    model: str | None = _opt(None, "served model name reported when servers do not say")
+    model: str | None = _opt(None, "model name of servers that report none (else 'default')")
+
+    # Several models (gateway/models.py, docs/TENANCY.md "Several models")
+    default_model: str | None = _opt(
+        None, "model of requests that name none (or 'default') when several are served")
+    model_aliases: dict | None = _opt(
+        None, "JSON object of other names of models: {alias: model}", kind="json")
+    model_policies: dict | None = _opt(
+        None, "JSON object of per-model policy settings: {model: {policy, prefill_policy, "
+        "decode_policy, policy_options}} (default: the global ones)", kind="json")
 
     # Tokenizer (gateway/tokenizer.py): token ids for policies and checks that need them
     tokenizer: str | None = _opt(
@@ -262,6 +271,7 @@ def _construct(values: dict[str, Any], prefill: list[ServerSpec],
 
 def _validate(cfg: GatewayConfig) -> None:
     """Rules that span settings (single values are checked by their types)."""
+    from gateway.model_settings import check_model_settings  # noqa: PLC0415  (as REGISTRY)
     from gateway.policies import REGISTRY  # noqa: PLC0415  (registry imports no config)
 
     if not cfg.launch and (not (cfg.prefill or cfg.prefill_selector)
@@ -281,6 +291,7 @@ def _validate(cfg: GatewayConfig) -> None:
     for key in cfg.policy_options or {}:
         if key not in REGISTRY:
             raise ConfigError(f"setting 'policy_options': no policy named {key!r}")
+    check_model_settings(cfg)
     if cfg.retry_backoff_max < cfg.retry_backoff:
         raise ConfigError("setting 'retry_backoff_max' must be >= 'retry_backoff'")
     if bool(cfg.ssl_certfile) != bool(cfg.ssl_keyfile):

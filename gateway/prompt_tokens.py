@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import httpx
 
@@ -46,6 +47,8 @@ class PromptTokens:
         self.tokenizer: GatewayTokenizer | None = None
         self.counted = 0  # requests given exact counts by the tokenizer
         self.skipped = 0  # requests it does not mirror (kept the estimate)
+        # which requests the tokenizer is for: those of its model (gateway/models.py)
+        self.serves: Callable[[RequestView], bool] = lambda view: True
 
     async def load(self, path: str | None, client: httpx.AsyncClient | None,
                    servers: list[str]) -> None:
@@ -71,7 +74,7 @@ class PromptTokens:
     async def count(self, view: RequestView) -> RequestView:
         """`view` with exact token counts (and ids as the routing key) where possible."""
         tokenizer = self.tokenizer
-        if tokenizer is None or view.lengths is not None:
+        if tokenizer is None or view.lengths is not None or not self.serves(view):
             return view
         try:
             if view.endpoint == CHAT:

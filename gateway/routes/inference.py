@@ -1,6 +1,6 @@
 """The inference endpoints as pure ASGI apps: the request path, kept short.
 
-auth -> read body -> parse once -> count prompt tokens (exact with the model's tokenizer) ->
+auth -> read body -> parse once -> the request's model -> count prompt tokens (exact with the model's tokenizer) ->
 per-key token limit -> context check -> in-flight table -> admission slot -> serve (one PD request,
 or n single-sample ones for n > 1) -> answer. The work runs in the request's own task, under
 one `Interrupt`: the client's departure fires it (told by the server protocol directly,
@@ -87,7 +87,7 @@ class InferenceEndpoint:
             try:
                 caller = gw.auth.caller(scope, Role.INFERENCE)
                 raw = await read_body(scope, receive, gw.config.max_body_bytes)
-                view = parse_request(self.endpoint, raw)
+                view = gw.models.resolve(parse_request(self.endpoint, raw))  # 404: no model
                 items = view.room_count
                 if items is not None and items > gw.config.max_items:
                     raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
