@@ -81,8 +81,8 @@ class AiohttpUpstream:
             connector=connector, timeout=timeout, auto_decompress=False, trust_env=False,
             cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False)
 
-    async def post(self, base_url: str, path: str, body: bytes,
-                   request_id: str) -> _AiohttpResponse:
+    async def post(self, base_url: str, path: str, body: bytes, request_id: str,
+                   headers: tuple[tuple[str, str], ...] = ()) -> _AiohttpResponse:
         if self.session is None:
             await self.start()
         url = self._urls.get((base_url, path))
@@ -90,11 +90,13 @@ class AiohttpUpstream:
             if len(self._urls) > 4096:  # servers come and go (discovery): stay bounded
                 self._urls.clear()
             url = self._urls[base_url, path] = URL(base_url + path)
-        headers = dict(self._headers)
-        headers["X-Request-Id"] = request_id
+        sent = dict(self._headers)
+        sent["X-Request-Id"] = request_id
+        if headers:  # the trace context
+            sent.update(headers)
         started = time.monotonic()
         try:
-            response = await self.session.post(url, data=body, headers=headers,
+            response = await self.session.post(url, data=body, headers=sent,
                                                allow_redirects=False)
         except aiohttp.ConnectionTimeoutError as exc:
             if time.monotonic() - started + 0.02 >= self.pool_timeout:  # the wait, not connect

@@ -64,6 +64,7 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
     ("/admin/servers/drain", ("POST",), admin.drain_server, ADMIN),
     ("/admin/servers/undrain", ("POST",), admin.undrain_server, ADMIN),
     ("/admin/policies", ("GET",), admin.list_policies, ADMIN),
+    ("/admin/usage", ("GET",), admin.usage, ADMIN),
     ("/dashboard/data", ("GET",), dashboard.data, ADMIN),
 ]
 

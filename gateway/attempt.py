@@ -54,6 +54,7 @@ class Attempt:
     deadline: object = None  # the cancel.Deadline of the first progress
     pair_verdict: str | None = None  # a failure was blamed on "pair" or "server"
     outcome: dict[str, bool | None] = field(default_factory=dict)
+    trace: object = None  # tracing.AttemptTrace with tracing on, else None
 
 
 @dataclass

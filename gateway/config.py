@@ -19,7 +19,6 @@ import dataclasses
 import ipaddress
 import json
 import os
-import re
 import typing
 import zlib
 from dataclasses import field
@@ -40,6 +39,7 @@ from gateway.config_servers import (
     servers_from_file,
     split_list,
 )
+from gateway.config_tenants import TenantSettings, check_tenancy, key_and_tenant
 from gateway.discovery.incluster import in_cluster_settings
 
 __all__ = ["ConfigError", "GatewayConfig", "ServerSpec", "load_config"]
@@ -54,6 +54,7 @@ Port = Annotated[int, Field(gt=0, lt=65536)]
 Count = Annotated[int, Field(ge=1, le=1_000_000)]
 OptionalCount = Annotated[int, Field(ge=0, le=1_000_000)]  # 0: unlimited / off
 Bytes = Annotated[int, Field(ge=1024, le=1 << 34)]
+OTLP_URL = r"^https?://[^\s/?#]+(/[^\s?#]*)?$"  # a collector: scheme, host[:port], path
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -70,6 +71,9 @@ class GatewayConfig:
     port: Port = _opt(8000, "port to listen on")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = _opt(
         "warning", "log level")
+    access_log: str | None = _opt(
+        None, "write one JSON line per inference request to this file ('-': standard output): "
+        "tenant, model, pair, status, times, tokens (docs/OBSERVABILITY.md); off by default")
 
     # TLS for clients (docs/SECURITY.md)
     ssl_certfile: str | None = _opt(None, "serve HTTPS with this certificate (PEM)")
@@ -192,11 +196,40 @@ class GatewayConfig:
     rate_limit_tokens: Annotated[float, Field(ge=0, le=1e12)] = _opt(
         0.0, "prompt tokens per minute allowed per API key, up to a minute's worth at once "
         "(exact with --tokenizer or token-id prompts, else estimated; 0 = unlimited)")
+    # Tenancy (gateway/tenancy.py, docs/TENANCY.md): priorities, fairness, session affinity
+    tenants: dict[str, TenantSettings] | None = _opt(
+        None, "JSON object of per-tenant admission settings, {TENANT: {priority, max_priority, "
+        "weight}} (classes: interactive, standard, batch; '*': every tenant not listed)",
+        kind="json")
+    priority_header: str = _opt(
+        "x-priority", "request header naming the request's priority class, capped by its "
+        "tenant's max_priority ('' = off)")
+    deadline_header: str = _opt(
+        "x-request-timeout", "request header with the seconds the client will wait; no work "
+        "starts once they are over ('' = off)")
+    forward_priority: Literal["auto", "on", "off"] = _opt(
+        "auto", "send the class to SGLang as `priority`: auto (servers whose /server_info says "
+        "enable_priority_scheduling), on (every server), off (bodies pass as sent)")
+    session_header: str | None = _opt(
+        None, "request header naming a conversation; its requests keep their prefill server "
+        "while it is usable and not overloaded (unset = off)")
+    session_capacity: Count = _opt(
+        100_000, "sessions each serving process remembers (least recently used go first)")
+    session_ttl: Seconds = _opt(1800.0, "seconds a session's prefill choice is remembered")
     info_cache_ttl: OptionalSeconds = _opt(
         5.0, "seconds an answer of /health_generate, /server_info, /v1/models or /model_info "
         "is reused, so callers cannot make the servers work per call (0 = shared only while "
         "one is being computed)")
     shutdown_grace: OptionalSeconds = _opt(30.0, "seconds to finish in-flight requests on SIGTERM")
+
+    # Tracing (gateway/tracing.py, docs/TRACING.md): OpenTelemetry spans, off unless an endpoint
+    otlp_endpoint: Annotated[str, Field(pattern=OTLP_URL, max_length=2048)] | None = _opt(
+        None, "OTLP collector URL; turns tracing on (http/protobuf: path default /v1/traces)")
+    otlp_protocol: Literal["http/protobuf", "grpc"] = _opt("http/protobuf", "OTLP transport")
+    otlp_sample_ratio: Annotated[float, Field(ge=0, le=1)] = _opt(
+        1.0, "share of new traces recorded (a client's valid traceparent decides its own)")
+    otlp_service_name: Annotated[str, Field(min_length=1, max_length=128)] = _opt(
+        "pd-gateway", "service.name of the gateway's spans")
 
     # Identity
     replica_id: Annotated[int, Field(ge=0, le=4095)] | None = _opt(
@@ -315,6 +348,7 @@ def _validate(cfg: GatewayConfig) -> None:
             raise ConfigError("API keys must be printable and without spaces")
     if set(cfg.api_keys) & set(cfg.admin_api_keys):
         raise ConfigError("a key may not be both an inference and an admin key")
+    check_tenancy(cfg)
     try:
         ipaddress.ip_address(cfg.host.strip("[]"))
     except ValueError:
@@ -368,19 +402,6 @@ def load_config(argv: list[str] | None = None,
     cfg = _construct(values, prefill, decode)
     _validate(cfg)
     return cfg
-
-
-TENANT_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-
-
-def key_and_tenant(line: str, path: str) -> tuple[str, str]:
-    """`KEY` or `KEY TENANT` (a key file's line); the tenant names the key in metrics and
-    accounting, so it comes from configuration, never from clients."""
-    parts = line.split()
-    if len(parts) > 2 or (len(parts) == 2 and not TENANT_NAME.fullmatch(parts[1])):
-        raise ConfigError(f"setting {path!r}: a line must be KEY or KEY TENANT, the tenant "
-                          "1-64 characters of A-Z a-z 0-9 _ . -")
-    return parts[0], parts[1] if len(parts) == 2 else "default"
 
 
 def replica_id_from_pod_name(name: str | None) -> int | None:

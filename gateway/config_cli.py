@@ -77,7 +77,9 @@ class _Joined(argparse.Action):
 
 def describe_error(error: dict, hints: dict) -> str:
     """One pydantic error as 'setting X: what is allowed (got V)'."""
-    name = str(error["loc"][0]) if error.get("loc") else "?"
+    loc = error.get("loc") or ("?",)
+    name = str(loc[0])
+    where = ".".join(str(part) for part in loc)  # a nested setting: tenants.team-a.priority
     message = error.get("msg", "invalid value")
     context = error.get("ctx") or {}
     if "expected" in context:
@@ -85,6 +87,6 @@ def describe_error(error: dict, hints: dict) -> str:
     got = error.get("input")
     accepts = allowed(hints, name) if name in hints else ""
     suffix = f"; allowed: {accepts}" if accepts and "one of" not in message else ""
-    return f"setting {name!r}: {message} (got {got!r}){suffix}"
+    return f"setting {where!r}: {message} (got {got!r}){suffix}"
 
 

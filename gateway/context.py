@@ -6,11 +6,13 @@ prompt must be shorter than the context length, and prompt + an explicit `max_ne
 (`max_tokens`, `max_completion_tokens`) must fit it. The context length is the servers'
 (`/v1/models` `max_model_len`, learned by the probe), of the request's model's servers.
 
-Counting tokens costs nothing for token-id prompts, nor for text and chat when the served
-model's tokenizer is loaded (`view.lengths`, gateway/prompt_tokens.py). Without it a cheap
-estimate decides whether to look closer: only a prompt whose estimate comes within `NEAR` of
-the limit is counted exactly by one server's `/v1/tokenize` (a short, bounded call; the chat
-template included for chat). If that call fails, the request goes on and the servers decide.
+Counting tokens costs nothing for token-id prompts or a view already counted
+(`view.lengths`, gateway/prompt_tokens.py). Otherwise a cheap upper bound decides whether
+to look closer (`most_tokens`: a token covers at least one byte of text): only a prompt
+whose bound comes within `NEAR` of the limit is counted exactly, by the served model's
+tokenizer when it is loaded here, else by one server's
+`/v1/tokenize` (a short, bounded call; the chat template included for chat). If that fails,
+the request goes on and the servers decide.
 """
 
 from __future__ import annotations
@@ -43,10 +45,39 @@ def requested_new_tokens(view: RequestView) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _bytes(text: object) -> int:
+    if not isinstance(text, str):
+        return 0
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def most_tokens(view: RequestView) -> int:
+    """An upper bound of the longest prompt's tokens, without a tokenizer: a token covers at
+    least one byte of text (byte-level BPE at worst; SentencePiece pieces too), plus a few per
+    chat message for the template's markers. (The characters/4 estimate is far below the
+    truth for CJK text, 1-3 tokens a character, so it cannot decide to skip the count.)"""
+    body = view.body
+    if view.endpoint == CHAT:
+        total = 0
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                total += sum(_bytes(p.get("text")) for p in content if isinstance(p, dict))
+            else:
+                total += _bytes(content)
+            total += 8
+        return total
+    prompt = body.get("text") if view.endpoint == GENERATE else body.get("prompt")
+    if isinstance(prompt, list):
+        return max((_bytes(p) for p in prompt), default=0)
+    return _bytes(prompt) if prompt is not None else view.prompt_tokens
+
+
 class ContextCheck:
-    def __init__(self, models, client: httpx.AsyncClient | None) -> None:
+    def __init__(self, models, client: httpx.AsyncClient | None, tokens=None) -> None:
         self.models = models  # gateway/models.py: the request's model and its servers
         self.client = client
+        self.tokens = tokens  # prompt_tokens.PromptTokens: the served model's tokenizer, if any
 
     def context_length(self, view: RequestView) -> int | None:
         lengths = [w.context_length for w in self.models.of(view).usable("prefill")
@@ -60,10 +91,12 @@ class ContextCheck:
         new = requested_new_tokens(view)
         lengths = view.lengths
         if lengths is None:
-            per_item = view.prompt_tokens / (view.batch_size or 1)
-            if per_item + (new or 0) < NEAR * context:
+            if most_tokens(view) + (new or 0) < NEAR * context:
                 return
-            lengths = await self._count(view)
+            if self.tokens is not None:
+                lengths = (await self.tokens.count(view, needed=True)).lengths
+            if lengths is None:
+                lengths = await self._count(view)
             if lengths is None:
                 return
         for prompt in lengths:

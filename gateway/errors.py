@@ -11,6 +11,7 @@ Hierarchy (one place to map every failure to a client-visible answer):
     │   └── ModelNotFound     404 invalid_request_error, code model_not_found (OpenAI's)
     ├── TooManyRequests       429 rate_limit_error (admission full)
     ├── ServiceUnavailable    503 (no usable prefill/decode pair, draining, queue timeout)
+    ├── GatewayTimeout        504 timeout_error (the client's own deadline passed first)
     └── UpstreamError         502 / 504 (a leg failed; says which leg and why)
 """
 
@@ -94,6 +95,11 @@ class TooManyRequests(GatewayError):
 class ServiceUnavailable(GatewayError):
     status = 503
     error_type = "service_unavailable"
+
+
+class GatewayTimeout(GatewayError):
+    status = 504
+    error_type = "timeout_error"
 
 
 class UpstreamError(GatewayError):

@@ -83,6 +83,9 @@ class Tracked:
     attempts: set = field(default_factory=set)  # pd.Attempt objects running now
     aborted: bool = False
     interrupt: object | None = None  # cancel.Interrupt of the request's task
+    trace: object | None = None  # tracing.RequestTrace with tracing on, else None
+    usage: object | None = None  # usage.RequestUsage: its figures (None for the gateway's own)
+    not_after: float | None = None  # the client's own deadline (loop time), if it sent one
 
     def keys(self) -> tuple[str, ...]:
         return (self.request_id, *self.rids)

@@ -93,6 +93,38 @@ class Metrics:
         self.disconnects = Counter(
             "gateway_client_disconnects", "Clients that went away before the answer ended",
             ["endpoint"], registry=own)
+        self.trace_spans_dropped = Counter(
+            "gateway_trace_spans_dropped", "Trace spans not exported (tracing on), by reason: "
+            "queue_full, export_failed", ["reason"], registry=own)
+        # Usage accounting per tenant and model (gateway/usage.py): tenants come from the
+        # key file, models from the servers; anything else is "other"
+        self.tenant_requests = Counter(
+            "gateway_tenant_requests", "Inference requests answered, per tenant and model",
+            ["tenant", "model"], registry=own)
+        self.tenant_errors = Counter(
+            "gateway_tenant_errors", "Inference requests answered with an error status (4xx, "
+            "including 499 for a client that left, or 5xx), per tenant and model",
+            ["tenant", "model", "status_class"], registry=own)
+        self.tenant_tokens = Counter(
+            "gateway_tenant_tokens", "Tokens per tenant and model: prompt tokens the prefill "
+            "servers report as cached or computed (uncached), and completion tokens the "
+            "answers report", ["tenant", "model", "kind"], registry=own)
+        self.access_log_dropped = Counter(
+            "gateway_access_log_dropped", "Access log lines dropped because the writer could "
+            "not keep up (or the file could not be written)", registry=own)
+        self.admission_outcomes = Counter(
+            "gateway_admission_requests", "Inference requests by tenant, priority class and "
+            "admission outcome (admitted, queued, queue_full, shed, queue_timeout, deadline, "
+            "left); tenants come from the configuration", ["tenant", "priority", "outcome"],
+            registry=own)
+        self.tenant_queue_time = Histogram(
+            "gateway_tenant_queue_time_seconds", "Time queued requests waited for a slot, by "
+            "tenant and priority class", ["tenant", "priority"], buckets=LATENCY_BUCKETS,
+            registry=own)
+        self.session_picks = Counter(
+            "gateway_session_picks", "Prefill choices for requests with a session id: kept "
+            "(its remembered server), placed (a new session, hashed onto the servers), moved "
+            "(its server was unusable or overloaded)", ["outcome"], registry=own)
         registry.register(PoolCollector(pool))
         self.buffer = MetricBuffer()  # the per-request updates (gateway/metric_buffer.py)
 
@@ -125,6 +157,29 @@ class Metrics:
     def watch_scheduler(self, scheduler) -> None:
         """Gauges of the scheduler's own state (quarantined pairs, panic picks)."""
         self.registry.register(SchedulerCollector(scheduler))
+
+
+    def watch_admission(self, admission) -> None:
+        """Gauges of the admission queue (read at scrape time: this process's queue)."""
+        self.registry.register(AdmissionCollector(admission))
+
+
+class AdmissionCollector(Collector):
+    """Requests holding a slot and waiting per tenant and class, read at scrape time."""
+
+    def __init__(self, admission) -> None:
+        self.admission = admission
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        active = GaugeMetricFamily("gateway_admission_active",
+                                   "Requests holding an admission slot in this process")
+        active.add_metric([], self.admission.active)
+        waiting = GaugeMetricFamily(
+            "gateway_admission_waiting", "Requests waiting for a slot in this process, by "
+            "tenant and priority class", labels=["tenant", "priority"])
+        for (tenant, priority), count in sorted(self.admission.waiting().items()):
+            waiting.add_metric([tenant, priority], count)
+        yield from (active, waiting)
 
 
 class SchedulerCollector(Collector):

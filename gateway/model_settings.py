@@ -46,6 +46,13 @@ def build_policies(cfg: GatewayConfig, model: str | None) -> dict[str, Policy]:
     return policies
 
 
+def wants_token_ids(cfg: GatewayConfig) -> bool:
+    """Whether some model's prefill policy matches token ids (then every prompt is
+    tokenized where the tokenizer serves its model)."""
+    models = [None, *(cfg.model_policies or {})]
+    return any(REGISTRY[policy_choice(cfg, m, "prefill")[0]].wants_token_ids for m in models)
+
+
 def configured_names(cfg: GatewayConfig) -> frozenset[str]:
     """Every model name the settings mention: these are known even before a server of theirs
     registers (a request for one then gets a 503, not a 404)."""

@@ -14,19 +14,20 @@ its own model. A model's state stays when its last server leaves (a rollout brin
 
 Which model a request is for (`resolve`, once per request after the body is parsed):
 
-    open: one model and no model settings   every request is that model's, `model` as sent
-                                            (one SGLang server serves any name)
-    checked: several models, or any of --default-model, --model-aliases, --model-policies
-      a model's name                        that model
-      an alias                              its model; the body sent upstream names the model
-      NAME:ADAPTER (SGLang's LoRA syntax)   NAME's model (an alias in NAME is rewritten)
-      none, or "default"                    --default-model, else the only model, else 400
-                                            naming the models
-      anything else                         404 model_not_found, OpenAI's shape
+    a model's name                          that model
+    an alias (--model-aliases)              its model; the body sent upstream names the model
+    NAME:ADAPTER (SGLang's LoRA syntax)     NAME's model (an alias in NAME is rewritten)
+    none, or "default"                      --default-model, else the only model, else 400
+                                            `model_required` naming the models
+    anything else, one model known          that model, `model` sent as is: lenient, as
+                                            SGLang is (it serves whatever name is asked)
+    anything else, several models known     404 `model_not_found`, OpenAI's shape
+
+`open` (one model at most) is the single-pool gateway of old: status pages show no
+per-model parts, and without aliases `resolve` returns the view itself (no allocation).
 
 Known models: those with a registered server, plus every name the settings mention (a
-request for one without servers gets 503, not 404). Lookups are dict lookups; in the open
-mode `resolve` returns the view itself (no allocation).
+request for one without servers gets 503, not 404). Lookups are dict lookups.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ from dataclasses import dataclass, field
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.model_settings import DEFAULT_NAME
 from gateway.policies import Policy
+from gateway.redact import redact
 from gateway.request import RequestView
-from gateway.routes.info import redact
 from gateway.workers import ROLES, Rank, Worker, WorkerPool
 
 log = logging.getLogger("gateway.models")
+
+OTHER = "other"  # the usage label of a request of no known model
 
 
 Target = Worker | Rank
@@ -96,14 +99,13 @@ class Models:
         self.aliases = dict(aliases or {})
         self.default_name = self.aliases.get(default, default) if default else None
         self.fallback = fallback or DEFAULT_NAME  # the model of servers that report none
-        self.checked = bool(self.aliases or default or configured)  # any model setting
         self._configured = configured
         self._make = make_policies
         self._models: dict[str, Model] = {}  # every model met or configured, state kept
         self.known: dict[str, Model] = {}  # the names a request may use, sorted
-        self.open = True
+        self.open = True  # one model at most: every request is its
         self._none = Model("", make_policies(None))  # no model yet: nothing to pick from
-        self.only: Model | None = self._none  # the model of every request while open
+        self.only: Model | None = self._none  # that one model while open
         self._owner: dict[Worker, Model] = {}  # server -> its model, for the policy hooks
         self.unnamed = 0  # registered servers whose model is not known yet
         self._started = False
@@ -143,8 +145,8 @@ class Models:
         self.unnamed = unnamed
         self.known = {name: model for name, model in sorted(self._models.items())
                       if model.registered or name in self._configured}
-        self.open = not self.checked and len(self.known) <= 1
-        self.only = (next(iter(self.known.values()), self._none) if self.open else None)
+        self.open = len(self.known) <= 1
+        self.only = next(iter(self.known.values()), self._none) if self.open else None
 
     def _model(self, name: str) -> Model:
         model = self._models.get(name)
@@ -176,23 +178,21 @@ class Models:
     # -- requests (hot path) -----------------------------------------------------------------
 
     def resolve(self, view: RequestView) -> RequestView:
-        """The view of the model it asks for (`view.model` its name from now on); raises 404
-        or 400. Open: the view itself."""
-        if self.open:
+        """The view of the model it asks for (`view.model` its name from now on, but for a
+        lenient single model); raises 404 or 400. One model, no aliases: the view itself."""
+        if self.open and not self.aliases:
             return view
         model, upstream = self.lookup(view.model)
         if upstream is not None:
             return dataclasses.replace(view, model=model.name,
                                        body={**view.body, "model": upstream})
-        if view.model != model.name:
+        if view.model != model.name and not self.open:
             return dataclasses.replace(view, model=model.name)
         return view
 
     def lookup(self, name: str | None) -> tuple[Model, str | None]:
         """The model `name` asks for, and the name the upstream body must carry instead
         (None: the body stays as sent)."""
-        if self.open:
-            return self.only or self._none, None
         if name is None or (name == DEFAULT_NAME and name not in self.known):
             return self.default(), None
         model = self.known.get(name)
@@ -209,14 +209,26 @@ class Models:
             if self.aliases.get(base) in self.known:
                 return self.known[self.aliases[base]], f"{self.aliases[base]}:{adapter}"
             cut = name.rfind(":", 0, cut)
+        if self.only is not None:  # one model: any name is its (SGLang ignores the name)
+            return self.only, None
         raise ModelNotFound(name, self.names(), self.unnamed)
+
+    def label(self, name: str | None) -> str:
+        """The model a request naming `name` is counted under (gateway/usage.py): its
+        model's name, else `other` (an unknown name, or none among several models): a
+        label is never a client's free text."""
+        try:
+            model, _ = self.lookup(name)
+        except (ModelNotFound, BadRequest):
+            return OTHER
+        return model.name or OTHER
 
     def default(self) -> Model:
         """The model of a request that names none."""
         if self.default_name is not None:
             return self.known.get(self.default_name) or self._none
-        if len(self.known) <= 1:
-            return next(iter(self.known.values()), self._none)
+        if self.only is not None:
+            return self.only
         raise BadRequest(f"several models are served here; name one in 'model': "
                          f"{', '.join(self.names())}", code="model_required")
 

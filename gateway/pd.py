@@ -27,12 +27,13 @@ from collections.abc import Callable
 import orjson
 
 from gateway import rescue
-from gateway.attempt import Answer, Attempt, Timeouts, make_rids
+from gateway.attempt import Answer, Attempt, Timeouts
 from gateway.bootstrap import RoomAllocator
 from gateway.cancel import Deadline, Expired, Interrupt
 from gateway.deadlines import LatencyModel
-from gateway.errors import BadRequest, UpstreamError
+from gateway.errors import UpstreamError
 from gateway.inflight import Tracked
+from gateway.leg_bodies import leg_bodies
 from gateway.logprobs import StreamMerger, merge_body, prefill_parts
 from gateway.probe import FOLLOW_ROOM
 from gateway.relay import StreamRelay
@@ -87,6 +88,7 @@ class PDDispatcher:
         self.on_leg_done: LegCallback = lambda attempt, leg, ok: None
         self.on_prefill_body: Callable[[Attempt, bytes], None] = lambda attempt, body: None
         self._background: set[asyncio.Task] = set()
+        self.forward_priority = "off"  # --forward-priority: auto, on, off
 
     # -- building the attempt -------------------------------------------------------------
 
@@ -113,29 +115,11 @@ class PDDispatcher:
             rooms = self.rooms.take(count)
         else:
             rooms = self.rooms.take(count, prefill.dp_size, rank)
-        body = dict(view.body)
-        if count is None:
-            body["bootstrap_host"] = prefill.bootstrap_host
-            body["bootstrap_port"] = prefill.bootstrap_port
-        else:
-            body["bootstrap_host"] = [prefill.bootstrap_host] * count
-            body["bootstrap_port"] = [prefill.bootstrap_port] * count
-        body["bootstrap_room"] = rooms
-        rid, rid_list, unsuffix = make_rids(body.get("rid"), count)
-        body["rid"] = rid
-        if rank is not None:
-            body["disagg_prefill_dp_rank"] = rank
-        try:
-            payload = orjson.dumps(body)
-            prefill_payload = payload
-            if routed:
-                body["routed_dp_rank"] = rank
-                prefill_payload = orjson.dumps(body)
-        except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
-            raise BadRequest(f"request body cannot be forwarded: {exc}") from None
-        attempt = Attempt(view, prefill, decode, rooms, rid, rid_list, payload,
-                          tracked.request_id, tracked, prefill_rank=rank, unsuffix=unsuffix)
-        attempt.prefill_payload = prefill_payload
+        legs = leg_bodies(view, prefill, decode, rooms, rank, routed, self.forward_priority)
+        attempt = Attempt(view, prefill, decode, rooms, legs.rid, legs.rids, legs.payload,
+                          tracked.request_id, tracked, prefill_rank=rank,
+                          unsuffix=legs.unsuffix)
+        attempt.prefill_payload = legs.prefill_payload
         attempt.prefill_target = prefill if rank is None else prefill.ranks[rank]
         return attempt
 
@@ -290,10 +274,14 @@ class PDDispatcher:
     # -- the legs ----------------------------------------------------------------------------
 
     async def _open(self, attempt: Attempt, leg: str, worker: Worker) -> UpstreamResponse:
+        trace = attempt.trace  # tracing.AttemptTrace, or None (tracing off)
         with translate_errors(leg, worker):
             payload = attempt.prefill_payload if leg == "prefill" else attempt.payload
-            response = await self.upstream.post(worker.url, attempt.view.path, payload,
-                                                attempt.request_id)
+            response = await self.upstream.post(
+                worker.url, attempt.view.path, payload, attempt.request_id,
+                trace.leg_started(leg, worker) if trace is not None else ())
+            if trace is not None:
+                trace.answered(leg, response.status)
             if response.status >= 400:
                 try:
                     body = await response.read()
@@ -362,6 +350,8 @@ class PDDispatcher:
         if leg in attempt.outcome:
             return
         attempt.outcome[leg] = ok
+        if attempt.trace is not None:
+            attempt.trace.leg_done(leg, ok)
         self.on_leg_done(attempt, leg, ok)
 
     # -- background chores ----------------------------------------------------------------------

@@ -32,6 +32,8 @@ class ServerFacts:
     kv_events: dict | None = None
     load_balance_method: str = FOLLOW_ROOM  # how the server picks a DP rank
     context_length: int | None = None
+    priority_scheduling: bool = False  # --enable-priority-scheduling (gateway/config_tenants.py)
+    low_priority_first: bool = False  # --schedule-low-priority-values-first
 
 
 def dp_ranks_of(info: dict) -> int:
@@ -96,6 +98,8 @@ def facts_from_info(info: dict, url: str, role: str) -> ServerFacts:
         kv_events=info.get("kv_events") if isinstance(info.get("kv_events"), dict) else None,
         load_balance_method=balance_method_of(info, mode),
         context_length=_positive_int(info.get("context_length")),
+        priority_scheduling=info.get("enable_priority_scheduling") is True,
+        low_priority_first=info.get("schedule_low_priority_values_first") is True,
     )
 
 

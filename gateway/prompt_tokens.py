@@ -1,8 +1,12 @@
 """Exact prompt tokens for every request shape, when the served model's tokenizer is here.
 
 With a tokenizer (`--tokenizer PATH`, or the path the servers report in `/model_info` when it
-is readable here), each text or chat request is tokenized once, right after it is parsed, as
-SGLang 0.5.23 tokenizes it (gateway/tokenizer.py), and its view carries:
+is readable here), a text or chat request is tokenized once, as SGLang 0.5.23 tokenizes it
+(gateway/tokenizer.py), when something needs its exact tokens: a prefill policy that matches
+token ids (`prefix_cache`), a per-key prompt-token limit (`--rate-limit-tokens`), or the
+context check for a prompt near the model's limit. Tokenizing costs about a microsecond per
+token (30-60 us for a short prompt, as much as the rest of the request; docs/BENCHMARKS.md),
+so the default policies do without it. The counted view carries:
 * `routing_tokens`: the first prompt's ids, so `prefix_cache` matches chat and text prompts
   block by block against the servers' KV events, and `cache_aware` keys its tree by tokens;
 * `prompt_tokens` and `lengths`: exact counts for the load policies, the cost model
@@ -42,8 +46,9 @@ MODEL_INFO_TIMEOUT = 5.0
 
 
 class PromptTokens:
-    def __init__(self, threads: int = 2) -> None:
+    def __init__(self, threads: int = 2, always: bool = False) -> None:
         self.threads = threads
+        self.always = always  # tokenize every request (a policy or limit needs exact tokens)
         self.tokenizer: GatewayTokenizer | None = None
         self.counted = 0  # requests given exact counts by the tokenizer
         self.skipped = 0  # requests it does not mirror (kept the estimate)
@@ -71,10 +76,12 @@ class PromptTokens:
         if self.tokenizer is not None:
             log.info("%s", self.tokenizer.describe())
 
-    async def count(self, view: RequestView) -> RequestView:
-        """`view` with exact token counts (and ids as the routing key) where possible."""
+    async def count(self, view: RequestView, needed: bool | None = None) -> RequestView:
+        """`view` with exact token counts (and ids as the routing key) where possible, if
+        `needed` (default: `always`, set when a policy or limit needs every prompt's)."""
         tokenizer = self.tokenizer
-        if tokenizer is None or view.lengths is not None or not self.serves(view):
+        if tokenizer is None or view.lengths is not None or not self.serves(view) or not (
+                self.always if needed is None else needed):
             return view
         try:
             if view.endpoint == CHAT:

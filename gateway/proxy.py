@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import orjson
 
@@ -48,15 +49,21 @@ class Proxy:
         last_error: GatewayError | None = None
         loop = asyncio.get_running_loop()
         not_after = loop.time() + self.request_timeout  # each attempt's deadline is capped
+        trace = tracked.trace  # tracing.RequestTrace, or None (tracing off)
+        if tracked.not_after is not None and tracked.not_after < not_after:
+            not_after = tracked.not_after  # the client's own deadline (gateway/tenancy.py)
         try:
             for number in range(1, self.max_attempts + 1):
                 if tracked.aborted:
                     raise Aborted(f"request {tracked.request_id} was aborted")
                 prefer = placement.prefer if placement is not None else None
+                picking = time.time_ns() if trace is not None else 0
                 target, decode = self.scheduler.pick(view, avoid, prefer)
                 prefill = target.server
                 attempt = self.dispatcher.prepare(view, prefill, decode, tracked,
                                                   target.rank)
+                if trace is not None:
+                    attempt.trace = trace.picked(attempt, number - 1, depth, picking)
                 attempt.not_after = not_after
                 if placement is not None:
                     placement.started(attempt)
@@ -73,6 +80,8 @@ class Proxy:
                     tracked.attempts.discard(attempt)
                     if not isinstance(exc, UpstreamError):
                         raise
+                    if trace is not None:
+                        trace.failed(exc, number - 1)
                     last_error = exc
                     if not exc.retryable or number == self.max_attempts:
                         raise
@@ -82,6 +91,8 @@ class Proxy:
                     # decode never came for the KV)
                     avoid += (prefill, decode)
                     self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
+                    if tracked.usage is not None:
+                        tracked.usage.retries += 1
                     delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
                     delay *= 0.5 + random.random() / 2
                     if loop.time() + delay >= not_after:
@@ -109,12 +120,15 @@ class Proxy:
         attempt.decode.start(tokens)
         self.scheduler.dispatched(target, attempt.decode, attempt.view)
         chooser = self.scheduler.policy("prefill", target)  # the model's own policy
-        predicted = chooser.predicted_hit(target, attempt.view)
+        predicted = chooser.predicted_hit(target, attempt.view) \
+            if self.scheduler.by_policy else None  # a session or a sample's own choice
         if predicted:
             m.child(attempt.prefill, m.predicted_tokens).inc(predicted * tokens)
         m.child(attempt.prefill, m.decisions, "prefill", chooser.name).inc()
         m.child(attempt.decode, m.decisions, "decode",
                 self.scheduler.policy("decode", attempt.decode).name).inc()
+        if attempt.tracked.usage is not None:
+            attempt.tracked.usage.dispatched(attempt)
 
     def leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
         """Called once per leg by the dispatcher: release counters, feed breaker and policy.
@@ -144,6 +158,8 @@ class Proxy:
         if ok is False:
             self.metrics.child(worker, self.metrics.leg_failures, leg, "error",
                                url_first=True).inc()
+        if leg == "prefill" and attempt.tracked.usage is not None:
+            attempt.tracked.usage.prefill_settled()
 
     def prefill_answered(self, attempt: Attempt, body: bytes) -> None:
         """Count prompt and cached tokens the prefill reports (its cache is the one that
@@ -152,6 +168,8 @@ class Proxy:
         if prompt:
             self.metrics.child(attempt.prefill, self.metrics.prompt_tokens).inc(prompt)
             self.metrics.child(attempt.prefill, self.metrics.cached_tokens).inc(cached)
+            if attempt.tracked.usage is not None:  # the tenant's share of the same figures
+                attempt.tracked.usage.prefill_reported(prompt, cached)
 
 
 class Resumed:
@@ -192,6 +210,8 @@ class Resumed:
             yield error_end(exc)
             return
         self.failovers.labels(view.endpoint, "continued").inc()
+        if self.tracked.usage is not None:
+            self.tracked.usage.failovers += 1
         try:
             async for chunk in cont.splice(nxt.stream):
                 yield chunk

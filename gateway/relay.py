@@ -165,6 +165,9 @@ class StreamRelay:
         unsuffix = attempt.unsuffix
         capture = attempt.capture
         broken: StreamBroken | None = None
+        trace = attempt.trace  # tracing.AttemptTrace, or None (tracing off)
+        if trace is not None:
+            trace.relay_started()
         try:
             chunk: bytes | None = first
             while chunk is not None:
@@ -181,6 +184,8 @@ class StreamRelay:
                     watchdog.handing_out()
                     if capture is not None:
                         capture.add(out)
+                    if trace is not None:
+                        trace.relayed(out)
                     yield out
                 started = watchdog.waiting()
                 chunk = await self._next_chunk(attempt, response, watchdog)
@@ -192,6 +197,8 @@ class StreamRelay:
                 rest = rest if rest.endswith(b"\n\n") else rest + b"\n\n"
                 if capture is not None:
                     capture.add(rest)
+                if trace is not None:
+                    trace.relayed(rest)
                 yield rest
             if not tail.endswith(DONE):
                 raise UpstreamError(f"decode server {url} ended the stream without [DONE]",
@@ -207,6 +214,8 @@ class StreamRelay:
             watchdog.close()
             watchdog.upstream.close()
             self.end(attempt, response, p_task, ok)
+            if trace is not None:
+                trace.relay_done(ok, broken is not None)
         if broken is not None:  # this pair is done with; the rest comes from another
             rest_of = attempt.on_broken(broken)
             try:

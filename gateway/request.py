@@ -49,6 +49,9 @@ class RequestView:
     # exact prompt tokens per prompt (token-id prompts, or counted by the tokenizer:
     # gateway/prompt_tokens.py); None: `prompt_tokens` is an estimate
     lengths: tuple[int, ...] | None = None
+    # set by the endpoint from the tenancy headers (gateway/tenancy.py) right after parsing:
+    priority: int = 1  # class index: 0 interactive, 1 standard, 2 batch (config_tenants.py)
+    session: bytes | None = None  # the session header's id, for session affinity
 
     @property
     def path(self) -> str:

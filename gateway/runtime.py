@@ -16,7 +16,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.aborts import Aborts
+from gateway.access_log import AccessLog
 from gateway.admission import Admission
+from gateway.affinity import SessionAffinity
 from gateway.aiohttp_upstream import AiohttpUpstream
 from gateway.auth import Auth
 from gateway.bootstrap import RoomAllocator
@@ -29,8 +31,9 @@ from gateway.errors import BadRequest, GatewayError
 from gateway.health import HealthChecker
 from gateway.inflight import InFlight, Tracked, new_id
 from gateway.key_limits import KeyLimits
+from gateway.latency_history import LatencyHistory
 from gateway.metrics import Metrics
-from gateway.model_settings import build_policies, configured_names
+from gateway.model_settings import build_policies, configured_names, wants_token_ids
 from gateway.models import Models, describe
 from gateway.pd import PDDispatcher, Timeouts
 from gateway.probe import RoleMismatch, probe
@@ -39,9 +42,11 @@ from gateway.proxy import Proxy
 from gateway.samples import Samples
 from gateway.scheduler import Scheduler
 from gateway.siblings import Siblings
+from gateway.tenancy import Tenancy
 from gateway.timers import Timers
 from gateway.ttlcache import TtlCache
 from gateway.upstream import FastUpstream, HttpxUpstream, build_client, ssl_context
+from gateway.usage import Usage
 from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger("gateway")
@@ -77,20 +82,34 @@ class Gateway:
             self.pool, lambda model: build_policies(config, model),
             aliases=config.model_aliases, default=config.default_model,
             configured=configured_names(config), fallback=config.model)
-        self.scheduler = Scheduler(self.pool, self.models)
+        self.scheduler = Scheduler(self.pool, self.models,
+                                   affinity=SessionAffinity.from_config(config, self.metrics))
         self.metrics.watch_scheduler(self.scheduler)
+        self.tracing = self._tracing() if config.otlp_endpoint else None
+        self.usage = Usage(self.metrics, self.models.label)  # per tenant and model
+        self.access_log = None
+        if config.access_log:
+            self.access_log = AccessLog(config.access_log, self.metrics.access_log_dropped)
+            self.usage.sink = self.access_log.write
+        self.latency = LatencyHistory(self.read_metrics)  # the status page's plots
+        self._latency_task: asyncio.Task | None = None
         self.rooms = RoomAllocator(config.replica_id,
                                    worker_id=worker.id if worker is not None else None)
         self.admission = Admission(config.max_concurrency, config.max_queue,
-                                   config.queue_timeout, self.metrics, shared=self._mine())
+                                   config.queue_timeout, self.metrics, shared=self._mine(),
+                                   timers=self.timers)
         self.limits = KeyLimits(len(config.api_keys), config.rate_limit, config.rate_burst,
                                 config.rate_limit_tokens, self.metrics, shared=self.shared)
         self.auth = Auth(config.api_keys, config.admin_api_keys, self.limits,
                          config.api_key_tenants)
+        self.tenancy = Tenancy(config.tenants, self.auth.tenants, config.priority_header,
+                               config.deadline_header, config.session_header)
         self.siblings = Siblings(self, worker.control if worker is not None else None)
         self.inflight = InFlight()
-        self.context = ContextCheck(self.models, None)
-        self.tokens = PromptTokens(config.tokenizer_threads)
+        self.tokens = PromptTokens(
+            config.tokenizer_threads,
+            always=wants_token_ids(config) or config.rate_limit_tokens > 0)
+        self.context = ContextCheck(self.models, None, self.tokens)
         self.shutting_down = False
         self.serving: dict = {}  # how the server side listens (set by the command line)
         self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)
@@ -144,6 +163,12 @@ class Gateway:
                 + (f" per worker; {self.worker.count} workers" if self.worker is not None
                    else ""))
 
+    def read_metrics(self) -> list:
+        """The registry's metric families, this process's buffered figures published first
+        (summed over the workers with --workers)."""
+        self.metrics.flush()
+        return list(self.registry.collect())
+
     def info_cache(self, name: str, compute=None) -> TtlCache:
         """The shared, time-limited answer of an endpoint that makes servers work."""
         cache = self._info_caches.get(name)
@@ -167,6 +192,16 @@ class Gateway:
         """The in-flight record of a request the gateway makes itself (health generation)."""
         return Tracked(request_id=f"probe-{new_id()}", owner="gateway")
 
+    def _tracing(self):
+        """The process's tracer (gateway/tracing.py), imported only when tracing is on; a
+        missing extra is a configuration error, never a silent "off"."""
+        try:
+            from gateway.tracing import Tracing  # noqa: PLC0415 - pd-gateway[tracing]
+            return Tracing(self.config, self.metrics, self.scheduler.policy, self.version)
+        except ImportError as exc:
+            raise ConfigError(f"otlp_endpoint: tracing needs the OpenTelemetry packages "
+                              f"(pip install 'pd-gateway[tracing]'): {exc}") from None
+
     def _mine(self):
         """(shared state, this worker's id) with --workers, else None."""
         return (self.shared, self.worker.id) if self.worker is not None else None
@@ -182,10 +217,17 @@ class Gateway:
 
     async def start(self) -> None:
         c = self.config
+        if self.access_log is not None:
+            try:
+                self.access_log.start()
+            except OSError as exc:
+                raise StartupError(f"access log {c.access_log}: {exc}") from None
         if self.worker is not None:
             await self.worker.control.start()
         if c.upstream_insecure:
             log.warning("--upstream-insecure: certificates of https servers are NOT verified")
+        if self.tracing is not None:
+            self.tracing.start()
         self.client = build_client(c.connect_timeout, c.max_connections, self.transport,
                                    self.tls)
         self.context.client = self.client
@@ -205,6 +247,7 @@ class Gateway:
             LatencyModel(DeadlineOptions(percentile=c.hang_percentile, factor=c.hang_factor,
                                          floor=c.hang_floor, cold=c.hang_cold)),
             timers=self.timers)
+        self.dispatcher.forward_priority = c.forward_priority
         self.aborts = Aborts(self.inflight, control, timeout=5.0)
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout,
@@ -224,6 +267,7 @@ class Gateway:
             on_down=lambda worker: self.dispatcher.rescue(worker, "was marked down"))
         self.health.start()
         self._flusher = asyncio.get_running_loop().create_task(self.metrics.run_flusher())
+        self._latency_task = asyncio.get_running_loop().create_task(self.latency.run())
         await self.models.start()
         if c.prefill_selector or c.decode_selector:
             self.discovery = KubernetesDiscovery.from_config(
@@ -264,15 +308,14 @@ class Gateway:
         they share one) and none is looked for on the servers."""
         models = self.models
         try:
-            model = models.default() if not models.open else models.only
-        except BadRequest:
+            model = models.default()
+        except BadRequest:  # several models, none the default
             model = None
         servers = [w.url for ws in model.servers.values() for w in ws if w.healthy] \
             if model is not None else []
         await self.tokens.load(self.config.tokenizer, self.client, servers)
         if model is not None and model.name:
-            name = model.name
-            self.tokens.serves = lambda view: models.open or view.model == name
+            self.tokens.serves = lambda view: models.open or models.of(view) is model
 
     async def register(self, url: str, role: str, bootstrap_port: int | None,
                        require_probe: bool = False, model: str | None = None) -> Worker:
@@ -305,6 +348,8 @@ class Gateway:
         self.shutting_down = True
         if self._flusher is not None:
             self._flusher.cancel()
+        if self._latency_task is not None:
+            self._latency_task.cancel()
         self.metrics.flush()
         for cache in self._info_caches.values():
             await cache.close()
@@ -324,3 +369,7 @@ class Gateway:
             await self.worker.control.stop()
         self.tokens.close()
         self.timers.close()
+        if self.tracing is not None:  # the last spans leave (bounded), off the event loop
+            await asyncio.to_thread(self.tracing.stop)
+        if self.access_log is not None:  # last: requests that ended during shutdown too
+            self.access_log.close()

@@ -17,6 +17,12 @@ only sees late, and what the decode caches is what the prefill sends it.
 Models: the candidates of both roles are the servers of the request's model only
 (`gateway/models.py`), and each model's own policies choose among them, so a prefill of one
 model is never paired with a decode of another and no policy state mixes models.
+
+Sessions: a request with a session id (`--session-header`) takes its prefill target from
+`affinity.SessionAffinity` instead of the prefill policy (which still hears of the dispatch);
+`by_policy` says whether the last prefill choice was the policy's own. The affinity ring
+holds every prefill target; it places a session among the candidates only, so one ring serves
+every model.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
+from gateway.affinity import SessionAffinity
 from gateway.errors import ServiceUnavailable
 from gateway.models import Model, Models, Target, targets
 from gateway.pairs import PairHealth
@@ -33,9 +40,12 @@ from gateway.workers import Worker, WorkerPool
 
 
 class Scheduler:
-    def __init__(self, pool: WorkerPool, models: Models, pairs: PairHealth | None = None) -> None:
+    def __init__(self, pool: WorkerPool, models: Models, pairs: PairHealth | None = None,
+                 affinity: SessionAffinity | None = None) -> None:
         self.pool = pool
         self.models = models
+        self.affinity = affinity
+        self.by_policy = True
         self.pairs = pairs or PairHealth()
         self.panics = {"prefill": 0, "decode": 0}  # picks made in panic mode, per role
         pool.on_change(self.workers_changed)
@@ -51,8 +61,11 @@ class Scheduler:
         return self.models.policy(role, target)
 
     def workers_changed(self) -> None:
-        """Regroup the servers by model and tell each model's policies its servers."""
+        """Regroup the servers by model and tell each model's policies (and the session
+        ring) its servers (membership or probed details changed)."""
         self.models.regroup()
+        if self.affinity is not None:
+            self.affinity.on_workers_changed(targets(self.pool.role("prefill")))
 
     def candidates(self, role: str, view: RequestView, avoid: Collection[Worker],
                    model: Model | None = None) -> list[Worker]:
@@ -95,12 +108,16 @@ class Scheduler:
                 f"no usable {missing} server{of_model} (all down, draining or circuit-open)",
                 headers={"retry-after": "1"},
             )
+        self.by_policy = False
         if prefer is not None and prefer[0] in prefills:
             worker, rank = prefer
             prefill = worker.ranks[rank] if rank is not None and rank < len(worker.ranks) \
                 else worker
+        elif view.session is not None and self.affinity is not None:
+            prefill = self.affinity.pick(view.session, targets(prefills))
         else:
             prefill = model.policies["prefill"].pick(targets(prefills), view)
+            self.by_policy = True
         server = prefill.server.url
         partners = [d for d in decodes if not self.pairs.blocked(server, d.url)]
         decode = model.policies["decode"].pick(partners or decodes, view)

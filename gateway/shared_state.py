@@ -12,7 +12,7 @@ configured.
 Layout (8-byte words): a header; per worker: active requests; per server slot: the URL's hash,
 then in-flight requests and in-flight prompt tokens per worker; per API key: two token
 buckets (requests, prompt tokens: gateway/key_limits.py), each (tokens, last refill time) as
-doubles.
+doubles; per worker: its most urgent waiter's class and wait start (gateway/admission.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class SharedState:
         self._in_flight = self._hashes + SERVER_SLOTS
         self._tokens = self._in_flight + SERVER_SLOTS * workers
         self._buckets = self._tokens + SERVER_SLOTS * workers
-        words = self._buckets + 4 * max(keys, 1)
+        self._waiting = self._buckets + 4 * max(keys, 1)
+        words = self._waiting + 2 * workers
         if create:
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=8 * words)
             self.shm.buf[: 8 * words] = bytes(8 * words)
@@ -64,6 +65,8 @@ class SharedState:
         self.floats = self.shm.buf.cast("d")
         if create:
             self.words[0] = MAGIC
+            for worker in range(workers):
+                self.words[self._waiting + 2 * worker] = -1  # nobody waits yet
         elif self.words[0] != MAGIC:
             raise RuntimeError(f"shared block {name} is not a gateway's")
         self._slots: dict[str, int] = {}
@@ -142,6 +145,26 @@ class SharedState:
 
     def active(self) -> int:
         return sum(self.words[self._active:self._active + self.workers])
+
+    def publish_waiting(self, worker: int, klass: int | None, since: float) -> None:
+        """This worker's most urgent waiter: its class (None: nobody waits here) and since
+        when it waits (gateway/admission.py)."""
+        at = self._waiting + 2 * worker
+        self.floats[at + 1] = since
+        self.words[at] = -1 if klass is None else klass
+
+    def waits_longer_elsewhere(self, worker: int, klass: int, since: float) -> bool:
+        """Whether another worker has a waiter ahead of (klass, since): of a more urgent
+        class, or of the same class waiting since earlier. No lock: each worker writes only
+        its own two words, and a torn read only delays a slot by one poll."""
+        words, floats = self.words, self.floats
+        for other in range(self.workers):
+            at = self._waiting + 2 * other
+            theirs = words[at]
+            if other != worker and theirs >= 0 and (
+                    theirs < klass or (theirs == klass and floats[at + 1] < since)):
+                return True
+        return False
 
     # -- per-key token buckets ----------------------------------------------------------------
 

@@ -33,8 +33,9 @@ takes ~0.2 us per character (~1.5 us per token): 128 chars 26 us, 512 chars ~100
 2048 chars ~400 us, 8k tokens 12-18 ms. So texts up to `INLINE_CHARS` (512, ~100 tokens) are
 encoded inline, where the hop would cost as much as the work; longer ones go to the pool: 50
 concurrent 8k-token requests stalled the loop 450-900 ms inline, 50-150 ms via the pool. Chat
-rendering is Python (holds the GIL) but cheap (20-40 us; 70 us with 4 tools and 4 turns), and
-goes to the pool with its encode. No cache: a hit would save the encode, but whole prompts
+rendering is Python (holds the GIL) but cheap (20-40 us; 70 us with 4 tools and 4 turns): a
+short chat (messages up to `INLINE_CHARS` of text, no tools) is rendered and encoded inline,
+a longer one goes to the pool with its encode. No cache: a hit would save the encode, but whole prompts
 rarely repeat exactly, and a key costs a hash of the whole prompt.
 """
 
@@ -217,6 +218,10 @@ class GatewayTokenizer:
         return await self._run(self.encode_generate, body)
 
     async def aencode_chat(self, body: dict) -> list[int]:
+        """Short chats inline (the pool hop would cost more than rendering and encoding
+        them), longer ones in the pool."""
+        if _chat_chars(body) <= INLINE_CHARS:
+            return self.encode_chat(body)
         return await self._run(self.encode_chat, body)
 
     async def _run(self, fn: Any, arg: Any) -> Any:
@@ -259,6 +264,23 @@ class GatewayTokenizer:
                                             "kimi_k3", "muse"):
             problems.append(f"tool-call parser {info['tool_call_parser']} has its own encoder")
         return problems
+
+
+def _chat_chars(body: dict) -> int:
+    """About how much text a chat renders (its messages' text; tools count as a lot)."""
+    if not isinstance(body, dict) or body.get("tools"):
+        return MAX_CHARS
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return MAX_CHARS
+    size = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            size += len(content)
+        elif content is not None:
+            size += INLINE_CHARS  # parts: let the pool have it
+    return size
 
 
 def _is_int(value: Any) -> bool:

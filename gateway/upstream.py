@@ -47,8 +47,9 @@ class UpstreamResponse(Protocol):
 
 
 class Upstream(Protocol):
-    async def post(self, base_url: str, path: str, body: bytes,
-                   request_id: str) -> UpstreamResponse: ...
+    async def post(self, base_url: str, path: str, body: bytes, request_id: str,
+                   headers: tuple[tuple[str, str], ...] = ()) -> UpstreamResponse: ...
+    # `headers`: more request headers (the trace context), names and values already checked
 
     async def close(self) -> None: ...
 
@@ -69,10 +70,13 @@ class FastUpstream:
         self.client = HTTPClient(connect_timeout, limit=max_connections,
                                  pool_timeout=pool_timeout, ssl_context=tls)
 
-    async def post(self, base_url: str, path: str, body: bytes,
-                   request_id: str) -> UpstreamResponse:
-        return await self.client.post(base_url, path, body,
-                                      b"X-Request-Id: " + request_id.encode() + b"\r\n")
+    async def post(self, base_url: str, path: str, body: bytes, request_id: str,
+                   headers: tuple[tuple[str, str], ...] = ()) -> UpstreamResponse:
+        lines = b"X-Request-Id: " + request_id.encode() + b"\r\n"
+        if headers:
+            lines += b"".join(b"%s: %s\r\n" % (name.encode(), value.encode())
+                              for name, value in headers)
+        return await self.client.post(base_url, path, body, lines)
 
     async def close(self) -> None:
         self.client.close()
@@ -121,12 +125,12 @@ class HttpxUpstream:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
-    async def post(self, base_url: str, path: str, body: bytes,
-                   request_id: str) -> UpstreamResponse:
+    async def post(self, base_url: str, path: str, body: bytes, request_id: str,
+                   headers: tuple[tuple[str, str], ...] = ()) -> UpstreamResponse:
         request = self.client.build_request(
             "POST", base_url + path, content=body,
             headers={"content-type": "application/json", "accept-encoding": "identity",
-                     "x-request-id": request_id})
+                     "x-request-id": request_id, **dict(headers)})
         return _HttpxResponse(await self.client.send(request, stream=True))
 
     async def close(self) -> None:

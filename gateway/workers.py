@@ -41,6 +41,22 @@ class ServerLoad:
     token_usage: float = 0.0
     max_running_requests: int = 0
     updated_at: float = 0.0
+    # cumulative, SGLang's Scheduler._record_step_counters: tokens its prefill steps extended
+    # and their busy time; successive snapshots give the server's measured prefill speed
+    prefill_tokens: int = 0
+    prefill_busy_us: int = 0
+    prefill_speed: float = 0.0  # tokens/s, smoothed over snapshots; 0 until measured
+
+    def follow(self, before: ServerLoad) -> None:
+        """Carry the measured prefill speed over from the previous snapshot, updated by
+        what the server prefilled in between (a restart's smaller counters teach nothing)."""
+        tokens = self.prefill_tokens - before.prefill_tokens
+        busy = self.prefill_busy_us - before.prefill_busy_us
+        speed = before.prefill_speed
+        if tokens > 0 and busy > 0:
+            sample = tokens * 1e6 / busy
+            speed = sample if speed == 0.0 else 0.7 * speed + 0.3 * sample
+        self.prefill_speed = speed
 
 
 @dataclass(eq=False)
@@ -108,6 +124,8 @@ class Worker:
     kv_events: dict | None = None  # the server's KV event publisher (/server_info kv_events)
     load_balance_method: str = "follow_bootstrap_room"  # how the server picks a DP rank
     context_length: int | None = None  # the model's, from /server_info
+    priority_scheduling: bool = False  # the server schedules by `priority` (/server_info)
+    low_priority_first: bool = False  # ... lower values first
     ranks: list[Rank] = field(default_factory=list)  # DP ranks, when it has more than one
     attempts: set = field(default_factory=set)  # attempts waiting on this server now (rescue)
     suspect_until: float = 0.0  # a request here timed out without progress: avoid until then
@@ -157,6 +175,8 @@ class Worker:
         self.kv_events = facts.kv_events
         self.load_balance_method = facts.load_balance_method
         self.context_length = facts.context_length
+        self.priority_scheduling = facts.priority_scheduling
+        self.low_priority_first = facts.low_priority_first
         if len(self.ranks) != (facts.dp_size if facts.dp_size > 1 else 0):
             self.ranks = [Rank(self, r) for r in range(facts.dp_size)] if facts.dp_size > 1 else []
         self.verified = True
@@ -173,15 +193,20 @@ class Worker:
             if not isinstance(entry, dict):
                 continue
             one = _load_entry(entry, now)
+            rank = entry.get("dp_rank", position)
+            ranked = isinstance(rank, int) and 0 <= rank < len(self.ranks)
+            one.follow(self.ranks[rank].load if ranked else self.load)
             total.running += one.running
             total.waiting += one.waiting
             total.waiting_uncached_tokens += one.waiting_uncached_tokens
             total.used_tokens += one.used_tokens
             total.max_total_tokens += one.max_total_tokens
             total.max_running_requests += one.max_running_requests
+            total.prefill_tokens += one.prefill_tokens
+            total.prefill_busy_us += one.prefill_busy_us
+            total.prefill_speed += one.prefill_speed  # ranks prefill side by side: a sum
             usages.append(one.token_usage)
-            rank = entry.get("dp_rank", position)
-            if isinstance(rank, int) and 0 <= rank < len(self.ranks):
+            if ranked:
                 self.ranks[rank].load = one
         total.token_usage = max(usages) if usages else 0.0
         self.load = total
@@ -266,7 +291,9 @@ def _load_entry(entry: dict, now: float) -> ServerLoad:
         waiting_uncached_tokens=number("num_waiting_uncached_tokens"),
         used_tokens=number("num_used_tokens"), max_total_tokens=number("max_total_num_tokens"),
         token_usage=float(usage) if isinstance(usage, (int, float)) else 0.0,
-        max_running_requests=number("max_running_requests"), updated_at=now)
+        max_running_requests=number("max_running_requests"), updated_at=now,
+        prefill_tokens=number("total_prefill_uncached_tokens"),
+        prefill_busy_us=number("total_prefill_busy_us"))
 
 
 class WorkerPool:
@@ -306,17 +333,8 @@ class WorkerPool:
         for worker in self._by_role[role]:
             worker.breaker.refresh(now)
 
-    def usable(self, role: str, model: str | None = None) -> list[Worker]:
-        return [
-            w for w in self._by_role[role]
-            if w.usable and (model is None or w.model is None or w.model == model)
-        ]
-
-    def panic(self, role: str) -> list[Worker]:
-        """Workers of `role` that can take a request when none is fully usable: in rotation
-        (healthy, verified, not draining) whatever their breaker says. A server the health
-        checks mark down cannot take it: then the answer is a 503."""
-        return [w for w in self._by_role[role] if w.serving]
+    def usable(self, role: str) -> list[Worker]:
+        return [w for w in self._by_role[role] if w.usable]
 
     def __iter__(self) -> Iterable[Worker]:
         return iter(list(self._workers.values()))
@@ -331,9 +349,6 @@ class WorkerPool:
         """Tell listeners the workers changed (membership, or facts learned by a probe)."""
         for listener in self._listeners:
             listener()
-
-    def ready(self) -> bool:
-        return bool(self.usable("prefill")) and bool(self.usable("decode"))
 
 
 def breaker_state_code(state: BreakerState) -> int:

@@ -150,10 +150,15 @@ class Bench:
             yield None, None
             return
         port = free_port()
-        argv = pinned(target.argv(self.cluster, port, self.peer_python), self.args.proxy_cpu)
-        cwd = ROOT if target.ours else self.log_dir  # peers must not import our packages
-        with running(label, argv, self.log_dir, f"http://{HOST}:{port}{target.ready_path}",
-                     timeout=90, cwd=cwd) as proc:
+        with contextlib.ExitStack() as stack:
+            extra = stack.enter_context(target.sidecar(self.log_dir, self.args.load_cpu)) \
+                if target.sidecar is not None else []
+            argv = pinned(target.argv(self.cluster, port, self.peer_python) + extra,
+                          self.args.proxy_cpu)
+            cwd = ROOT if target.ours else self.log_dir  # peers must not import our packages
+            proc = stack.enter_context(running(
+                label, argv, self.log_dir, f"http://{HOST}:{port}{target.ready_path}",
+                timeout=90, cwd=cwd))
             yield proc, port
 
     def warm(self, route) -> None:

@@ -12,12 +12,40 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from collections.abc import Awaitable, Iterator
+from typing import TypeVar
 
 import orjson
 
 from loadtests.client import Connection, post
 
 HOST = "127.0.0.1"
+T = TypeVar("T")
+
+
+def new_rooms() -> Iterator[int]:
+    """Bootstrap rooms for one client. They must never repeat across runs: the servers keep
+    tombstones of used rooms, so the counter starts at a random 62-bit number."""
+    return itertools.count(random.getrandbits(62))
+
+
+def pd_fields(body: dict, bootstrap_port: int, room: int) -> dict:
+    """`body` with what a PD proxy adds: the prefill's bootstrap address and the room."""
+    return {**body, "bootstrap_host": HOST, "bootstrap_port": bootstrap_port,
+            "bootstrap_room": room}
+
+
+async def both_legs(prefill_leg: Awaitable[object], decode_leg: Awaitable[T]) -> T:
+    """Run both legs of one PD request at once; the decode's answer. A decode that fails (or
+    is cancelled) cancels the prefill; a failed prefill fails the call."""
+    prefill = asyncio.ensure_future(prefill_leg)
+    try:
+        answer = await decode_leg
+    except BaseException:
+        prefill.cancel()
+        raise
+    await prefill
+    return answer
 
 
 class ViaProxy:
@@ -48,9 +76,9 @@ class BothLegs:
         self.prefill_port = prefill_port
         self.decode_ports = decode_ports
         self.path = path
-        self.body = {**body, "bootstrap_host": HOST, "bootstrap_port": bootstrap_port}
-        # Rooms must never repeat across runs: the servers keep tombstones of used rooms.
-        self.rooms = itertools.count(random.getrandbits(62))
+        self.bootstrap_port = bootstrap_port
+        self.body = body
+        self.rooms = new_rooms()
         self.turn = itertools.count()
 
     def session(self) -> LegsSession:
@@ -65,16 +93,11 @@ class LegsSession:
 
     async def call(self) -> int:
         route = self.route
-        body = orjson.dumps({**route.body, "bootstrap_room": next(route.rooms)})
+        body = orjson.dumps(pd_fields(route.body, route.bootstrap_port, next(route.rooms)))
         decode = self.decodes[next(route.turn) % len(self.decodes)]
-        prefill_leg = asyncio.ensure_future(
-            self.prefill.send(post(HOST, self.prefill.port, route.path, body)))
-        try:
-            events, _ = await decode.send(post(HOST, decode.port, route.path, body))
-        except BaseException:
-            prefill_leg.cancel()
-            raise
-        await prefill_leg
+        events, _ = await both_legs(
+            self.prefill.send(post(HOST, self.prefill.port, route.path, body)),
+            decode.send(post(HOST, decode.port, route.path, body)))
         return events
 
     def close(self) -> None:

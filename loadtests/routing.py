@@ -6,6 +6,8 @@
         --targets gateway:cache_aware,sglang-router:cache_aware --duration 20
     python -m loadtests.routing --workload dp         # prefills with 4 DP ranks, ~7 min
     python -m loadtests.routing --workload dp --quick # CI-sized, our gateway only
+    python -m loadtests.routing --workload hard       # hot prompt, docqa, agents; ~13 min
+    python -m loadtests.routing --workload hard --quick  # CI-sized, with the oracle
 
 Workloads (`loadtests/routing_workloads.py`): multi-turn chat with a few shared long system
 prompts and growing per-conversation histories, and few-shot prompts with short questions.
@@ -16,6 +18,10 @@ prefill policy, sglang-router 0.3.2 per policy, mini_lb. Every target replays th
 against the same servers, whose caches are flushed and counters reset in between.
 `--workload dp` (`loadtests/routing_dp.py`): prefills with DP ranks, per-rank share of
 unrelated prompts and the chat hit rate against one rank per server with the same cache.
+`--workload hot|docqa|agent|hard` (`loadtests/routing_hard.py`): one hot system prompt on 70%
+of the turns, questions about a few 16K documents, agent loops with growing contexts (hard:
+all three), each on a cluster sized for it, with the sticky oracle as the reference; not
+part of `both` (it would double the full run's time).
 
 Prints one table per workload and the margin of our best policy over sglang-router's
 cache_aware; `--out` writes every figure as JSON. Every process started here is stopped on exit
@@ -41,9 +47,10 @@ if __package__ in (None, ""):  # `python loadtests/routing.py`
 from loadtests import peers  # noqa: E402
 from loadtests.routing_cluster import SimOptions, sim_cluster  # noqa: E402
 from loadtests.routing_dp import add_arguments, build_dp_setup, run_dp  # noqa: E402
+from loadtests.routing_hard import HARD_WORKLOADS, build_hard_setup, run_hard  # noqa: E402
 from loadtests.routing_measure import measure  # noqa: E402
 from loadtests.routing_report import margin, text_table  # noqa: E402
-from loadtests.routing_targets import ALL, QUICK, Target, parse_targets  # noqa: E402
+from loadtests.routing_targets import ALL, KNOWN, QUICK, Target, parse_targets  # noqa: E402
 from loadtests.routing_workloads import (  # noqa: E402
     ChatShape,
     FewshotShape,
@@ -92,23 +99,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="CI-sized: 2 prefill + 1 decode, a few seconds per target, "
                              f"targets {','.join(QUICK)}")
-    parser.add_argument("--workload", "--workloads", choices=("chat", "fewshot", "both", "dp"),
+    parser.add_argument("--workload", "--workloads",
+                        choices=("chat", "fewshot", "both", "dp", *HARD_WORKLOADS, "hard"),
                         default="both",
                         help="both: chat and fewshot; dp: prefills with DP ranks (per-rank "
-                             "share, hit ratio against one rank; see loadtests/routing_dp.py)")
-    parser.add_argument("--targets", help=f"comma-separated, from: {', '.join(ALL)}")
+                             "share, hit ratio against one rank; see loadtests/routing_dp.py); "
+                             "hot, docqa, agent, hard (all three): the harder workloads with "
+                             "the sticky oracle (loadtests/routing_hard.py)")
+    parser.add_argument("--targets", help=f"comma-separated, from: {', '.join(KNOWN)}")
     parser.add_argument("--duration", type=float,
                         help="seconds of arrivals per workload and target (default: chat 40, "
-                             "fewshot 20; quick 6 and 3; dp: chat 20, unrelated 12)")
+                             "fewshot 20; quick 6 and 3; dp: chat 20, unrelated 12; hot 20, "
+                             "docqa and agent 30, quick 3)")
     parser.add_argument("--rate", type=float,
                         help="requests per second (chat: turns per second; default: chat 12, "
-                             "fewshot 16; quick 10; dp: chat 6, unrelated 20)")
+                             "fewshot 16; quick 10; dp: chat 6, unrelated 20; hot 70, docqa 6, "
+                             "agent 12 steps/s)")
     parser.add_argument("--prefills", type=int,
-                        help="prefill servers (default 4; quick 2; dp 2)")
-    parser.add_argument("--decodes", type=int, help="decode servers (default 4; quick 1; dp 2)")
+                        help="prefill servers (default 4; quick 2; dp 2; hard 4)")
+    parser.add_argument("--decodes", type=int,
+                        help="decode servers (default 4; quick 1; dp 2; hard 2)")
     parser.add_argument("--cache-tokens", type=int,
                         help="prefix cache per prefill server, tokens, split over its DP ranks "
-                             "(default 16384; quick 2500; dp 16384, dp quick 8000)")
+                             "(default 16384; quick 2500; dp 16384, dp quick 8000; hot 16384, "
+                             "docqa 40960, agent 32768)")
     parser.add_argument("--system-prompts", type=int,
                         help="shared system prompts of the chat workload (default 4; quick 2)")
     parser.add_argument("--seed", type=int, default=0)
@@ -146,10 +160,15 @@ def _on_sigterm(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dp = args.workload == "dp"
+    hard = HARD_WORKLOADS if args.workload == "hard" else tuple(
+        w for w in HARD_WORKLOADS if w == args.workload)
     try:
-        setup = build_dp_setup(args) if dp else build_setup(args)
-        if dp:
+        setup = (build_dp_setup(args) if dp else build_hard_setup(args) if hard
+                 else build_setup(args))
+        if dp or hard:
             build_setup(args)  # the shared flags' checks
+        if dp and "oracle" in setup.targets:
+            raise ValueError("the oracle has no DP-rank steering: not a dp target")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -170,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         if dp:
             errors = run_dp(setup, args, log_dir, peer_python, results,
                             lambda: _write(args.out, results))
+        elif hard:
+            errors = run_hard(setup, hard, args, log_dir, peer_python, results,
+                              lambda: _write(args.out, results))
         else:
             workloads = WORKLOADS if args.workload == "both" else (args.workload,)
             _run_workloads(setup, workloads, targets, args, log_dir, peer_python, results)

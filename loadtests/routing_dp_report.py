@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from loadtests.routing_report import Row
+from loadtests.routing_report import Row, render_markdown, render_text
 
 SHARE_FLOOR = 0.15  # the bound: each rank gets at least 15% of its server's requests
 RATIO_FLOOR = 0.98  # hit rate with ranks >= 0.98x the one-rank hit rate
@@ -93,18 +93,11 @@ def cells(row: DpRow) -> list[str]:
 
 
 def text_table(rows: list[DpRow]) -> str:
-    table = [list(HEADER)] + [cells(r) for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(HEADER))]
-    return "\n".join("  ".join(c.rjust(w) if i > 1 else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(line, widths, strict=True)))
-                     for line in table)
+    return render_text(HEADER, [cells(r) for r in rows], left=2)
 
 
 def markdown_table(rows: list[DpRow]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |",
-             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(HEADER))) + "|"]
-    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return render_markdown(HEADER, [cells(r) for r in rows], left=2)
 
 
 def share_verdicts(rows: list[DpRow]) -> list[str]:

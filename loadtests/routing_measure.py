@@ -3,14 +3,18 @@
 The cluster is settled first (no work, caches flushed, counters reset); the figures are the
 deltas of the prefill servers' counters over the replay, the client's samples, the CPU time of
 the proxy and of everything else, and for our gateway its own view (`/metrics`): the prefill
-decisions per worker (a DP rank is `url#dpR`), the hits it predicted, its retries.
+decisions per worker (a DP rank is `url#dpR`), the hits it predicted, its retries. The oracle
+has no proxy: the load generator routes (its CPU counts as the load generator's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -19,7 +23,16 @@ import uvloop
 from loadtests import procstat
 from loadtests.launch import free_port, running
 from loadtests.routing_cluster import Cluster, difference, settle, snapshot
-from loadtests.routing_drive import Drive, drive_chat, drive_fewshot
+from loadtests.routing_drive import (
+    Drive,
+    Send,
+    drive_agent,
+    drive_chat,
+    drive_fewshot,
+    via_proxy,
+)
+from loadtests.routing_hard_workloads import AgentPlan
+from loadtests.routing_oracle import Oracle
 from loadtests.routing_report import Row, make_row
 from loadtests.routing_targets import Target
 from loadtests.routing_workloads import ChatPlan
@@ -54,32 +67,59 @@ def gateway_view(port: int) -> dict:
     }
 
 
-def run_drive(port: int, plan, duration: float, timeout: float) -> Drive:
-    drive = drive_chat if isinstance(plan, ChatPlan) else drive_fewshot
+def run_drive(send: Send, plan, duration: float) -> Drive:
+    if isinstance(plan, ChatPlan):
+        drive = drive_chat
+    elif isinstance(plan, AgentPlan):
+        drive = drive_agent
+    else:
+        drive = drive_fewshot
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(drive(port, plan, duration, timeout))
+        return runner.run(drive(send, plan, duration))
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a target's requests go: its sender, and its proxy process if it has one."""
+
+    send: Send
+    pid: int | None = None
+    port: int | None = None
+    argv: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def endpoint(target: Target, cluster: Cluster, workload: str, plan, timeout: float,
+             log_dir: Path, peer_python: Path | None) -> Iterator[Endpoint]:
+    """The target ready to take requests: its proxy started (and stopped after), or the
+    oracle built from the plan."""
+    if not target.proxy:
+        yield Endpoint(Oracle(cluster, plan, timeout).send)
+        return
+    port = free_port()
+    argv = target.argv(cluster, port, peer_python)
+    with running(f"{workload}-{target.name.replace(':', '-')}", argv, log_dir,
+                 f"http://127.0.0.1:{port}{target.ready_path}") as proxy:
+        time.sleep(1.0)  # peers register workers in background jobs after readiness
+        yield Endpoint(via_proxy(port, timeout), proxy.pid, port, argv)
 
 
 def measure(target: Target, cluster: Cluster, workload: str, plan, duration: float,
             timeout: float, log_dir: Path, peer_python: Path | None) -> tuple[Row, dict]:
     settle(cluster)
-    port = free_port()
-    argv = target.argv(cluster, port, peer_python)
     load_before = os.getloadavg()[0]
-    with running(f"{workload}-{target.name.replace(':', '-')}", argv, log_dir,
-                 f"http://127.0.0.1:{port}{target.ready_path}") as proxy:
-        time.sleep(1.0)  # peers register workers in background jobs after readiness
+    with endpoint(target, cluster, workload, plan, timeout, log_dir, peer_python) as ep:
         before = snapshot(cluster)
-        meter = procstat.WindowMeter(proxy.pid, cluster.pids)
+        meter = procstat.WindowMeter(ep.pid, cluster.pids)
         meter.start()
         started = time.monotonic()
-        drive = run_drive(port, plan, duration, timeout)
+        drive = run_drive(ep.send, plan, duration)
         usage = meter.stop()
         window = time.monotonic() - started
         after = snapshot(cluster)
-        policy = gateway_view(port) if target.ours else {}
+        policy = gateway_view(ep.port) if target.ours and ep.port else {}
     row = make_row(target.name, drive, difference(before, after), usage, window, policy)
-    extra = {"argv": argv, "load1_before": load_before, "load1_after": os.getloadavg()[0],
+    extra = {"argv": ep.argv, "load1_before": load_before, "load1_after": os.getloadavg()[0],
              "cpu_s": {"proxy": usage.proxy, "servers": usage.backends,
                        "loadgen": usage.loadgen, "other": usage.other}}
     return row, extra

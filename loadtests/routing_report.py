@@ -46,6 +46,7 @@ class Row:
     error_samples: list[str]
     policy: dict  # the gateway's view (routing decisions, predicted hits); {} for peers
     per_rank: list[list[int]] = field(default_factory=list)  # served, per prefill, per DP rank
+    ttft_p90_ms: float = float("nan")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +73,8 @@ def make_row(target: str, drive: Drive, servers: ServerFigures, usage: Usage, wi
         proxy_cpu_s=usage.proxy, own_cores=(usage.proxy + usage.backends + usage.loadgen) / window,
         busy_cores=sum(usage.cores.values()) / window,
         per_server=list(servers.requests.values()), error_samples=sorted(set(errors))[:5],
-        policy=policy, per_rank=[[r[0] for r in ranks] for ranks in servers.ranks.values()])
+        policy=policy, per_rank=[[r[0] for r in ranks] for ranks in servers.ranks.values()],
+        ttft_p90_ms=percentile(ttfts, 90) if ttfts else float("nan"))
 
 
 HEADER = ("target", "reqs", "errors", "hit rate", "client hit", "TTFT p50 ms", "TTFT p99 ms",
@@ -98,19 +100,28 @@ def cells(row: Row) -> list[str]:
             _share(row.per_server)]
 
 
-def text_table(rows: list[Row]) -> str:
-    table = [list(HEADER)] + [cells(r) for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(HEADER))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w)
+def render_text(header: tuple[str, ...], lines: list[list[str]], left: int = 1) -> str:
+    """Aligned columns: the first `left` to the left, the others to the right."""
+    table = [list(header)] + lines
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w)
                                for i, (c, w) in enumerate(zip(line, widths, strict=True)))
                      for line in table)
 
 
+def render_markdown(header: tuple[str, ...], lines: list[list[str]], left: int = 1) -> str:
+    out = ["| " + " | ".join(header) + " |",
+           "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
+    out += ["| " + " | ".join(line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def text_table(rows: list[Row]) -> str:
+    return render_text(HEADER, [cells(r) for r in rows])
+
+
 def markdown_table(rows: list[Row]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADER))) + "|"]
-    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return render_markdown(HEADER, [cells(r) for r in rows])
 
 
 def best_of_ours(rows: list[Row]) -> Row | None:

@@ -6,6 +6,8 @@ A target name is `gateway:<prefill policy>` (decode: least_load), `sglang-router
 `--dp-aware` (one worker per DP rank, `url@rank`); in PD mode 0.3.2 then sends the decode leg
 to `http://0.0.0.0/generate` and fails every request, so it is in no default list. Every
 proxy listens on 127.0.0.1; a peer runs from the peers' venv (`loadtests/peers.py`).
+`oracle` is no proxy: the load generator routes by the plan's structure and sends both PD
+legs itself (`loadtests/routing_oracle.py`); it exists for plans with shared prefixes.
 """
 
 from __future__ import annotations
@@ -24,12 +26,23 @@ GATEWAY_POLICIES = ("cache_aware", "prefix_cache", "min_ttft", "least_load", "ro
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "random")
 ALL = ([f"gateway:{p}" for p in GATEWAY_POLICIES]
        + [f"sglang-router:{p}" for p in ROUTER_POLICIES] + ["mini-lb"])
-KNOWN = ALL + ["sglang-router:round_robin", "sglang-router:cache_aware+dp-aware"]
+# `@wN`: the gateway with `--workers N` (the hit ratio must survive N processes that share
+# no prefix tree: docs/WORKERS.md)
+WORKERS = ["gateway:cache_aware@w4", "gateway:prefix_cache@w4"]
+KNOWN = ALL + WORKERS + ["sglang-router:round_robin", "sglang-router:cache_aware+dp-aware",
+                         "oracle"]
 QUICK = ["gateway:cache_aware", "gateway:round_robin"]
+CAPACITY_POLICIES = ("cache_aware", "prefix_cache")  # take option cache_tokens
 # DP ranks: our default (cache_aware) and exact-index policies against the peers
 DP = ["gateway:cache_aware", "gateway:prefix_cache", "sglang-router:cache_aware",
       "sglang-router:round_robin", "mini-lb"]
 QUICK_DP = ["gateway:cache_aware"]
+# Harder workloads: our policies that route on prefixes or load, the peers' cache_aware and
+# round robin, and the oracle.
+HARD = ["gateway:cache_aware", "gateway:prefix_cache", "gateway:min_ttft",
+        "gateway:round_robin", "sglang-router:cache_aware", "sglang-router:round_robin",
+        "oracle"]
+QUICK_HARD = ["gateway:cache_aware", "gateway:round_robin", "oracle"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +55,14 @@ class Target:
 
     @property
     def policy(self) -> str:
-        return self.name.split(":", 1)[1] if ":" in self.name else "random"
+        policy = self.name.split(":", 1)[1] if ":" in self.name else "random"
+        return policy.split("@", 1)[0]
+
+    @property
+    def workers(self) -> int:
+        """Serving processes of our gateway (`@wN`), 1 without."""
+        _, _, suffix = self.name.partition("@w")
+        return int(suffix) if suffix else 1
 
     @property
     def ours(self) -> bool:
@@ -50,7 +70,12 @@ class Target:
 
     @property
     def peer(self) -> bool:
-        return not self.ours
+        return self.kind in ("sglang-router", "mini-lb")
+
+    @property
+    def proxy(self) -> bool:
+        """A process the requests go through (the oracle is none)."""
+        return self.kind != "oracle"
 
     @property
     def ready_path(self) -> str:
@@ -58,7 +83,8 @@ class Target:
 
     def argv(self, cluster: Cluster, port: int, peer_python: Path | None) -> list[str]:
         if self.ours:
-            return _gateway(cluster, port, self.policy)
+            return _gateway(cluster, port, self.policy) + (
+                ["--workers", str(self.workers)] if self.workers > 1 else [])
         policy, _, flag = self.policy.partition("+")
         extra = ["--mini-lb"] if self.kind == "mini-lb" else [
             "--policy", policy, *([f"--{flag}"] if flag else []), "--log-level", "warn",
@@ -80,10 +106,15 @@ def _gateway(cluster: Cluster, port: int, policy: str) -> list[str]:
         args += ["--prefill", server.url, str(server.bootstrap_port)]
     for server in cluster.decodes:
         args += ["--decode", server.url]
+    options: dict = {}
+    if policy in CAPACITY_POLICIES:
+        # the simulator's cache is smaller than the KV pool its /v1/loads reports (a real
+        # server's radix cache is that pool), so the policy is told the cache of a target
+        options["cache_tokens"] = cluster.options.cache_tokens // cluster.options.dp_ranks
     if policy == "prefix_cache":
-        endpoints = {s.url: s.kv_events_endpoint for s in cluster.prefills}
-        args += ["--policy-options", orjson.dumps({"prefix_cache": {"endpoints": endpoints}})
-                 .decode()]
+        options["endpoints"] = {s.url: s.kv_events_endpoint for s in cluster.prefills}
+    if options:
+        args += ["--policy-options", orjson.dumps({policy: options}).decode()]
     return args
 
 

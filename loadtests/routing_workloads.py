@@ -69,6 +69,8 @@ class ChatShape:
     user_tokens: tuple[int, int] = (40, 300)  # per user message, uniform
     max_tokens: int = 48  # reply length (the simulator always generates all of them)
     think_s: float = 2.0  # mean think time between a reply and the next turn (exponential)
+    weights: tuple[float, ...] = ()  # popularity of each system prompt; () is Zipf(popularity)
+    title: str = "System prompt"  # what starts each system prompt (then its index)
 
     @property
     def mean_turns(self) -> float:
@@ -90,12 +92,16 @@ class ChatPlan:
     system_of: tuple[int, ...]  # system prompt index of each conversation
 
 
-def chat_plan(shape: ChatShape, rate: float, duration: float, seed: int) -> ChatPlan:
-    """Conversations starting in [0, duration) so that about `rate` turns per second are sent."""
-    rng = random.Random(f"chat/{seed}")
-    systems = [f"System prompt {i}. " + words(rng, shape.system_tokens)
+def chat_plan(shape: ChatShape, rate: float, duration: float, seed: int,
+              name: str = "chat") -> ChatPlan:
+    """Conversations starting in [0, duration) so that about `rate` turns per second are sent;
+    `name` seeds the generator apart from other workloads built on conversations."""
+    rng = random.Random(f"{name}/{seed}")
+    systems = [f"{shape.title} {i}. " + words(rng, shape.system_tokens)
                for i in range(shape.system_prompts)]
-    weights = zipf_weights(shape.system_prompts, shape.popularity)
+    weights = list(shape.weights) or zipf_weights(shape.system_prompts, shape.popularity)
+    if len(weights) != shape.system_prompts:
+        raise ValueError(f"{len(weights)} weights for {shape.system_prompts} system prompts")
     conversations, system_of = [], []
     for start in poisson_times(rng, rate / shape.mean_turns, duration):
         index = rng.choices(range(shape.system_prompts), weights)[0]

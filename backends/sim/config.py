@@ -135,6 +135,12 @@ class SimConfig:
     num_dp_ranks: int = 1  # schedulers (DP ranks) in this server
     attn_dp: bool = False  # the ranks are attention-DP groups (--enable-dp-attention)
     load_balance_method: str = "round_robin"  # resolved: never "auto"
+    enable_trace: bool = False  # record received trace headers (/sim/stats); no spans
+    # priority scheduling flags (arg_groups/fields/schedule.py): reported in /server_info;
+    # received priorities are counted in /sim/stats (the queue itself stays FIFO)
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    abort_on_priority_when_disabled: bool = False
     faults: Faults = field(default_factory=Faults, compare=False)
 
     @property
@@ -224,6 +230,9 @@ def _flag_table() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
         (("--enable-cache-report",), {"action": argparse.BooleanOptionalAction,
                                       "default": d.enable_cache_report,
                                       "help": "usage.prompt_tokens_details.cached_tokens"}),
+        (("--enable-trace",), {"action": "store_true",
+                               "help": "record the traceparent/tracestate headers of generation "
+                                       "requests in /sim/stats (emits no spans)"}),
         (("--enable-metrics",), {"action": "store_true",
                                  "help": "accepted for SGLang compatibility; /metrics is always on"}),
         (("--kv-events-config",), {"default": None, "help": "SGLang KVEventsConfig JSON"}),
@@ -233,6 +242,12 @@ def _flag_table() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
         (("--log-level",), {"default": d.log_level, "help": "uvicorn and sim log level"}),
         (("--error-rate",), {"type": float, "default": f.error_rate,
                              "help": "fraction of generation requests answered 500"}),
+        (("--enable-priority-scheduling",), {"action": "store_true",
+                                             "help": "report priority scheduling as on"}),
+        (("--schedule-low-priority-values-first",), {"action": "store_true",
+                                                     "help": "report lower values first"}),
+        (("--abort-on-priority-when-disabled",), {"action": "store_true", "help": (
+            "answer 503 to requests with a priority while priority scheduling is off")}),
         (("--hang",), {"action": "store_true", "help": "never answer generation requests"}),
         (("--crash-after",), {"type": int, "default": f.crash_after,
                               "help": "exit hard when request N+1 arrives (0: never)"}),
@@ -306,6 +321,10 @@ def _resolve(ns: argparse.Namespace) -> SimConfig:
         kv_events=kv_events, kv_events_encoding=ns.kv_events_encoding, seed=ns.seed,
         log_level=ns.log_level, num_dp_ranks=num_dp_ranks, attn_dp=attn_dp,
         load_balance_method=resolve_load_balance_method(ns.load_balance_method, ns.mode),
+        enable_trace=ns.enable_trace,
+        enable_priority_scheduling=ns.enable_priority_scheduling,
+        schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
+        abort_on_priority_when_disabled=ns.abort_on_priority_when_disabled,
         faults=faults, **timing,
     )
 

@@ -52,6 +52,11 @@ class Engine:
         self.generation_tokens_total = 0
         self.cached_tokens_total = 0
         self.requests_total = 0
+        # Scheduler._record_step_counters: prefill steps' busy time and the tokens they
+        # extended (reported in /v1/loads as total_prefill_busy_us/_uncached_tokens)
+        self.prefill_busy_us_total = 0
+        self.prefill_step_tokens_total = 0
+        self._step: tuple[int, float] = (0, 0.0)
         self._hits: deque[tuple[int, int]] = deque(maxlen=_HIT_WINDOW)
         self._gen_marks: deque[tuple[float, int]] = deque()
 
@@ -210,9 +215,13 @@ class Engine:
             tokens += take
         cfg = self.config
         seconds = (cfg.prefill_overhead_ms + cfg.prefill_ms_per_token * tokens) / 1e3
+        self._step = (tokens, seconds)
         self._after(started, seconds, self._end_prefill)
 
     def _end_prefill(self) -> None:
+        tokens, seconds = self._step
+        self.prefill_step_tokens_total += tokens
+        self.prefill_busy_us_total += int(seconds * 1e6)
         done = [j for j in self.prefilling if j.remaining_prefill <= 0]
         if done:
             self.prefilling = [j for j in self.prefilling if j.remaining_prefill > 0]

@@ -88,14 +88,19 @@ def parse_json(body: bytes) -> Any:
         raise BadRequest(f"Invalid JSON body: {exc}") from None
 
 
-def make_jobs(state: SimState, parsed: ParsedRequest) -> tuple[list[Job], list[Job]]:
-    """The jobs (and n > 1 warm-ups) of one request; a rid still running is refused.
+def make_jobs(state: SimState, parsed: ParsedRequest, scope: Scope | None = None,
+              endpoint: str = ENDPOINT) -> tuple[list[Job], list[Job]]:
+    """The jobs (and n > 1 warm-ups) of one request; a rid still running is refused; with
+    --enable-trace, the request's trace headers are recorded.
 
     mirrors TokenizerManager._init_req_state (managers/tokenizer_manager.py).
     """
+    if state.config.enable_trace and scope is not None:
+        state.stats.traced(endpoint, parsed.rids, scope["headers"])
     live = [rid for rid in parsed.rids if rid in state.jobs]
     if live:
         raise BadRequest(f"Duplicate request ID detected: {live[0]}")
+    state.stats.priorities[str(parsed.priority)] += 1
     return [Job(spec=s) for s in parsed.items], [Job(spec=s) for s in parsed.warmups]
 
 
@@ -136,10 +141,10 @@ async def answer_generate(state: SimState, body: bytes, scope: Scope, receive: R
                           send: Send) -> None:
     try:
         parsed = parse_generate(parse_json(body), state.config)
-        jobs, warmups = make_jobs(state, parsed)
+        jobs, warmups = make_jobs(state, parsed, scope)
     except BadRequest as exc:
         state.stats.record(ENDPOINT, "", None, "failed", str(exc))
-        status, payload = native_error(400, str(exc))
+        status, payload = native_error(getattr(exc, "status", 400), str(exc))
         await send_json(send, status, payload)
         return
     except InternalError as exc:  # an exception FastAPI answers with its bare 500

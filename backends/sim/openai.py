@@ -225,10 +225,11 @@ async def _serve(request: Request, endpoint: str, chat: bool) -> ASGIApp:
                 return rank
             generate_body["routed_dp_rank"] = rank
         parsed = parse_generate(generate_body, state.config)
-        jobs, warmups = make_jobs(state, parsed)
+        jobs, warmups = make_jobs(state, parsed, request.scope, endpoint)
     except BadRequest as exc:
         state.stats.record(endpoint, "", None, "failed", str(exc))
-        return JSONResponse(openai_error(400, str(exc)), status_code=400)
+        status = getattr(exc, "status", 400)
+        return JSONResponse(openai_error(status, str(exc)), status_code=status)
     except InternalError as exc:  # OpenAIServingBase.handle_request's catch-all
         state.stats.record(endpoint, "", None, "failed", str(exc))
         return JSONResponse(openai_error(500, f"Internal server error: {exc}",

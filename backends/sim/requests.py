@@ -26,6 +26,14 @@ class BadRequest(ValueError):
     """Input SGLang rejects with HTTP 400."""
 
 
+class PriorityDisabled(BadRequest):
+    """A `priority` sent to a server without priority scheduling that aborts such requests
+    (`--abort-on-priority-when-disabled`): SGLang aborts it with 503
+    (`Scheduler._set_or_validate_priority`, managers/scheduler.py)."""
+
+    status = 503
+
+
 class InternalError(Exception):
     """Input that makes SGLang's own code raise (an IndexError): HTTP 500, not a 400."""
 
@@ -37,6 +45,7 @@ class ParsedRequest:
     stream: bool
     warmups: list[ItemSpec] = dataclasses.field(default_factory=list)  # n > 1, in order
     rids: list[str] = dataclasses.field(default_factory=list)  # the request's own rids
+    priority: int | None = None
 
 
 def new_rid() -> str:
@@ -216,6 +225,7 @@ def parse_generate(body: Any, config: SimConfig) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("The request body should be a JSON object.")
     prompt_ids, prompt_texts, single = _prompts(body)
+    priority = _priority(body.get("priority"), config)
     sp_raw = body.get("sampling_params")
     n = _parallel_sample_num(sp_raw)
     if n > 1:
@@ -257,10 +267,25 @@ def parse_generate(body: Any, config: SimConfig) -> ParsedRequest:
             port=_as_port(_obj_field(port, i, batch, "bootstrap_port")), **common))
     stream = common["stream"]
     if n == 1:
-        return ParsedRequest(items=prompts, is_single=single, stream=stream, rids=rids)
+        return ParsedRequest(items=prompts, is_single=single, stream=stream, rids=rids,
+                             priority=priority)
     warmups, samples = expand_parallel_samples(prompts, n)
     return ParsedRequest(items=samples, is_single=False, stream=stream, warmups=warmups,
-                         rids=rids)
+                         rids=rids, priority=priority)
+
+
+def _priority(value: Any, config: SimConfig) -> int | None:
+    """mirrors TokenizerManager._set_default_priority and Scheduler._set_or_validate_priority."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) \
+            or not -(1 << 63) <= value < (1 << 63):
+        raise BadRequest("priority must be a signed 64-bit integer between "
+                         "-9223372036854775808 and 9223372036854775807")
+    if not config.enable_priority_scheduling and config.abort_on_priority_when_disabled:
+        raise PriorityDisabled("Using priority is disabled for this server. Please send a new "
+                               "request without a priority.")
+    return value
 
 
 def _item(config: SimConfig, index: int, rid: str, ids: list[int], text: str | None,
@@ -335,6 +360,6 @@ def openai_to_generate(body: dict[str, Any], prompt: Any, max_tokens: Any,
         isinstance(prompt, list) and prompt and isinstance(prompt[0], str)) else "input_ids"
     out = {key: prompt, "sampling_params": sampling, "return_logprob": logprobs,
            "top_logprobs_num": top_logprobs, "logprob_start_len": logprob_start_len,
-           "stream": bool(body.get("stream", False))}
+           "stream": bool(body.get("stream", False)), "priority": body.get("priority")}
     out.update({k: body[k] for k in _PD_FIELDS if body.get(k) is not None})
     return out

@@ -13,6 +13,7 @@ from typing import Any
 
 OUTCOMES = ("completed", "failed", "cancelled", "aborted")
 _RECENT_ROOMS = 1000
+TRACE_HEADERS = (b"traceparent", b"tracestate")  # observability/trace.py's TRACE_HEADERS
 
 
 class SimStats:
@@ -25,6 +26,8 @@ class SimStats:
         self.outcomes: Counter[str] = Counter({k: 0 for k in OUTCOMES})
         self.flush_count = 0
         self.rooms: deque[dict[str, Any]] = deque(maxlen=_RECENT_ROOMS)
+        self.traces: deque[dict[str, Any]] = deque(maxlen=_RECENT_ROOMS)
+        self.priorities: Counter[str] = Counter()  # requests by `priority` sent ("None")
 
     def received(self, endpoint: str) -> None:
         self.requests[endpoint] += 1
@@ -36,6 +39,15 @@ class SimStats:
             self.rooms.append({"room": room, "rid": rid, "endpoint": endpoint,
                                "outcome": outcome, "reason": reason, "ts": time.time()})
 
+    def traced(self, endpoint: str, rids: list[str], headers: list[tuple[bytes, bytes]]) -> None:
+        """The trace headers one generation request carried (with --enable-trace).
+
+        mirrors extract_trace_headers (observability/trace.py) as
+        TokenizerManager._init_req_state calls it: {h: headers[h] for h in TRACE_HEADERS}."""
+        found = {name.decode(): value.decode("latin-1") for name, value in headers
+                 if name in TRACE_HEADERS}
+        self.traces.append({"endpoint": endpoint, "rids": rids, "headers": found})
+
     def snapshot(self, mode: str, in_flight: int, extra: dict[str, Any]) -> dict[str, Any]:
         return {
             "mode": mode,
@@ -46,5 +58,7 @@ class SimStats:
             "in_flight": in_flight,
             "flush_count": self.flush_count,
             "rooms": list(self.rooms),
+            "traces": list(self.traces),
+            "priorities": dict(self.priorities),
             **extra,
         }

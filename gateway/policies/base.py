@@ -25,6 +25,10 @@ class NoOptions:
 class Policy:
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
+    # True: give this policy the prompt's token ids whenever the served model's tokenizer is
+    # loaded (gateway/prompt_tokens.py); tokenizing costs about a microsecond a token, so it
+    # happens only for policies that match token ids exactly
+    wants_token_ids: ClassVar[bool] = False
 
     def __init__(self, role: str, options: Any = None) -> None:
         self.role = role

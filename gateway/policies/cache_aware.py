@@ -1,4 +1,5 @@
-"""cache_aware: send a prompt where its longest prefix was sent before, unless load says no.
+"""cache_aware: send a prompt where its longest prefix was sent before, unless load or the
+targets' cache capacity says no.
 
 Approximate: the gateway's own routing history stands in for the servers' prefix caches (for
 the exact state see `prefix_cache`). What it does better than sglang-router's `cache_aware`:
@@ -6,25 +7,37 @@ the exact state see `prefix_cache`). What it does better than sglang-router's `c
   the whole `input_ids`, so two conversations sharing a system prompt are told apart by their
   history, not lumped together by their first message;
 - one global memory bound for the tree, enforced on every insert (no periodic eviction thread
-  that lets the tree overshoot), LRU leaves first;
+  that lets the tree overshoot), LRU leaves first; and, per target (server or DP rank), a
+  budget of its cache size (option `cache_tokens`, else `max_total_num_tokens` from
+  `/v1/loads`; a token counts 4 characters of text), its own LRU content first, so a match
+  says what that target likely still holds (`prefix_tree.py`);
 - the load signal counts prompt tokens and server-reported `/v1/loads` figures, not only
   request counts (`load.py`);
 - workers whose match is within a few percent of the best count as tied and the least loaded
   of them wins, so a few characters of coincidental overlap past a shared system prompt do not
-  pin every request to one worker.
-
+  pin every request to one worker; a conversation's next turn stays with the targets that hold
+  its previous turn, not merely the shared part;
+- cache capacity (`capacity.py`): a new branch of shared content (a new conversation matching
+  only its system prompt) does not go to a target whose cache is full of content still in use
+  while another has room: it goes to a holder of the shared prefix with room, else the target
+  with the most room, so a hot system prompt spreads over more targets and conversations
+  group by system prompt;
 - a prompt nobody was sent before is placed where every worker process and replica would place
   it: consistent hashing with bounded loads on its anchor (`placement.py`), so a conversation
   keeps meeting the server with its prefix across `--workers` and replicas, which share no
-  routing history.
+  routing history; once capacities are known, among the targets with the most room.
 
 Decision, in order:
 1. load imbalance (max - min > `balance_abs_threshold` and max > min * `balance_rel_threshold`,
    in load units): the least loaded worker;
-2. best match / key length >= `match_threshold`: the least loaded of the best-matching workers;
+2. best match / key length >= `match_threshold`: the least loaded of the best-matching workers
+   (a continuation: of those holding its previous turn; a new branch: of those it fits on, or
+   the target with the most room, `capacity.Capacity.allowed`);
 3. a key of at least `placement_min` characters/tokens: its ring placement (bounded load:
-   at most `1 + placement_epsilon` times the average);
+   at most `1 + placement_epsilon` times the average) among the targets with the most room;
 4. otherwise (short prompts, little to cache) the least loaded worker (ties rotate).
+Capacity unknown for any candidate (no `/v1/loads` yet, 0, no option), or nothing learned of
+reuse yet: no capacity test, as before.
 """
 
 from __future__ import annotations
@@ -34,9 +47,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.policies.base import Policy
+from gateway.policies.capacity import Capacity
 from gateway.policies.load import LoadOptions, imbalanced, load_scores, rotating_argmin
 from gateway.policies.placement import Ring, anchor_of
-from gateway.policies.prefix_tree import Key, PrefixTree
+from gateway.policies.prefix_tree import CHARS_PER_TOKEN, Key, Match, PrefixTree
 from gateway.request import RequestView
 from gateway.workers import Worker
 
@@ -55,7 +69,8 @@ class CacheAwareOptions(LoadOptions):
     match_threshold: float = 0.3
     balance_abs_threshold: float = 32.0  # load units (one request + one per token_unit tokens)
     balance_rel_threshold: float = 1.5
-    max_tree_size: int = 1 << 24  # characters/tokens over all workers (~16.8 M)
+    max_tree_size: int = 1 << 26  # characters over all workers (a token counts 4; ~67 M)
+    cache_tokens: int = 0  # prefix cache of a target (server or DP rank); 0: /v1/loads
     eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound evicts
     placement_min: int = 256  # key length (characters or tokens) placed on the ring
     placement_epsilon: float = 0.25  # a ring placement's load bound: (1 + eps) x average
@@ -76,6 +91,8 @@ class CacheAwareOptions(LoadOptions):
             )
         if self.max_tree_size < 1:
             raise ValueError(f"option 'max_tree_size' must be >= 1, got {self.max_tree_size}")
+        if self.cache_tokens < 0:
+            raise ValueError(f"option 'cache_tokens' must be >= 0, got {self.cache_tokens}")
         if self.eviction_ttl < 0:
             raise ValueError(f"option 'eviction_ttl' must be >= 0, got {self.eviction_ttl}")
         if self.placement_min < 1:
@@ -93,17 +110,17 @@ class CacheAwarePolicy(Policy):
         super().__init__(role, options)
         self.tree = PrefixTree(self.options.max_tree_size, self.options.eviction_ttl)
         self._turn = 0
-        self._decisions = {"cache": 0, "load": 0, "balance": 0, "placement": 0}
+        self._decisions = {"cache": 0, "capacity": 0, "load": 0, "balance": 0, "placement": 0}
         self.ring = Ring()
+        self.capacity = Capacity(self.options.cache_tokens)
         self._last_match: tuple[dict[str, int], int] = ({}, 0)
 
     def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
         key = view.routing_key
-        matched = self.tree.match(key) if key else {}
-        return self.choose(candidates, matched, len(key), key)
+        return self.choose(candidates, self.tree.match(key), len(key), key)
 
-    def choose(self, candidates: Sequence[Worker], matched: dict[str, int], key_len: int,
-               key: str | tuple[int, ...] | None = None) -> Worker:
+    def choose(self, candidates: Sequence[Worker], matched: Match, key_len: int,
+               key: Key | None = None) -> Worker:
         """The decision above, given each worker's matched prefix length out of `key_len`."""
         options = self.options
         self._last_match = (matched, key_len)
@@ -111,22 +128,28 @@ class CacheAwarePolicy(Policy):
         self._turn += 1
         if len(candidates) == 1:
             return candidates[0]
-        scores = load_scores(candidates, options, time.monotonic())
+        now = time.monotonic()
+        scores = load_scores(candidates, options, now)
         if imbalanced(scores, options.balance_abs_threshold, options.balance_rel_threshold):
             self._decisions["balance"] += 1
             return candidates[rotating_argmin(scores, turn)]
         lengths = [matched.get(w.url, 0) for w in candidates]
         best = max(lengths)
+        unit = 1 if isinstance(key, str) else CHARS_PER_TOKEN
         if best and key_len and best / key_len >= options.match_threshold:
-            floor = best - best * TIE_BAND
-            scores = [s if n >= floor else INF for s, n in zip(scores, lengths, strict=True)]
-            self._decisions["cache"] += 1
+            allowed, reason = self.capacity.allowed(self.tree, candidates, matched, lengths,
+                                                    best - best * TIE_BAND, unit, key_len, now)
+            self._decisions[reason] += 1
+            scores = [s if ok else INF for s, ok in zip(scores, allowed, strict=True)]
         elif key is not None and key_len >= options.placement_min:
+            room = self.capacity.placeable(self.tree, candidates, key_len * unit, now)
             placed = self.ring.place(anchor_of(key), candidates, scores,
-                                     options.placement_epsilon)
+                                     options.placement_epsilon, room)
             if placed is not None:
                 self._decisions["placement"] += 1
                 return candidates[placed]
+            if room is not None:
+                scores = [s if ok else INF for s, ok in zip(scores, room, strict=True)]
             self._decisions["load"] += 1
         else:
             self._decisions["load"] += 1
@@ -139,7 +162,7 @@ class CacheAwarePolicy(Policy):
     def on_dispatch(self, worker: Worker, view: RequestView) -> None:
         key: Key = view.routing_key
         if key:
-            self.tree.insert(key, worker.url)
+            self.tree.insert(key, worker.url, budget=self.capacity.budget(worker))
 
     def on_workers_changed(self, workers: Sequence[Worker]) -> None:
         present = {w.url for w in workers}
@@ -154,4 +177,6 @@ class CacheAwarePolicy(Policy):
             "tree_nodes": self.tree.node_count,
             "tree_size_by_worker": self.tree.worker_sizes(),
             "decisions": dict(self._decisions),
+            "reuse_interval_s": round(self.capacity.reuse, 3),
+            "branch_growth_tokens": round(self.capacity.growth() / CHARS_PER_TOKEN),
         }

@@ -1,9 +1,14 @@
 """min_ttft: pick by estimated cost instead of thresholds.
 
 Prefill: the estimated time to first token on a worker is the prefill work queued ahead of the
-request plus the request's own uncached part, over the prefill throughput:
+request plus the request's own uncached part, over the server's prefill speed:
 
-    ttft(w) = (queued(w) + prompt_tokens * (1 - matched(w) / key_length)) / throughput
+    ttft(w) = (queued(w) + prompt_tokens * (1 - matched(w) / key_length)) / speed(w)
+
+speed(w) is measured from the server's own reports: `/v1/loads` carries the tokens its
+prefill steps extended and their busy time (cumulative, SGLang's
+`Scheduler._record_step_counters`), smoothed over polls (`ServerLoad.prefill_speed`; per DP
+rank for a rank); until a server has prefilled between two polls, `prefill_tokens_per_second`.
 
 queued(w) is the larger of the server's `waiting_uncached_tokens` (when every candidate's
 `/v1/loads` is fresh) and the uncached tokens this policy has sent to w that have not completed
@@ -34,10 +39,11 @@ from gateway.workers import Worker
 class MinTtftOptions:
     """Throughput model and the prefix tree bound."""
 
-    prefill_tokens_per_second: float = 20000.0  # one prefill server (8B model on an H100)
+    # one prefill server (8B model on an H100), until the server's own speed is measured
+    prefill_tokens_per_second: float = 20000.0
     token_unit: int = 512  # decode without fresh figures: tokens that weigh like one request
     load_max_age: float = 6.0  # seconds a /v1/loads snapshot counts as fresh
-    max_tree_size: int = 1 << 24  # characters/tokens over all workers
+    max_tree_size: int = 1 << 26  # characters over all workers (a token counts 4)
     eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound
     # A match shorter than this fraction of the prompt (role markers, a greeting) is noise,
     # not a cache hit worth following.
@@ -95,9 +101,10 @@ class MinTtftPolicy(Policy):
     def ttft_estimates(self, candidates: Sequence[Worker], view: RequestView,
                        fresh: bool) -> list[float]:
         """Estimated seconds to first token on each candidate."""
-        throughput = self.options.prefill_tokens_per_second
+        default = self.options.prefill_tokens_per_second
         return [
-            (self._queued_tokens(w, fresh) + self._uncached(w.url, view)) / throughput
+            (self._queued_tokens(w, fresh) + self._uncached(w.url, view))
+            / (w.load.prefill_speed or default)
             for w in candidates
         ]
 

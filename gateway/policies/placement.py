@@ -70,12 +70,13 @@ class Ring:
         return list(seen)
 
     def place(self, anchor: bytes, candidates: Sequence, loads: Sequence[float],
-              epsilon: float) -> int | None:
+              epsilon: float, room: Sequence[bool] | None = None) -> int | None:
         """Index of the candidate to take: the first on the ring from the anchor whose load
-        is at most (1 + epsilon) x the average (+1, so an idle fleet is never full)."""
+        is at most (1 + epsilon) x the average (+1, so an idle fleet is never full), among
+        those with `room` in their cache first, when given."""
         index = {c.url: i for i, c in enumerate(candidates)}
         bound = (1.0 + epsilon) * (sum(loads) / len(loads)) + 1.0
-        first = None
+        first = fallback = None
         for url in self.walk(anchor):
             i = index.get(url)
             if i is None:
@@ -83,5 +84,8 @@ class Ring:
             if first is None:
                 first = i
             if loads[i] <= bound:
-                return i
-        return first
+                if room is None or room[i]:
+                    return i
+                if fallback is None:
+                    fallback = i
+        return first if fallback is None else fallback

@@ -1,7 +1,8 @@
 """prefix_cache: cache-aware routing on each server's EXACT prefix cache, from its KV events.
 
 Same decision as `cache_aware` (balance guard, match threshold, least loaded among the best
-matches); only the matched lengths differ. For a worker whose event stream is healthy, the
+matches, the cache-capacity test of `capacity.py` on the approximate tree's per-target
+budgets); only the matched lengths differ. For a worker whose event stream is healthy, the
 matched length is the number of leading prompt blocks its cache holds (`kv_index.py`, fed by
 `kv_events.py`). For a worker whose stream is stale (no event for `stale_after` seconds while it
 has traffic) or never spoke, and for every worker when the request has no token ids, the
@@ -106,6 +107,7 @@ def load_tokenizer(path: str) -> Callable[[str], list[int]] | None:
 class PrefixCachePolicy(CacheAwarePolicy):
     name = "prefix_cache"
     Options = PrefixCacheOptions
+    wants_token_ids = True  # chat and text prompts match the KV events block by block
 
     def __init__(self, role: str, options: PrefixCacheOptions | None = None) -> None:
         super().__init__(role, options)
@@ -157,7 +159,7 @@ class PrefixCachePolicy(CacheAwarePolicy):
     def on_dispatch(self, worker: Worker, view: RequestView) -> None:
         tokens = self.tokens_of(view)
         if tokens:
-            self.tree.insert(tokens, worker.url)
+            self.tree.insert(tokens, worker.url, budget=self.capacity.budget(worker))
         else:
             super().on_dispatch(worker, view)
         self.index.note_dispatch(worker.server.url, time.monotonic())

@@ -1,4 +1,5 @@
-"""An approximate prefix index: which worker was sent which prompt prefix (a helper, not a policy).
+"""An approximate prefix index: which worker was sent which prompt prefix, and what each worker's
+cache likely still holds of it (a helper, not a policy).
 
 A radix tree over routing keys, either strings (compared by characters) or token-id tuples. Token
 tuples are stored as `array('I')` (4 bytes a token, compared with memcmp; a tuple costs 8 bytes
@@ -7,15 +8,28 @@ of the inserted keys, so a node costs one Python object however long its label; 
 keyed by the first item of their label, so match and insert are O(len(key)) of C-level slice
 comparisons plus O(depth) Python steps.
 
-Each node records the workers whose requests went through it and when it was last used. The
-memory bound is ONE number for the whole tree: the characters/tokens stored summed over workers
-(a label of 100 characters sent to 3 workers counts 300), which is what the servers' caches hold
-between them. Over the bound, least recently used leaves go first.
+Sizes are in characters; a token counts `CHARS_PER_TOKEN` (4): about the characters of English
+text per token, and the bytes of its slot in the array. So one bound means the same memory for
+both kinds of key, and a cache size in tokens converts once, whatever the key.
+
+Each node records the workers whose requests went through it, when each last did, and whether
+a key ended there (a later key that continues it is a later turn of the same conversation).
+Two bounds:
+- ONE number for the whole tree (memory): the size stored summed over workers (a label of 100
+  characters sent to 3 workers counts 300). Over it, least recently used leaves go first.
+- per worker, the budget passed to `insert` (its server's cache): over it, THAT worker's least
+  recently used content goes, as its radix cache evicts, so a match for a worker is what it
+  likely still holds, and `oldest` says how long content survives there.
 
 Invariants that keep eviction O(1) per node:
 - a child's workers are a subset of its parent's (insert adds the worker along the whole path);
-- in the LRU order every node is older than its ancestors (insert touches the path leaf first),
-  so the oldest node is always a leaf and can be dropped without orphaning anything.
+- in the global LRU order every node is older than its ancestors (insert touches the path leaf
+  first), so the oldest node is always a leaf and can be dropped without orphaning anything;
+- likewise in each worker's own LRU order (the nodes it used), so its oldest node has no child
+  it holds: the worker leaves that node alone. The upper node a split creates holds the workers
+  of the node it was cut from, but enters only the inserting worker's order (an OrderedDict
+  cannot insert in the middle); for every other holder it has exactly one child that holder
+  holds, and the holder leaves it right after that child (`_release` climbs to it).
 """
 
 from __future__ import annotations
@@ -26,17 +40,31 @@ from collections import OrderedDict
 
 Key = str | tuple[int, ...]
 _Stored = str | array
+CHARS_PER_TOKEN = 4  # size units of one token (a character is one)
 
 
 class _Node:
-    __slots__ = ("label", "parent", "children", "workers", "last")
+    __slots__ = ("label", "size", "parent", "children", "workers", "last", "end")
 
-    def __init__(self, label: _Stored, parent: _Node | None) -> None:
+    def __init__(self, label: _Stored, parent: _Node | None, size: int) -> None:
         self.label = label
+        self.size = size  # len(label) in size units
         self.parent = parent
         self.children: dict[object, _Node] = {}
-        self.workers: set[str] = set()
+        self.workers: dict[str, float] = {}  # worker -> when it last used this node
         self.last = 0.0
+        self.end = False  # an inserted key ended here
+
+
+class Match(dict):
+    """Per worker, the length of the longest prefix of the key it was sent; `end`: where the
+    deepest earlier key on that path ended (0: none); `ends`: the workers holding that key,
+    each with when it was last sent it (read only)."""
+
+    __slots__ = ("end", "ends")
+
+
+_NO_ENDS: dict[str, float] = {}
 
 
 def _common_length(label: _Stored, key: _Stored, pos: int) -> int:
@@ -60,13 +88,14 @@ def _common_length(label: _Stored, key: _Stored, pos: int) -> int:
 
 
 class PrefixTree:
-    """Radix tree of routed prefixes with one global size bound and LRU leaf eviction."""
+    """Radix tree of routed prefixes: a global size bound, per-worker budgets, LRU eviction."""
 
     def __init__(self, max_size: int, ttl: float = 0.0) -> None:
         self.max_size = max_size
         self.ttl = ttl  # seconds an unused node survives; 0 keeps it until the size bound
-        self._root = _Node("", None)
+        self._root = _Node("", None, 0)
         self._lru: OrderedDict[_Node, None] = OrderedDict()
+        self._lrus: dict[str, OrderedDict[_Node, None]] = {}  # per worker, its nodes
         self._size = 0
         self._per_worker: dict[str, int] = {}
         self._memo: tuple[object, _Stored] = ("", "")
@@ -87,7 +116,7 @@ class PrefixTree:
 
     @property
     def size(self) -> int:
-        """Characters/tokens stored, summed over workers (never above `max_size`)."""
+        """Size stored, summed over workers (never above `max_size`)."""
         return self._size
 
     @property
@@ -97,10 +126,30 @@ class PrefixTree:
     def worker_sizes(self) -> dict[str, int]:
         return dict(self._per_worker)
 
-    def match(self, key: Key) -> dict[str, int]:
+    def worker_size(self, url: str) -> int:
+        return self._per_worker.get(url, 0)
+
+    def oldest(self, url: str) -> float | None:
+        """When `url` last used its least recently used content (None: it holds nothing)."""
+        own = self._lrus.get(url)
+        return next(iter(own)).workers[url] if own else None
+
+    def stale(self, url: str, before: float, limit: int) -> int:
+        """Size of `url`'s content last used before `before`, what it can evict without loss
+        (its least recently used nodes, at most `limit` of them counted)."""
+        total = 0
+        for node in self._lrus.get(url, ()):
+            if limit <= 0 or node.workers[url] >= before:
+                break
+            total += node.size
+            limit -= 1
+        return total
+
+    def match(self, key: Key) -> Match:
         """For each worker, the length of the longest prefix of `key` it was sent."""
         key = self._stored(key)
-        result: dict[str, int] = {}
+        result = Match()
+        end_at, end_node = 0, None
         node, pos, end = self._root, 0, len(key)
         while pos < end:
             child = node.children.get(key[pos])
@@ -112,45 +161,67 @@ class PrefixTree:
                 result[url] = pos
             if matched < len(child.label):
                 break
+            if child.end:
+                end_at, end_node = pos, child
             node = child
+        result.end = end_at
+        result.ends = _NO_ENDS if end_node is None else end_node.workers
         return result
 
-    def insert(self, key: Key, url: str, now: float | None = None) -> None:
-        """Record that `key` was sent to `url`; evicts to stay within the bound."""
+    def insert(self, key: Key, url: str, now: float | None = None, budget: int = 0) -> None:
+        """Record that `key` was sent to `url`; evicts to stay within the bound and, when
+        `budget` (size units) is given, `url`'s content within its budget."""
         if now is None:
             now = time.monotonic()
         key = self._stored(key)
-        if len(key) > self.max_size:
-            key = key[:self.max_size]
+        unit = 1 if isinstance(key, str) else CHARS_PER_TOKEN
+        limit = min(self.max_size, budget) if budget > 0 else self.max_size
+        if len(key) * unit > limit:
+            key = key[:limit // unit]  # a cache cannot hold more than its size: keep the head
         path: list[_Node] = []
         node, pos, end = self._root, 0, len(key)
         while pos < end:
             child = node.children.get(key[pos])
             if child is None:
-                child = _Node(key[pos:], node)
+                child = _Node(key[pos:], node, (end - pos) * unit)
                 node.children[key[pos]] = child
                 path.append(child)
                 break
             matched = _common_length(child.label, key, pos)
             if matched < len(child.label):
-                child = self._split(node, child, matched)
+                child = self._split(node, child, matched, unit)
             path.append(child)
             pos += matched
             node = child
+        if not path:
+            return
+        path[-1].end = True
         lru = self._lru
+        own = self._lrus.get(url)
+        if own is None:
+            own = self._lrus[url] = OrderedDict()
+        added = 0
         for node in reversed(path):  # leaf first: ancestors end up newer than descendants
-            if url not in node.workers:
-                node.workers.add(url)
-                self._size += len(node.label)
-                self._per_worker[url] = self._per_worker.get(url, 0) + len(node.label)
+            workers = node.workers
+            if url not in workers:
+                added += node.size
+            workers[url] = now
             node.last = now
             lru[node] = None
             lru.move_to_end(node)
+            own[node] = None
+            own.move_to_end(node)
+        if added:
+            self._size += added
+            self._per_worker[url] = self._per_worker.get(url, 0) + added
+        if budget > 0:
+            while self._per_worker.get(url, 0) > budget and own:
+                self._release(next(iter(own)), url)
         self._evict(now)
 
     def remove_worker(self, url: str) -> None:
         """Forget everything sent to `url` (a removed worker)."""
-        if url not in self._per_worker:
+        if url not in self._lrus:
             return
         stack = [self._root]
         while stack:
@@ -161,19 +232,21 @@ class PrefixTree:
                 if len(child.workers) == 1:
                     self._drop(child)
                 else:
-                    child.workers.discard(url)
-                    self._size -= len(child.label)
+                    del child.workers[url]
+                    self._size -= child.size
                     stack.append(child)
         self._per_worker.pop(url, None)
+        self._lrus.pop(url, None)
 
     @staticmethod
-    def _split(parent: _Node, child: _Node, at: int) -> _Node:
+    def _split(parent: _Node, child: _Node, at: int, unit: int) -> _Node:
         """Cut `child`'s label at `at`; the new upper node takes its place and its workers."""
-        upper = _Node(child.label[:at], parent)
-        upper.workers = set(child.workers)
+        upper = _Node(child.label[:at], parent, at * unit)
+        upper.workers = dict(child.workers)
         upper.last = child.last
         parent.children[upper.label[0]] = upper
         child.label = child.label[at:]
+        child.size -= upper.size
         child.parent = upper
         upper.children[child.label[0]] = child
         return upper
@@ -187,21 +260,47 @@ class PrefixTree:
                 return
             self._drop(oldest)
 
+    def _account(self, url: str, delta: int) -> None:
+        left = self._per_worker.get(url, 0) + delta
+        if left > 0:
+            self._per_worker[url] = left
+        else:  # holds nothing: its (empty) order goes too
+            self._per_worker.pop(url, None)
+            self._lrus.pop(url, None)
+
+    def _release(self, node: _Node, url: str) -> None:
+        """`url` leaves `node`, which has no child `url` holds; then the split-made ancestors
+        that held `url` only through it. A node nobody holds goes (it has no children)."""
+        own = self._lrus.get(url, {})
+        while True:
+            own.pop(node, None)
+            del node.workers[url]
+            self._size -= node.size
+            self._account(url, -node.size)
+            parent = node.parent
+            if not node.workers:
+                del parent.children[node.label[0]]
+                self._lru.pop(node, None)
+            if parent is self._root or url not in parent.workers or parent in own:
+                return
+            node = parent
+
     def _drop(self, node: _Node) -> None:
         """Remove `node` and its subtree (normally a leaf) with their accounting."""
         parent = node.parent
-        if parent is not None:
-            del parent.children[node.label[0]]
+        del parent.children[node.label[0]]
         stack = [node]
         while stack:
             current = stack.pop()
             stack.extend(current.children.values())
             self._lru.pop(current, None)
-            size = len(current.label)
-            self._size -= size * len(current.workers)
+            self._size -= current.size * len(current.workers)
             for url in current.workers:
-                left = self._per_worker.get(url, 0) - size
-                if left > 0:
-                    self._per_worker[url] = left
-                else:
-                    self._per_worker.pop(url, None)
+                own = self._lrus.get(url)
+                if own is not None:
+                    own.pop(current, None)
+                self._account(url, -current.size)
+        for url in node.workers:  # a split-made parent held url only through node
+            if (parent is not self._root and url in parent.workers
+                    and parent not in self._lrus.get(url, ())):
+                self._release(parent, url)

@@ -7,6 +7,8 @@ drain servers at runtime; the policies' figures.
     POST   /admin/servers/drain {url, timeout?} no new work; answers when it is idle
     POST   /admin/servers/undrain {url}
     GET    /admin/policies                     each role's policy, options and own figures
+    GET    /admin/usage                        requests, errors and tokens per tenant and
+                                               model since start (gateway/usage.py)
 
 A server is added only once its `/server_info` answers a JSON object whose
 `disaggregation_mode` is the role it is added as, so an unreachable or foreign URL (any HTTP
@@ -60,6 +62,13 @@ async def list_policies(request: Request) -> Response:
         body["models"] = {m.name: described(m.policies) for m in gw.models.known.values()}
     body["prompt_tokens"] = gw.tokens.stats()  # the tokenizer behind exact routing, if any
     return JSONResponse(body)
+
+
+async def usage(request: Request) -> Response:
+    """The usage counters as JSON, summed over the worker processes (docs/TENANCY.md)."""
+    gw = request.app.state.gateway
+    return JSONResponse(gw.usage.report(gw.read_metrics()),
+                        headers={"cache-control": "no-store"})
 
 
 async def add_server(request: Request) -> Response:

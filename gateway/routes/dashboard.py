@@ -1,27 +1,33 @@
 """The built-in status page at /dashboard and the JSON it polls.
 
     GET /dashboard        one self-contained HTML page (gateway/static/dashboard.html)
-    GET /dashboard/data   servers, per-role counts, request totals, cache figures and
-                          recent errors, as JSON; admin role (it shows server URLs), like /admin
+    GET /dashboard/data   servers, per-role counts, request totals, cache figures,
+                          recent errors and TTFT / inter-token latency percentiles per 10 s
+                          over the last minutes (gateway/latency_history.py), as JSON; admin
+                          role (it shows server URLs), like /admin
 
-The page polls /dashboard/data every 2 s and derives rates from successive totals, so the
-gateway keeps no state for it: every figure is read from the pool, the admission queue and
-the metric counters at request time.
+The page polls /dashboard/data every 2 s and derives rates from successive totals; the
+only state the gateway keeps for it is the ring of histogram snapshots behind the latency
+plots (one per 10 s, ten minutes). Every other figure is read from the pool, the admission
+queue and the metric counters at request time.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.workers import ROLES
 
-PAGE = Path(__file__).resolve().parent.parent / "static" / "dashboard.html"
+STATIC = Path(__file__).resolve().parent.parent / "static"
+PAGE = STATIC / "dashboard.html"
+INLINED = ("plots.js",)  # <script data-inline="NAME"></script> in the page becomes NAME's text
 RECENT_ERRORS_SHOWN = 20
 # The page is inline HTML, CSS and script that talks only to this gateway.
 PAGE_HEADERS = {
@@ -35,7 +41,17 @@ ERROR_FIELDS = ("time", "endpoint", "status", "type", "message", "request_id")
 
 
 async def page(request: Request) -> Response:
-    return FileResponse(PAGE, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+    return Response(page_bytes(), media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+
+@functools.cache
+def page_bytes() -> bytes:
+    """The page with its scripts inlined (the CSP allows inline scripts only), read once."""
+    text = PAGE.read_text()
+    for name in INLINED:
+        script = (STATIC / name).read_text()
+        text = text.replace(f'<script data-inline="{name}"></script>', f"<script>\n{script}</script>")
+    return text.encode()
 
 
 async def data(request: Request) -> Response:
@@ -46,8 +62,8 @@ async def data(request: Request) -> Response:
         counts = roles[server["role"]]
         counts["total"] += 1
         counts["usable"] += 1 if server["usable"] else 0
-    gw.metrics.flush()
-    families = {f.name: f for f in gw.registry.collect()}  # summed over workers, if any
+    read = gw.read_metrics()  # summed over workers, if any
+    families = {f.name: f for f in read}
     prompt = _totals(_family(families, "gateway_prompt_tokens"), "worker")
     cached = _totals(_family(families, "gateway_cached_tokens"), "worker")
     for server in servers:
@@ -78,6 +94,7 @@ async def data(request: Request) -> Response:
             "hit_ratio": _ratio(sum(cached.values()), sum(prompt.values())),
         },
         "recent_errors": recent_errors(gw),
+        "latency": gw.latency.series(read),  # TTFT and ITL percentiles per 10 s
     }
     return JSONResponse(body, headers={"cache-control": "no-store"})
 

@@ -1,12 +1,14 @@
 """The inference endpoints as pure ASGI apps: the request path, kept short.
 
-auth -> read body -> parse once -> the request's model -> count prompt tokens (exact with the model's tokenizer) ->
-per-key token limit -> context check -> in-flight table -> admission slot -> serve (one PD request,
-or n single-sample ones for n > 1) -> answer. The work runs in the request's own task, under
-one `Interrupt`: the client's departure fires it (told by the server protocol directly,
-`server_protocol.Departure`; under another ASGI server a watcher task waits for
-`http.disconnect` instead), `/abort_request` fires
-it when it must stop the request itself, and the stream relay fires it when the client stops
+auth -> tenancy headers (tenant, priority class, deadline, session: gateway/tenancy.py) ->
+read body -> parse once -> the request's model (gateway/models.py: 404 for an unknown one) ->
+count prompt tokens (exact with the model's tokenizer) -> per-key token limit -> context check
+-> in-flight table -> admission slot (fair queue) -> serve (one PD request, or n
+single-sample ones for n > 1) -> answer. The disconnect watch is armed before the admission
+wait, so a client that leaves while queued leaves the queue at once. The work runs in the
+request's own task, under one `Interrupt`: the client's departure fires it (told by the
+server protocol directly, `server_protocol.Departure`; under another ASGI server a watcher
+task waits for `http.disconnect` instead), `/abort_request` fires it when it must stop the request itself, and the stream relay fires it when the client stops
 reading (`--send-timeout`); the server protocol also cuts a connection whose response stalls
 that long (`server_protocol.STALLED`: counted as a slow client too). Whatever fired, both
 upstream legs are cancelled.
@@ -20,6 +22,7 @@ import time
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.answer_tokens import StreamTokens
 from gateway.attempt import Answer
 from gateway.auth import Role
 from gateway.cancel import Interrupt
@@ -83,11 +86,19 @@ class InferenceEndpoint:
         status = 500
         interrupt = Interrupt()
         state = {"started": False}
+        # tracing.RequestTrace with tracing on (--otlp-endpoint), else None
+        trace = gw.tracing.request(scope, request_id) if gw.tracing is not None else None
+        usage = gw.usage.begin(self.endpoint, request_id, started)
         try:
             try:
                 caller = gw.auth.caller(scope, Role.INFERENCE)
+                usage.tenant = caller.tenant
+                ticket = gw.tenancy.classify(scope["headers"], caller.key_index)
                 raw = await read_body(scope, receive, gw.config.max_body_bytes)
-                view = gw.models.resolve(parse_request(self.endpoint, raw))  # 404: no model
+                view = parse_request(self.endpoint, raw)
+                view.priority, view.session = ticket[1], ticket[3]  # completing the new view
+                gw.usage.parsed(usage, view)  # counted under its model, even when refused
+                view = gw.models.resolve(view)  # 404 model_not_found
                 items = view.room_count
                 if items is not None and items > gw.config.max_items:
                     raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
@@ -95,12 +106,14 @@ class InferenceEndpoint:
                 view = await gw.tokens.count(view)
                 gw.limits.take_tokens(caller.key_index, view.prompt_tokens)
                 await gw.context.check(view)
-                tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt)
+                tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt,
+                                  trace=trace, usage=usage, not_after=ticket[2])
+                if trace is not None:
+                    trace.admitted(caller, view)
                 gw.inflight.add(tracked)
                 try:
-                    async with gw.admission.slot():
-                        status = await self._serve(view, tracked, scope, receive, send,
-                                                   started, state)
+                    status = await self._serve(view, tracked, ticket, scope, receive, send,
+                                               started, state, usage)
                 finally:
                     gw.inflight.remove(tracked)
             except asyncio.CancelledError:
@@ -139,10 +152,14 @@ class InferenceEndpoint:
             self._e2e.observe(time.perf_counter() - started)
             if status == 499:
                 self._disconnects.inc()
+            if trace is not None:
+                trace.finish(status)
+            gw.usage.finish(usage, status)
 
-    async def _serve(self, view, tracked: Tracked, scope: Scope, receive: Receive, send: Send,
-                     started: float, state: dict) -> int:
-        """Run the request and send its answer while a watcher listens for a disconnect."""
+    async def _serve(self, view, tracked: Tracked, ticket: tuple, scope: Scope,
+                     receive: Receive, send: Send, started: float, state: dict, usage) -> int:
+        """Wait for a slot, run the request and send its answer, while a watcher listens for
+        a disconnect (`ticket`: tenant, class, deadline, session from gateway/tenancy.py)."""
         watch = _Watch(tracked.interrupt, scope)
         departure = scope.get(DEPARTURE)
         watcher = None
@@ -150,14 +167,19 @@ class InferenceEndpoint:
             departure.callback = watch.left
         else:
             watcher = asyncio.get_running_loop().create_task(watch(receive))
+        admission = self.gw.admission
         try:
-            answer: Answer = await self.gw.serve(view, tracked)
+            await admission.acquire(ticket[0], ticket[1], ticket[2])
             try:
-                return await self._send_answer(answer, tracked.request_id, send, started,
-                                               watch, state)
+                answer: Answer = await self.gw.serve(view, tracked)
+                try:
+                    return await self._send_answer(answer, tracked.request_id, send, started,
+                                                   watch, state, usage, view)
+                finally:
+                    if answer.close is not None:
+                        await answer.close()
             finally:
-                if answer.close is not None:
-                    await answer.close()
+                admission.release()
         finally:
             watch.done = True
             if departure is not None:
@@ -166,7 +188,7 @@ class InferenceEndpoint:
                 watcher.cancel()
 
     async def _send_answer(self, answer: Answer, request_id: str, send: Send, started: float,
-                           watch: _Watch, state: dict) -> int:
+                           watch: _Watch, state: dict, usage, view) -> int:
         headers = [(b"content-type", answer.content_type),
                    (b"x-request-id", request_id.encode())]
         if answer.stream is None:
@@ -175,7 +197,9 @@ class InferenceEndpoint:
                         "headers": headers})
             watch.done = True
             await send({"type": "http.response.body", "body": answer.body})
-            self._ttft[False].observe(time.perf_counter() - started)
+            usage.ttft = time.perf_counter() - started
+            usage.tail = answer.body  # its completion tokens are read once it is counted
+            self._ttft[False].observe(usage.ttft)
             self._bytes.inc(len(answer.body))
             return answer.status
         headers.append((b"cache-control", b"no-cache"))
@@ -185,20 +209,31 @@ class InferenceEndpoint:
         itl = self._itl
         sent = 0
         last = 0.0
+        meter = usage.meter = StreamTokens.of(view)  # None for most: read at the end only
+        feed = meter.feed if meter is not None else None
+        previous = final = b""
         try:
             async for chunk in answer.stream:
+                if feed is not None:  # the usage event the client did not ask for is cut
+                    chunk = feed(chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 now = time.perf_counter()
                 if last:
                     itl.observe(now - last)
                 else:
-                    self._ttft[True].observe(now - started)
+                    usage.ttft = now - started
+                    self._ttft[True].observe(usage.ttft)
                 last = now
                 sent += len(chunk)
+                previous, final = final, chunk
         except asyncio.CancelledError:
             if not watch.interrupt.fired:  # the server is shutting down: end the stream properly
                 await _end_stream_early(send, request_id)
             raise
+        finally:
+            usage.tail = previous + final  # the final events: completion tokens
         watch.done = True
         await send({"type": "http.response.body", "body": b""})
         self._bytes.inc(sent)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
-from typing import Any
 
 import httpx
 import orjson
@@ -24,20 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import GatewayError, ServiceUnavailable
+from gateway.redact import redact
 from gateway.request import parse_request
 from gateway.upstream import upstream_message
 
 HEALTH_PROBE = b'{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}'
-# Words that make a field a secret, matched as whole words of its name (snake_case, kebab-case
-# or camelCase): `api_key`, `hf_token`, `ssl_keyfile_password`, `apiKey`; not
-# `max_total_num_tokens`, `tokenizer_path` or `ssl_keyfile` (a path, not the key).
-SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd",
-                          "credential", "credentials", "auth", "authorization", "cookie"})
-_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
-_WORD = re.compile(r"[^A-Za-z0-9]+")
-# user:password@ in URLs anywhere in a string value (e.g. a model path on a private hub)
-_USERINFO = re.compile(r"(?<=://)[^/@\s]*:[^/@\s]*@")
-REDACTED = "<redacted>"
 
 
 async def health(request: Request) -> Response:
@@ -144,25 +133,6 @@ async def collect_server_info(gw) -> tuple[int, bytes]:
             body["internal_states"].extend(info["internal_states"])
     body["gateway"] = gw.describe()
     return 200, orjson.dumps(body)
-
-
-def secret_name(name: str) -> bool:
-    words = _WORD.split(_CAMEL.sub("_", name).lower())
-    return any(word in SECRET_WORDS for word in words)
-
-
-def redact(value: Any) -> Any:
-    """A copy of a JSON value with secret fields replaced (recursively): fields whose name
-    holds a secret word and whose value could hold one (a non-empty string, list or object;
-    None, booleans and numbers stay: they say "not set" or "on"), and passwords in URLs."""
-    if isinstance(value, dict):
-        return {k: (REDACTED if secret_name(str(k)) and isinstance(v, (str, list, dict)) and v
-                    else redact(v)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v) for v in value]
-    if isinstance(value, str) and "@" in value:
-        return _USERINFO.sub("<redacted>@", value)
-    return value
 
 
 async def metrics(request: Request) -> Response:

@@ -25,7 +25,8 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ModelNotFound
 from gateway.models import Model
-from gateway.routes.info import get_from_any, redact
+from gateway.redact import redact
+from gateway.routes.info import get_from_any
 
 LIST = "/v1/models"
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from backends.tiny_tokenizer import train, write_model
 from gateway.tokenizer import load_tokenizer
 from tests.integration.conftest import sim_cluster
-from tests.tiny_tokenizer import train, write_model
 
 KEY = {"authorization": "Bearer key-a"}
 OTHER_KEY = {"authorization": "Bearer key-b"}  # its own prompt-token bucket

@@ -116,6 +116,38 @@ def test_metrics_are_summed_over_workers(cluster):
     assert seen == 30
 
 
+def test_usage_is_summed_over_workers(cluster):
+    """GET /admin/usage on any worker reads the figures every worker published."""
+    gateway = cluster["gateway"]
+
+    def usage() -> dict:
+        return httpx.get(gateway + "/admin/usage", timeout=10).json()["total"]
+
+    before = usage()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:  # until earlier tests' figures are all published
+        time.sleep(1.2)
+        now = usage()
+        if now == before:
+            break
+        before = now
+    told = 0
+    for _ in range(30):
+        with httpx.Client(timeout=20) as client:  # a new connection each: spread over workers
+            r = generate(gateway, client)
+            assert r.status_code == 200
+            told += r.json()["meta_info"]["completion_tokens"]
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        after = usage()
+        if after["requests"] - before["requests"] >= 30 and \
+                after["completion_tokens"] - before["completion_tokens"] >= told:
+            break
+        time.sleep(0.1)
+    assert after["requests"] - before["requests"] == 30
+    assert after["completion_tokens"] - before["completion_tokens"] == told > 0
+
+
 def settled_total(gateway: str) -> float:
     """The request count once no worker has any left to publish (two reads 1.2 s apart,
     more than a publishing period, agree)."""

@@ -68,3 +68,34 @@ def test_quick_dp_run_spreads_over_the_ranks_of_each_prefill(tmp_path):
         assert row["share_min"] >= 0.15, (name, row["shares"], output)
     chat = next(r for r in section["dp-chat"]["rows"] if r["target"] == "gateway:cache_aware")
     assert chat["errors"] == 0 and chat["base_hit_rate"] > 0 and chat["hit_ratio"] > 0, chat
+
+
+def test_quick_hard_run_has_rows_and_the_oracle_beats_round_robin(tmp_path):
+    """`--quick --workload hard`: hot prompt, docqa and agent loops on 2 prefill + 1 decode
+    sims with our cache_aware and round_robin and the sticky oracle. No timing is checked.
+
+    The oracle's hit ratio is structurally above round_robin's: round_robin sends every other
+    turn (agent step) to the server without the previous one, and on docqa gives both servers
+    all three 1,500-token documents, which their 4,000-token caches cannot hold; the oracle
+    keeps each session on one server and puts at most two documents on each."""
+    out = tmp_path / "hard.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.routing", "--quick", "--workload", "hard",
+         "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=85, cwd=ROOT)
+    output = done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0, output
+
+    workloads = json.loads(out.read_text())["workloads"]
+    assert set(workloads) == {"hot", "docqa", "agent"}, output
+    for name, section in workloads.items():
+        rows = {row["target"]: row for row in section["rows"]}
+        assert set(rows) == {"gateway:cache_aware", "gateway:round_robin", "oracle"}, name
+        for row in rows.values():
+            assert row["requests"] > 10, (name, row["target"], output)
+            assert sum(row["per_server"]) > 0, (name, row)
+        for target in ("gateway:cache_aware", "gateway:round_robin"):
+            assert rows[target]["errors"] == 0, (name, target, rows[target]["error_samples"])
+        assert rows["oracle"]["hit_rate"] >= rows["gateway:round_robin"]["hit_rate"], (
+            name, rows["oracle"]["hit_rate"], rows["gateway:round_robin"]["hit_rate"])
+        assert section["verdicts"], name

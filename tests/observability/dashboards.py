@@ -22,6 +22,7 @@ SUBSTITUTIONS = {
     "__range": "5m",
     "job": ".*",
     "instance": ".*",
+    "tenant": ".*",
     "datasource": "prometheus",
 }
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")

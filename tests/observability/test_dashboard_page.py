@@ -88,3 +88,32 @@ def test_dashboard_shows_servers_and_updates(browser, observed):
 
     severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert severe == [], severe
+
+
+def test_latency_plots_draw_the_traffic(browser, observed):
+    """TTFT and inter-token latency percentiles, drawn as SVG from /dashboard/data."""
+    from selenium.webdriver.common.by import By  # noqa: PLC0415
+    from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+
+    browser.get(observed.gateway + "/dashboard")
+    wait = WebDriverWait(browser, WAIT, poll_frequency=0.2)
+    mixed_traffic(observed)  # streams too: inter-token gaps
+
+    def points(plot: str) -> int:
+        return int(browser.find_element(By.ID, f"{plot}-plot").get_attribute("data-points"))
+
+    wait.until(lambda _: points("ttft") >= 1 and points("itl") >= 1)
+    for plot in ("ttft", "itl"):
+        svg = browser.find_element(By.ID, f"{plot}-plot")
+        for q in ("p50", "p90", "p99"):
+            dots = svg.find_elements(By.CSS_SELECTOR, f'circle[data-q="{q}"]')
+            assert dots, f"{plot}: no {q} drawn"
+            assert all(0 <= float(d.get_attribute("cy")) <= 170 for d in dots)
+        caption = browser.find_element(By.ID, f"{plot}-latest").text
+        assert caption.startswith("p50 ") and "samples" in caption, caption
+    data = httpx.get(observed.gateway + "/dashboard/data", timeout=5).json()["latency"]
+    assert sum(p["count"] for p in data["ttft"]) >= 1 and data["window"] == 10
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "dashboard-latency.png"))
+    severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert severe == [], severe

@@ -32,7 +32,8 @@ REQUIRED_ON_DASHBOARD = {
     "gateway_worker_in_flight_requests", "gateway_usable_workers", "gateway_worker_healthy",
     "gateway_worker_breaker_state", "gateway_retries", "gateway_admission_rejections",
     "gateway_queue_time_seconds", "gateway_routing_decisions", "gateway_cached_tokens",
-    "gateway_prompt_tokens", "gateway_streamed_bytes",
+    "gateway_prompt_tokens", "gateway_streamed_bytes", "gateway_tenant_tokens",
+    "gateway_tenant_requests", "gateway_tenant_errors",
 }
 REQUIRED_ALERTS = {"GatewayDown", "GatewayHighErrorRate", "NoHealthyPrefill", "NoHealthyDecode",
                    "GatewayTTFTP99High", "GatewayWorkerBreakerOpen"}

@@ -11,7 +11,14 @@ import pytest
 import yaml
 
 from tests.observability.conftest import require_binaries
-from tests.observability.dashboards import RULES, load_dashboard, load_rules, targets
+from tests.observability.dashboards import (
+    RULES,
+    load_dashboard,
+    load_rules,
+    panels,
+    substitute,
+    targets,
+)
 from tests.observability.traffic import mixed_traffic
 from tests.procs import HOST, free_port, running
 
@@ -111,6 +118,24 @@ def test_template_variables_list_the_gateway(prometheus, scraped_traffic, observ
     assert JOB in prometheus.get("/api/v1/label/job/values", **match)
     instances = prometheus.get("/api/v1/label/instance/values", **match)
     assert observed.gateway.removeprefix("http://") in instances
+
+
+def test_tenant_token_panel_splits_cached_uncached_and_completion(prometheus, scraped_traffic):
+    """The per-tenant usage panel, as Grafana would query it, and the tenant picker."""
+    (panel,) = [p for p in panels(load_dashboard()) if p["title"] == "Token usage per tenant"]
+    (expr,) = [substitute(t["expr"]) for t in panel["targets"]]
+
+    def kinds() -> dict[tuple[str, str], float]:
+        return {(s["metric"]["tenant"], s["metric"]["kind"]): float(s["value"][1])
+                for s in prometheus.query(expr)}
+
+    seen = wait_for(lambda: (k := kinds()) and {kind for _, kind in k} == {
+        "cached", "uncached", "completion"} and k)
+    assert seen, f"no per-tenant split: {kinds()}"
+    assert all(tenant == "anonymous" for tenant, _ in seen)  # the traffic sends no key
+    assert all(value > 0 for value in seen.values()), seen
+    assert "anonymous" in prometheus.get("/api/v1/label/tenant/values",
+                                         **{"match[]": "gateway_tenant_requests_total"})
 
 
 def test_every_recording_rule_evaluates_to_data(prometheus, scraped_traffic):

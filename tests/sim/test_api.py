@@ -186,3 +186,27 @@ def test_loads_and_metrics(null_sim: Sim):
                  "sglang:generation_tokens_total", "sglang:time_to_first_token_seconds_bucket"):
         assert name in text
     assert 'model_name="sim-model",engine_type="unified"' in text
+
+
+def test_loads_count_prefill_steps_like_the_scheduler():
+    """total_prefill_uncached_tokens / total_prefill_busy_us grow by each prefill step's
+    extended tokens and its modelled time (Scheduler._record_step_counters), so a router
+    can read the server's prefill speed from two snapshots."""
+    sim = Sim("null", fast=False)  # the H100 timing model: 5 ms a step + 0.05 ms a token
+    try:
+        def counters() -> tuple[int, int]:
+            entry = sim.get("/v1/loads").json()["loads"][0]
+            return entry["total_prefill_uncached_tokens"], entry["total_prefill_busy_us"]
+        tokens0, busy0 = counters()
+        text = " ".join(f"word{i}" for i in range(400))  # fresh text: nothing cached
+        sim.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}})
+        tokens1, busy1 = counters()
+        prompt = tokens1 - tokens0
+        assert prompt > 400
+        steps = -(-prompt // 8192)  # chunked prefill: at least this many steps
+        assert (busy1 - busy0) >= int((5.0 * steps + 0.05 * prompt) * 1000) - steps
+        sim.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}})
+        tokens2, _ = counters()
+        assert tokens2 - tokens1 < prompt / 4  # the repeat is cached: little extended
+    finally:
+        sim.stop()

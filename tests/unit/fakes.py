@@ -32,6 +32,7 @@ class FakeServer:
     info: dict = field(default_factory=dict)  # more /server_info fields (dp_size, ...)
     fail_if: Callable[[dict], bool] | None = None  # answer 500 to the bodies it selects
     tokenized: int = 0  # /v1/tokenize calls
+    headers: list[dict] = field(default_factory=list)  # request headers, with `received`
 
 
 class FakeCluster:
@@ -61,6 +62,7 @@ class FakeCluster:
             return httpx.Response(200, json={})
         body = json.loads(request.content)
         server.received.append(body)
+        server.headers.append(dict(request.headers))
         server.arrivals.append(asyncio.get_running_loop().time())
         try:
             if server.hang:

@@ -7,6 +7,8 @@ import contextlib
 import httpx
 import pytest
 
+from backends.tiny_tokenizer import train, write_model
+from gateway.tokenizer import load_tokenizer
 from tests.unit.fakes import FakeCluster, FakeServer, make_app
 
 P1, D1 = "http://127.0.0.1:30000", "http://127.0.0.1:30001"
@@ -14,8 +16,8 @@ CONTEXT = 100
 
 
 @contextlib.asynccontextmanager
-async def gateway(cluster):
-    app = make_app(cluster)
+async def gateway(cluster, *extra):
+    app = make_app(cluster, *extra)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
@@ -69,3 +71,25 @@ def test_short_text_costs_no_tokenize_call():
 
     asyncio.run(asyncio.wait_for(go(), 20))
     assert fake.servers[D1].tokenized == 0
+
+
+def test_with_the_models_tokenizer_a_long_prompt_is_counted_here(tmp_path):
+    """Near the limit, the served model's tokenizer counts (no /v1/tokenize call); its count,
+    not the server's (the fake's is characters / 2), is the one in the answer."""
+    model = write_model(tmp_path / "model", train())
+    fake = cluster()
+    text = "語" * 80  # ~240 tokens of this byte-level BPE, ~20 by the characters/4 estimate
+    expected = len(load_tokenizer(model).encode_text(text))
+    assert expected >= CONTEXT
+
+    async def go():
+        async with gateway(fake, "--tokenizer", str(model)) as client:
+            near = await client.post("/generate", json={"text": text})
+            short = await client.post("/generate", json={"text": "hi"})
+            return near, short
+
+    near, short = asyncio.run(asyncio.wait_for(go(), 20))
+    assert short.status_code == 200  # far from the limit: not tokenized at all
+    assert near.status_code == 400
+    assert f"the prompt has {expected} tokens" in near.json()["error"]["message"]
+    assert fake.servers[D1].tokenized == 0 and fake.servers[P1].tokenized == 0

@@ -104,17 +104,39 @@ def test_one_model_without_settings_is_open_and_allocates_nothing():
         assert models.of(view) is models.only
 
 
-def test_one_model_with_a_setting_checks_names():
+def test_one_model_with_aliases_rewrites_them_and_stays_lenient():
     pool = WorkerPool()
     pool.add(server("http://p:1", "prefill", "only"))
     pool.add(server("http://d:1", "decode", "only"))
     cfg = config("--model-aliases", '{"o": "only"}')
     models = Models(pool, lambda name: build_policies(cfg, name), aliases=cfg.model_aliases,
                     configured=configured_names(cfg))
-    assert not models.open
-    assert models.resolve(chat(None)).model == "only"  # the only model is the default
-    with pytest.raises(ModelNotFound):
-        models.resolve(chat("other"))
+    assert models.open
+    assert models.resolve(chat("o")).body["model"] == "only"  # an alias is rewritten
+    for asked in (None, "other"):  # one model: any name is its, sent as is (as SGLang does)
+        view = models.resolve(chat(asked))
+        assert view.body.get("model") == asked and models.of(view).name == "only"
+
+
+@pytest.mark.parametrize("asked, expected", [
+    ("alpha", "alpha"),
+    ("fast", "beta"),
+    ("alpha:my-lora", "alpha"),
+    ("gamma", "other"),
+    (None, "other"),
+], ids=["model", "alias-counts-under-its-model", "adapter", "unknown", "none-of-several"])
+def test_usage_labels_are_resolved_model_names(asked, expected):
+    models, _ = two_models("--model-aliases", ALIASES)
+    assert models.label(asked) == expected
+
+
+def test_usage_label_of_a_single_model_gateway_is_its_model_whatever_is_asked():
+    pool = WorkerPool()
+    pool.add(server("http://p:1", "prefill", "only"))
+    cfg = config()
+    models = Models(pool, lambda name: build_policies(cfg, name))
+    assert {models.label(asked) for asked in (None, "only", "gpt-4")} == {"only"}
+    assert Models(WorkerPool(), lambda name: build_policies(cfg, name)).label(None) == "other"
 
 
 def test_each_model_has_its_own_policy_instances_and_servers():

@@ -11,6 +11,7 @@ import threading
 import pytest
 from tokenizers import Tokenizer
 
+from backends.tiny_tokenizer import BOS, EOS, PLAIN, train, write_model
 from gateway.chat_template import ChatTemplate
 from gateway.config import ConfigError, load_config
 from gateway.tokenizer import (
@@ -21,7 +22,6 @@ from gateway.tokenizer import (
     load_tokenizer,
     tokenizer_path_from_model_info,
 )
-from tests.tiny_tokenizer import BOS, EOS, PLAIN, train, write_model
 
 # A template in the style of tool-calling models: tools, tool calls, content parts, kwargs.
 RICH = """{{- bos_token }}
@@ -324,6 +324,20 @@ def test_long_work_runs_in_the_pool(rich, monkeypatch):
     asyncio.run(rich.aencode_text("x" * (INLINE_CHARS + 1)))
     asyncio.run(rich.aencode_text("x"))
     assert seen[0].startswith("tokenizer") and seen[1] == threading.current_thread().name
+
+
+def test_short_chats_are_encoded_inline_long_ones_in_the_pool(rich, monkeypatch):
+    seen = []
+    real = rich.encode_chat
+    monkeypatch.setattr(rich, "encode_chat",
+                        lambda b: seen.append(threading.current_thread().name) or real(b))
+    short = asyncio.run(rich.aencode_chat(chat(("user", "hello"))))
+    asyncio.run(rich.aencode_chat(chat(("user", "x" * (INLINE_CHARS + 1)))))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    asyncio.run(rich.aencode_chat(chat(("user", "hi"), tools=[tool])))
+    assert seen[0] == threading.current_thread().name
+    assert seen[1].startswith("tokenizer") and seen[2].startswith("tokenizer")
+    assert short == rich.encode_chat(chat(("user", "hello")))
 
 
 # ---- helpers and config ----

@@ -94,8 +94,8 @@ def test_removed_worker_is_forgotten() -> None:
     policy.on_dispatch(a, generate_ids(SEEN))
     policy.on_dispatch(b, generate_ids(SEEN[:10]))
     policy.on_workers_changed([b])
-    assert policy.tree.worker_sizes() == {"b": 10}
-    assert policy.stats()["tree_size"] == 10
+    assert policy.tree.worker_sizes() == {"b": 40}  # 10 tokens, 4 size units each
+    assert policy.stats()["tree_size"] == 40
 
 
 def test_tree_bound_holds_across_dispatches() -> None:
@@ -113,7 +113,8 @@ def test_stats_count_decisions() -> None:
     policy.pick([a, b], generate_ids(SEEN))
     policy.on_dispatch(a, generate_ids(SEEN))
     policy.pick([a, b], generate_ids(SEEN))
-    assert policy.stats()["decisions"] == {"cache": 1, "load": 1, "balance": 0, "placement": 0}
+    assert policy.stats()["decisions"] == {"cache": 1, "capacity": 0, "load": 1, "balance": 0,
+                                           "placement": 0}
 
 
 def test_fresh_long_prompts_are_placed_the_same_way_by_every_instance() -> None:

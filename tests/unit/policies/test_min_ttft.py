@@ -133,3 +133,46 @@ def test_long_shared_prefix_is_still_followed() -> None:
     policy.on_dispatch(workers[1], first)
     policy.on_complete(workers[1], first, True)
     assert policy.pick(workers, generate_ids(list(range(500)) + [8])).url == "b"
+
+
+def _loads(tokens: int, busy_us: int, rank: int = 0) -> dict:
+    return {"dp_rank": rank, "total_prefill_uncached_tokens": tokens,
+            "total_prefill_busy_us": busy_us}
+
+
+def test_prefill_speed_is_measured_from_the_servers_counters() -> None:
+    w = worker("a")
+    assert w.load.prefill_speed == 0.0  # never polled: the configured speed applies
+    w.apply_loads({"loads": [_loads(1000, 100_000)]})  # since its start: 1k tokens in 0.1 s
+    assert w.load.prefill_speed == pytest.approx(10_000.0)
+    w.apply_loads({"loads": [_loads(21_000, 1_100_000)]})  # then 20k tokens in 1 s busy
+    assert w.load.prefill_speed == pytest.approx(0.7 * 10_000 + 0.3 * 20_000)
+    before = w.load.prefill_speed
+    w.apply_loads({"loads": [_loads(21_000, 1_100_000)]})  # idle between polls: unchanged
+    assert w.load.prefill_speed == before
+    w.apply_loads({"loads": [_loads(10, 100)]})  # restarted: counters went back, speed kept
+    assert w.load.prefill_speed == before
+
+
+def test_a_dp_server_speed_is_its_ranks_together() -> None:
+    w = worker("a")
+    w.dp_size = 2
+    from gateway.workers import Rank  # noqa: PLC0415 - only this test builds ranks
+    w.ranks = [Rank(w, 0), Rank(w, 1)]
+    w.apply_loads({"loads": [_loads(0, 0, 0), _loads(0, 0, 1)]})
+    w.apply_loads({"loads": [_loads(10_000, 1_000_000, 0), _loads(30_000, 1_000_000, 1)]})
+    assert w.ranks[0].load.prefill_speed == pytest.approx(10_000.0)
+    assert w.ranks[1].load.prefill_speed == pytest.approx(30_000.0)
+    assert w.load.prefill_speed == pytest.approx(40_000.0)
+
+
+def test_a_measured_faster_server_wins_an_even_race() -> None:
+    policy = prefill(prefill_tokens_per_second=10_000.0)
+    slow, fast = worker("slow"), worker("fast")
+    for w, tokens in ((slow, 5_000), (fast, 40_000)):
+        w.apply_loads({"loads": [_loads(0, 0)]})
+        w.apply_loads({"loads": [_loads(tokens, 1_000_000)]})
+    policy.on_dispatch(fast, generate_ids(list(range(70_000, 72_000))))  # 2k queued on fast
+    estimates = policy.ttft_estimates([slow, fast], generate_ids(PROMPT), fresh=False)
+    assert estimates == pytest.approx([1000 / 5_000, (2000 + 1000) / 40_000])
+    assert policy.pick([slow, fast], generate_ids(PROMPT)) is fast

@@ -1,4 +1,5 @@
-"""The approximate prefix index: matching, one global bound, LRU leaf eviction, worker removal."""
+"""The approximate prefix index: matching, the global bound, per-worker budgets, LRU leaf
+eviction, worker removal, and the invariants under random operations."""
 
 from __future__ import annotations
 
@@ -6,28 +7,46 @@ import random
 
 import pytest
 
-from gateway.policies.prefix_tree import PrefixTree
+from gateway.policies.prefix_tree import CHARS_PER_TOKEN, PrefixTree
 
 
 def check_invariants(tree: PrefixTree) -> None:
-    """Accounting equals a recount; children hold subsets of workers; parents are newer."""
+    """Accounting equals a recount; children hold subsets of their parent's workers; in the
+    global order and in each worker's own order, nodes are older than their ancestors; a node
+    missing from a holder's order (made by a split) has exactly one child that holder holds."""
     order = {node: i for i, node in enumerate(tree._lru)}
+    own = {url: {node: i for i, node in enumerate(lru)} for url, lru in tree._lrus.items()}
     size, per_worker, stack = 0, {}, [tree._root]
     while stack:
         node = stack.pop()
-        for child in node.children.values():
-            assert child.parent is node
-            assert child.label[0] == next(k for k, c in node.children.items() if c is child)
-            assert child.workers and (node is tree._root or child.workers <= node.workers)
+        for first, child in node.children.items():
+            assert child.parent is node and child.label[0] == first
+            assert child.workers, "a node nobody holds must go"
+            unit = 1 if isinstance(child.label, str) else CHARS_PER_TOKEN
+            assert child.size == len(child.label) * unit
             if node is not tree._root:
+                assert child.workers.keys() <= node.workers.keys()
                 assert order[child] < order[node]
-            size += len(child.label) * len(child.workers)
+            assert child.last >= max(child.workers.values())
+            size += child.size * len(child.workers)
             for url in child.workers:
-                per_worker[url] = per_worker.get(url, 0) + len(child.label)
+                per_worker[url] = per_worker.get(url, 0) + child.size
+                if child in own[url]:
+                    parent = node
+                    while parent is not tree._root:
+                        if parent in own[url]:
+                            assert own[url][child] < own[url][parent]
+                        parent = parent.parent
+                else:
+                    assert sum(url in c.workers for c in child.children.values()) == 1
             stack.append(child)
     assert size == tree.size <= tree.max_size
     assert per_worker == tree.worker_sizes()
     assert len(order) == tree.node_count
+    assert set(own) == set(per_worker)
+    for url, nodes in own.items():
+        times = [node.workers[url] for node in nodes]
+        assert times == sorted(times)
 
 
 @pytest.mark.parametrize(
@@ -60,6 +79,13 @@ def test_same_key_to_two_workers_counts_twice() -> None:
     tree.insert("x" * 10, "a")
     tree.insert("x" * 10, "b")
     assert tree.size == 20 and tree.worker_sizes() == {"a": 10, "b": 10}
+
+
+def test_a_token_counts_as_four_characters() -> None:
+    tree = PrefixTree(1_000)
+    tree.insert(tuple(range(10)), "a")
+    tree.insert("x" * 10, "a")
+    assert tree.worker_sizes() == {"a": 10 * CHARS_PER_TOKEN + 10}
 
 
 @pytest.mark.parametrize("kind", ["text", "tokens"])
@@ -130,3 +156,100 @@ def test_remove_worker() -> None:
     tree.remove_worker("missing")  # no-op
     tree.remove_worker("b")
     assert tree.size == 0 and tree.node_count == 0
+
+
+def test_budget_evicts_that_workers_least_recently_used_content_only() -> None:
+    tree = PrefixTree(10_000)
+    tree.insert("a" * 10, "w", now=1, budget=30)
+    tree.insert("b" * 10, "w", now=2, budget=30)
+    tree.insert("b" * 10, "v", now=3, budget=30)
+    tree.insert("c" * 10, "w", now=4, budget=30)
+    tree.insert("d" * 10, "w", now=5, budget=30)  # 40 > 30: w's oldest ("a") goes
+    assert tree.match("a" * 10) == {}
+    assert tree.worker_sizes() == {"w": 30, "v": 10}
+    tree.insert("e" * 10, "w", now=6, budget=30)  # then "b", which v still holds
+    assert tree.match("b" * 10) == {"v": 10}
+    assert tree.oldest("w") == 4 and tree.oldest("v") == 3 and tree.oldest("x") is None
+    check_invariants(tree)
+
+
+def test_budget_takes_a_workers_leaves_before_its_shared_prefix() -> None:
+    tree = PrefixTree(10_000)
+    system = "S" * 20
+    tree.insert(system + "x" * 10, "w", now=1, budget=45)
+    tree.insert(system + "y" * 10, "w", now=2, budget=45)
+    tree.insert(system + "z" * 10, "v", now=3, budget=45)
+    tree.insert(system + "q" * 10, "w", now=4, budget=45)  # 50 > 45: the x branch goes
+    assert tree.match(system + "x" * 10) == {"w": 20, "v": 20}
+    assert tree.match(system + "y" * 10) == {"w": 30, "v": 20}
+    check_invariants(tree)
+
+
+def test_a_node_cut_by_another_worker_leaves_with_the_part_below_it() -> None:
+    """v's key splits w's leaf; the upper part is not in w's order, and goes for w right after
+    w's lower part does (while v keeps it)."""
+    tree = PrefixTree(10_000)
+    tree.insert("abcdef", "w", now=1, budget=12)
+    tree.insert("abcxyz", "v", now=2)
+    check_invariants(tree)
+    tree.insert("qrstuvwx", "w", now=3, budget=12)  # 14 > 12: all of "abcdef" goes for w
+    assert tree.match("abcdef") == {"v": 3}
+    assert tree.worker_sizes() == {"w": 8, "v": 6}
+    check_invariants(tree)
+
+
+def test_key_longer_than_the_budget_keeps_its_head() -> None:
+    tree = PrefixTree(10_000)
+    tree.insert(tuple(range(100)), "w", budget=10 * CHARS_PER_TOKEN)
+    assert tree.match(tuple(range(100))) == {"w": 10}
+
+
+@pytest.mark.parametrize(
+    ("inserts", "query", "end", "used"),
+    [
+        pytest.param(["turn one"], "turn one, turn two", 8, {"a": 1.0}, id="continues_a_key"),
+        pytest.param(["shared x", "shared y"], "shared z", 0, {}, id="branch_off_a_split"),
+        pytest.param(["shared x"], "shared", 0, {}, id="ends_inside_an_edge"),
+        pytest.param(["ab", "abcd"], "abcdef", 4, {"a": 2.0}, id="deepest_key_counts"),
+    ],
+)
+def test_match_reports_the_earlier_key_it_continues(inserts, query, end, used) -> None:
+    """`end` and `ends` name the deepest earlier key the query continues, and who holds it."""
+    tree = PrefixTree(10_000)
+    for i, key in enumerate(inserts):
+        tree.insert(key, "a", now=float(i + 1))
+    found = tree.match(query)
+    assert found.end == end
+    assert found.ends == used
+
+
+@pytest.mark.parametrize("kind", ["text", "tokens"])
+@pytest.mark.parametrize("max_size", [1_000_000, 3_000], ids=["budgets_bind", "bound_binds"])
+def test_invariants_hold_under_random_operations(kind: str, max_size: int) -> None:
+    """Random inserts (with and without budgets), matches, TTL expiry and removals: the
+    accounting and ordering invariants hold after every step, no worker exceeds its budget,
+    and while only budgets bind a worker keeps the whole key it was sent last."""
+    rng = random.Random(f"{kind}/{max_size}")
+    tree = PrefixTree(max_size, ttl=40.0)
+    budgets = {f"w{i}": rng.choice([0, 200, 500, 1200]) for i in range(5)}
+    stems = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 30))) for _ in range(12)]
+    unit = 1 if kind == "text" else CHARS_PER_TOKEN
+    for step in range(1500):
+        text = rng.choice(stems) + "".join(rng.choice("abcd") for _ in range(rng.randint(0, 60)))
+        key = text if kind == "text" else tuple(ord(c) for c in text)
+        url = rng.choice(list(budgets))
+        action = rng.random()
+        if action < 0.75:
+            tree.insert(key, url, now=float(step), budget=budgets[url])
+            if budgets[url]:
+                assert tree.worker_size(url) <= budgets[url]
+            fits = not budgets[url] or len(key) * unit <= budgets[url]
+            if max_size == 1_000_000 and fits:
+                assert tree.match(key)[url] == len(key)
+        elif action < 0.97:
+            found = tree.match(key)
+            assert all(0 < n <= len(key) for n in found.values())
+        else:
+            tree.remove_worker(url)
+            assert url not in tree.worker_sizes()
+        check_invariants(tree)

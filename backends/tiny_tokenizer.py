@@ -1,5 +1,6 @@
 """A tiny tokenizer model made here (the CPU rig's recipe: a byte-level BPE trained in
-memory) with a chat template: for the tests that need the served model's tokenizer."""
+memory) with a chat template: for the tests and benchmarks that need a served model's
+tokenizer (`python -m backends.tiny_tokenizer DIR` writes one)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,9 @@ def write_model(directory: Path, trained: Tokenizer, template: str | None = PLAI
         settings["chat_template"] = template
     (directory / "tokenizer_config.json").write_text(json.dumps(settings))
     return directory
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_model(Path(sys.argv[1]), train()))

@@ -1,0 +1,145 @@
+"""Completion tokens from the decode's answer as the client gets it, read cheaply.
+
+Where SGLang 0.5.23 reports them (paths under sglang/srt/):
+
+* native `/generate`: every answer and every streamed event carries `meta_info` with
+  `prompt_tokens`, `completion_tokens` (cumulative in a stream) and `cached_tokens`
+  (`managers/tokenizer_manager.py`, the meta_info of each output); a batch's stream tags
+  each event with its `index`, and an item's last event has a non-null `finish_reason`.
+* OpenAI routes: a whole answer has `usage` (`entrypoints/openai/usage_processor.py`); a
+  stream has usage only in one last event with empty `choices`, right before `[DONE]`, when
+  the request asks for it (`stream_options.include_usage`, `should_include_usage` in
+  `entrypoints/openai/utils.py`), or in every chunk with `continuous_usage_stats`.
+
+So the gateway never parses the JSON of every streamed chunk: a whole answer is scanned for
+the key `"completion_tokens"` (a byte search, no parse), a single stream's last two chunks
+are scanned at its end, and only two kinds of stream pay a substring test per chunk:
+
+* an OpenAI stream whose client did not set `stream_options`: the gateway asks both legs for
+  the usage event (`ask_for_usage`: the prefill's gives the prompt and cached tokens, the
+  decode's the completion tokens) and takes it out of what the client receives
+  (`StreamTokens.feed`), so the client sees exactly the stream it asked for;
+* a native stream of several items (a batch, or n > 1): each chunk holding a final event
+  (`"finish_reason":{`) is scanned for that item's count.
+
+A string value cannot hold the key: inside a JSON string every `"` is escaped, so the
+bytes `"completion_tokens"` followed by `:` only occur as a key.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from gateway.request import GENERATE, RequestView
+
+KEY = b'"completion_tokens"'
+USAGE_MARKS = (b'"usage":{', b'"usage": {')
+FINAL_MARKS = (b'"finish_reason":{', b'"finish_reason": {')
+TAIL_LIMIT = 1 << 16  # bytes of a stream's end that are scanned for its final figures
+
+
+def usage_forced(view: RequestView) -> bool:
+    """An OpenAI stream without `stream_options`: the gateway asks for the usage event and
+    keeps it from the client."""
+    return view.stream and view.endpoint != GENERATE and "stream_options" not in view.body
+
+
+def ask_for_usage(view: RequestView, body: dict) -> None:
+    """Add `stream_options.include_usage` to the body both legs get, when `usage_forced`."""
+    if usage_forced(view):
+        body["stream_options"] = {"include_usage": True}
+
+
+def _values(data: bytes):
+    """The integers under the key `completion_tokens`, in order."""
+    at = data.find(KEY)
+    while at >= 0:
+        end = at + len(KEY)
+        while end < len(data) and data[end] in b" \t\r\n":
+            end += 1
+        if end < len(data) and data[end] == 58:  # ":"
+            end += 1
+            while end < len(data) and data[end] in b" \t\r\n":
+                end += 1
+            start = end
+            while end < len(data) and 48 <= data[end] <= 57:
+                end += 1
+            if end > start:
+                yield int(data[start:end])
+        at = data.find(KEY, end)
+
+
+def completion_total(body: bytes) -> int | None:
+    """The completion tokens of a whole answer: one `usage`, or one `meta_info` per item of a
+    native batch (summed); None when the answer says nothing."""
+    values = list(_values(body))
+    return sum(values) if values else None
+
+
+def completion_final(data: bytes) -> int | None:
+    """The last count in `data` (a stream's end: its usage event, or its last meta_info)."""
+    at = data.rfind(KEY, max(0, len(data) - TAIL_LIMIT))
+    if at < 0:
+        return None
+    return next(_values(data[at:]), None)
+
+
+class StreamTokens:
+    """Per-chunk work of the two kinds of stream that need it (see the module docstring).
+
+    `feed` returns the chunk to send (without the usage event the client did not ask for);
+    `completion` is the count once the stream's final events went by, else None."""
+
+    __slots__ = ("forced", "completion", "_finals")
+
+    def __init__(self, forced: bool) -> None:
+        self.forced = forced
+        self.completion: int | None = None
+        self._finals = 0
+
+    @classmethod
+    def of(cls, view: RequestView) -> StreamTokens | None:
+        """The meter a stream needs, or None: a single stream is read at its end only."""
+        if usage_forced(view):
+            return cls(True)
+        if view.endpoint == GENERATE and (view.batch_size is not None or view.n > 1):
+            return cls(False)
+        return None
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.forced:
+            if USAGE_MARKS[0] in chunk or USAGE_MARKS[1] in chunk:
+                return self._take_usage(chunk)
+            return chunk
+        if FINAL_MARKS[0] in chunk or FINAL_MARKS[1] in chunk:
+            for event in chunk.split(b"\n\n"):
+                if FINAL_MARKS[0] in event or FINAL_MARKS[1] in event:
+                    self._finals += completion_final(event) or 0
+                    self.completion = self._finals
+        return chunk
+
+    def _take_usage(self, chunk: bytes) -> bytes:
+        """The chunk without its usage event (empty `choices`), whose count is kept."""
+        kept = []
+        for event in chunk.split(b"\n\n"):
+            if not event:
+                continue
+            if USAGE_MARKS[0] in event or USAGE_MARKS[1] in event:
+                obj = _payload(event)
+                usage = obj.get("usage") if isinstance(obj, dict) else None
+                if isinstance(usage, dict) and not obj.get("choices"):
+                    count = usage.get("completion_tokens")
+                    self.completion = count if isinstance(count, int) else None
+                    continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+
+def _payload(event: bytes) -> object:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            try:
+                return orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                return None
+    return None

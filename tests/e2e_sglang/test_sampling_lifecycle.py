@@ -1,0 +1,180 @@
+"""Parallel sampling (n > 1) through the gateway on real SGLang 0.5.23 PD servers on CPU: the
+samples run side by side, and nothing keeps running on the servers afterwards (every sample
+stopped when the client leaves; the old naive n > 1 PD body hangs, which is why the gateway
+splits it: docs/FIDELITY.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e_sglang.conftest import SglangCluster
+from tests.e2e_sglang.sampling import IDLE_WAIT, MODEL, TEXTS, TOKENS, N, post
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # the first test pays the start-up
+
+
+# -- latency and cleanup ------------------------------------------------------------------------------
+
+def test_n2_takes_about_the_time_of_n1(sglang_cluster: SglangCluster) -> None:
+    """The samples run in parallel: n=2 costs about one request, not two in a row (plus the
+    wait for sample 0's prefill, which the others follow). Interleaved runs, medians."""
+    prompt = "once upon a time there was a little tiny model on a cpu"
+    params = {"max_new_tokens": 48, "temperature": 0.8, "ignore_eos": True}
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for round_ in range(9):  # 2 warm-up rounds (a server restarted just before is slow)
+        for n in (1, 2):
+            start = time.monotonic()
+            answer = post(sglang_cluster.gateway + "/generate",
+                          {"text": prompt, "sampling_params": {**params, "n": n}})
+            if round_ >= 2:
+                times[n].append(time.monotonic() - start)
+            assert answer.status_code == 200, answer.text
+            items = answer.json() if n > 1 else [answer.json()]
+            assert [len(item["output_ids"]) for item in items] == [48] * n
+    n1, n2 = statistics.median(times[1]), statistics.median(times[2])
+    print(f"n=1 median {n1:.3f}s {[round(t, 3) for t in times[1]]}; "
+          f"n=2 median {n2:.3f}s {[round(t, 3) for t in times[2]]}")
+    assert n2 < 3 * n1 + 1.0, (times[1], times[2])
+
+
+def server_loads(url: str) -> list[dict]:
+    return httpx.get(url + "/v1/loads?include=core,disagg", timeout=10,
+                     trust_env=False).json()["loads"]
+
+
+def busy(cluster: SglangCluster, since: float = 0.0) -> list[str]:
+    """What is still running or queued: per server (its /v1/loads, every DP rank) and in the
+    gateway (/admin/servers, from loopback: admin without a key). `/v1/loads` is a snapshot the
+    scheduler refreshes about once a second when idle, seconds late when busy: one taken
+    before `since` (wall clock) counts as busy."""
+    found = []
+    for url in [*cluster.prefill_urls, *cluster.decode_urls]:
+        for load in server_loads(url):
+            queues = {k: v for k, v in (load.get("disaggregation") or {}).items()
+                      if k.endswith("_queue_reqs") and v}
+            if load["num_running_reqs"] or load["num_waiting_reqs"] or queues:
+                found.append(f"{url} rank {load['dp_rank']}: running {load['num_running_reqs']}"
+                             f" waiting {load['num_waiting_reqs']} {queues}")
+            elif load["timestamp"] < since:
+                found.append(f"{url} rank {load['dp_rank']}: no snapshot since the wait began")
+    listed = httpx.get(cluster.gateway + "/admin/servers", timeout=10, trust_env=False)
+    assert listed.status_code == 200, listed.text
+    for server in listed.json()["servers"]:
+        in_flight = [server["in_flight"]] + [r["in_flight"] for r in server["ranks"]]
+        if any(in_flight):
+            found.append(f"gateway: {server['url']} in flight {in_flight}")
+    return found
+
+
+def wait_idle(cluster: SglangCluster, timeout: float = IDLE_WAIT) -> float:
+    """Seconds until nothing is busy; fails with what is still busy after `timeout`."""
+    start, since = time.monotonic(), time.time()
+    while True:
+        left = busy(cluster, since)
+        if not left:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"still busy after {timeout:g}s: {left}")
+        time.sleep(0.25)
+
+
+def decodes_running(cluster: SglangCluster) -> int:
+    return sum(load["num_running_reqs"] for url in cluster.decode_urls
+               for load in server_loads(url))
+
+
+def test_concurrent_n2_requests_leave_every_server_idle(sglang_cluster: SglangCluster) -> None:
+    gw = sglang_cluster.gateway
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": N,
+            "max_tokens": 16, "temperature": 0.7}
+    bodies = [
+        ("/generate", {"text": TEXTS, "sampling_params": {"n": N, "max_new_tokens": 16}}),
+        ("/generate", {"input_ids": TOKENS[0], "stream": True,
+                       "sampling_params": {"n": 3, "max_new_tokens": 16}}),
+        ("/v1/chat/completions", chat),
+        ("/v1/chat/completions", {**chat, "stream": True}),
+        ("/v1/completions", {"model": MODEL, "prompt": TEXTS, "n": N, "max_tokens": 16,
+                             "stream": True, "echo": True, "logprobs": 1}),
+    ] * 2
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+            return await asyncio.gather(*(client.post(gw + path, json=body)
+                                          for path, body in bodies))
+
+    for response in asyncio.run(run()):
+        assert response.status_code == 200, response.text
+        if response.headers["content-type"].startswith("text/event-stream"):
+            assert response.text.count("data: [DONE]") == 1
+    print(f"idle {wait_idle(sglang_cluster):.2f}s after the burst")
+
+
+def test_client_leaving_an_n2_stream_stops_every_sample(sglang_cluster: SglangCluster) -> None:
+    """The client reads a long n=2 stream until both samples run on the decodes, then hangs
+    up: each sample's legs are stopped, so no decode keeps generating the ~1500 tokens nobody
+    reads (the whole stream takes ~90 s here)."""
+    body = {"text": TEXTS[0], "stream": True,
+            "sampling_params": {"n": N, "max_new_tokens": 1500, "ignore_eos": True}}
+    running, deadline = 0, time.monotonic() + 20
+    with httpx.Client(timeout=60, trust_env=False) as client, \
+            client.stream("POST", sglang_cluster.gateway + "/generate", json=body) as response:
+        assert response.status_code == 200
+        checked = 0.0
+        for line in response.iter_lines():  # keep reading: a stalled client is cut off
+            assert "[DONE]" not in line and time.monotonic() < deadline, running
+            if time.monotonic() - checked > 0.3:
+                running, checked = decodes_running(sglang_cluster), time.monotonic()
+                if running == N:
+                    break
+    assert running == N
+    print(f"idle {wait_idle(sglang_cluster):.2f}s after the client hung up")
+
+
+def test_the_old_naive_n2_pd_body_fails_on_real_sglang(sglang_cluster: SglangCluster) -> None:
+    """What the gateway used to send for n=2: the same body, with a room per expanded item, to
+    both legs. SGLang sends a warm-up and both samples with the first room; the decode never
+    answers (its own wait is 300 s). The connections are then closed, which aborts the
+    request on both servers (SGLang aborts on client disconnect), and everything is idle."""
+    wait_idle(sglang_cluster)
+    body = sglang_cluster.pd_body({"text": TEXTS[1], "sampling_params": {
+        "n": N, "max_new_tokens": 8, "temperature": 0.8}})
+    body["bootstrap_room"] = [body["bootstrap_room"] + i for i in range(N)]
+
+    async def legs() -> dict[str, Any]:
+        results: dict[str, Any] = {}
+        async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
+            async def leg(name: str, url: str) -> None:
+                response = await client.post(url + "/generate", json=body)
+                results[name] = (response.status_code, response.text)
+
+            tasks = [asyncio.create_task(leg("prefill", sglang_cluster.prefill_urls[0])),
+                     asyncio.create_task(leg("decode", sglang_cluster.decode_urls[0]))]
+            await asyncio.wait(tasks, timeout=20)
+            results["busy while waiting"] = busy(sglang_cluster)
+            for task in tasks:
+                task.cancel()  # closes the connection
+            await asyncio.gather(*tasks, return_exceptions=True)
+        closed = time.time()
+        await asyncio.sleep(1.5)
+        results["busy 1.5 s after closing"] = busy(sglang_cluster, closed)
+        return results
+
+    results = asyncio.run(legs())
+    print("naive n=2 PD body:", {k: v if k.startswith("busy") else (v[0], v[1][:200])
+                                 for k, v in results.items()})
+    decode = results.get("decode")
+    if decode is not None and decode[0] == 200:
+        try:
+            items = json.loads(decode[1])
+        except ValueError:
+            items = None
+        assert not (isinstance(items, list) and len(items) == N), f"it worked: {decode}"
+    assert results["busy while waiting"], "the decode was not even waiting"
+    print(f"idle {wait_idle(sglang_cluster):.2f}s after closing the naive request's connections")
