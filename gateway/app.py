@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from gateway.auth import Role
 from gateway.config import GatewayConfig
-from gateway.request import CHAT, COMPLETIONS, GENERATE
+from gateway.request import ENDPOINT_PATHS
 from gateway.routes import admin, dashboard, info, models, operations
 from gateway.routes.errors import HANDLERS
 from gateway.routes.inference import InferenceEndpoint
@@ -28,8 +28,6 @@ from gateway.runtime import Gateway
 
 Handler = Callable[[Request], Awaitable[Response]]
 
-INFERENCE_PATHS = {"/generate": GENERATE, "/v1/chat/completions": CHAT,
-                   "/v1/completions": COMPLETIONS}
 
 PUBLIC, INFERENCE, ADMIN = Role.PUBLIC, Role.INFERENCE, Role.ADMIN
 # An admin aborts anyone's requests (or all), an inference caller its own: either role will do,
@@ -57,7 +55,7 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
     ("/stop_profile", ("POST",), operations.broadcast, ADMIN),
     ("/pause_generation", ("POST",), operations.broadcast, ADMIN),
     ("/continue_generation", ("POST",), operations.broadcast, ADMIN),
-    ("/update_weights_from_disk", ("POST",), operations.broadcast, ADMIN),
+    ("/update_weights_from_disk", ("POST",), operations.update_weights, ADMIN),
     ("/admin/servers", ("GET",), admin.list_servers, ADMIN),
     ("/admin/servers", ("POST",), admin.add_server, ADMIN),
     ("/admin/servers", ("DELETE",), admin.remove_server, ADMIN),
@@ -118,7 +116,7 @@ def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None 
         finally:
             await gateway.stop()
 
-    endpoints = {path: InferenceEndpoint(gateway, name) for path, name in INFERENCE_PATHS.items()}
+    endpoints = {path: InferenceEndpoint(gateway, name) for name, path in ENDPOINT_PATHS.items()}
     app = Starlette(routes=build_routes(endpoints), exception_handlers=HANDLERS,
                     lifespan=lifespan)
     app.state.gateway = gateway

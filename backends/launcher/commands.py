@@ -89,8 +89,11 @@ def sim_command(topology: Topology, server: ServerSpec) -> LaunchCommand:
     ]
     if server.role == "prefill" and server.bootstrap_port is not None:
         argv += ["--bootstrap-port", str(server.bootstrap_port)]
+    # as SGLang's flags: the served name defaults to the model path
+    if topology.model_path_of(server):
+        argv += ["--model-path", topology.model_path_of(server)]
     if topology.model_name_of(server):
-        argv += ["--model-name", topology.model_name_of(server)]
+        argv += ["--served-model-name", topology.model_name_of(server)]
     return LaunchCommand(tuple(argv + list(server.args)), server.env, topology.cwd or REPO_ROOT)
 
 

@@ -26,23 +26,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
-from gateway.routes.asgi import read_body, read_json
+from gateway.routes.asgi import read_json, read_json_raw
 from gateway.upstream import upstream_message
 from gateway.workers import ROLES
-
-WEIGHTS = "/update_weights_from_disk"
 
 
 async def relay(request: Request) -> Response:
     """POST the body as is to the first usable server of its `model` that answers."""
     gw = request.app.state.gateway
-    raw = await read_body(request.scope, request.receive, gw.config.max_body_bytes)
-    try:
-        body = orjson.loads(raw or b"null")
-        if not isinstance(body, dict):
-            raise ValueError
-    except ValueError:
-        raise BadRequest("request body must be a JSON object") from None
+    raw, body = await read_json_raw(request, gw.config.max_body_bytes)
     path = request.url.path
     last = "no usable server"
     model = body.get("model")
@@ -89,6 +81,17 @@ async def abort_request(request: Request) -> Response:
 
 
 async def broadcast(request: Request) -> Response:
+    """The body to every server (of `?role=`, of `?model=`), with each one's result."""
+    return await _broadcast(request, one_model=False)
+
+
+async def update_weights(request: Request) -> Response:
+    """As `broadcast`, but with several models `?model=` is required: one model's weights
+    on another's servers would break them."""
+    return await _broadcast(request, one_model=True)
+
+
+async def _broadcast(request: Request, one_model: bool) -> Response:
     gw = request.app.state.gateway
     body = await read_json(request)
     role = request.query_params.get("role")
@@ -99,9 +102,8 @@ async def broadcast(request: Request) -> Response:
     if name is not None:
         servers = set(_model_servers(gw, name))
         workers = [w for w in workers if w in servers]
-    elif request.url.path == WEIGHTS and len(gw.models.known) > 1:
-        raise BadRequest(f"{WEIGHTS} with several models needs ?model=NAME (one model's "
-                         f"weights on another's servers would break them): "
+    elif one_model and not gw.models.open:
+        raise BadRequest(f"{request.url.path} with several models needs ?model=NAME: "
                          f"{', '.join(gw.models.names())}")
     ok, results = await post_all(gw, request.url.path, orjson.dumps(body), workers)
     return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from backends.tiny_tokenizer import train, write_model
+from gateway.policies.prefix_tree import CHARS_PER_TOKEN
 from gateway.tokenizer import load_tokenizer
 from tests.integration.conftest import sim_cluster
 
@@ -23,7 +24,7 @@ TOKENS_PER_MINUTE = 100
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
     model = write_model(tmp_path_factory.mktemp("model") / "tiny-model", train())
-    sims = ["--context-length", str(CONTEXT), "--model-name", str(model)]
+    sims = ["--context-length", str(CONTEXT), "--model-path", str(model)]
     gateway = ["--api-key", "key-a", "--api-key", "key-b", "--rate-limit-tokens", str(TOKENS_PER_MINUTE)]
     tokenizer = load_tokenizer(model)
     with sim_cluster(tmp_path_factory.mktemp("logs"), n_decode=1, sim_args=sims,
@@ -85,4 +86,5 @@ def test_text_prompts_are_routed_by_their_token_ids(counted):
     answer = httpx.post(cluster.gateway + "/generate", json=body, headers=KEY, timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.json()["meta_info"]["prompt_tokens"] > 0
-    assert tree_size() - before == len(ids)  # the cache-aware tree holds its ids, not its text
+    # the cache-aware tree holds its ids, not its text (sizes in characters, a token 4)
+    assert tree_size() - before == len(ids) * CHARS_PER_TOKEN

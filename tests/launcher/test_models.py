@@ -46,7 +46,8 @@ def test_models_expand_into_servers_of_their_model() -> None:
 def test_a_server_table_names_its_own_model_over_the_top_level() -> None:
     topology = topology_from_dict({"backend": "sim", "model_name": "a", "prefill": 1,
                                    "decode": [{}, {"model_name": "b"}]})
-    names = [flag(build_command(topology, s).argv, "--model-name") for s in topology.servers]
+    names = [flag(build_command(topology, s).argv, "--served-model-name")
+             for s in topology.servers]
     assert names == ["a", "a", "b"]
     # b has a decode and no prefill: each model is its own PD cluster
     assert find_problems(topology, check_ports=False) == [
