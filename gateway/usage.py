@@ -59,7 +59,7 @@ class RequestUsage:
     prefill's answer may arrive after the decode's, gateway/pd.py `finish_tail`)."""
 
     __slots__ = ("owner", "endpoint", "request_id", "time", "started", "tenant", "model",
-                 "asked_model", "stream", "status", "ttft", "duration", "prompt", "cached",
+                 "stream", "status", "ttft", "duration", "prompt", "cached",
                  "completion", "attempts", "retries", "failovers", "prefill", "decode",
                  "open_legs", "ended", "tail", "meter")
 
@@ -71,7 +71,6 @@ class RequestUsage:
         self.started = started  # perf_counter at arrival
         self.tenant = "anonymous"
         self.model: str | None = None  # the label, fixed when the body is parsed
-        self.asked_model: str | None = None
         self.stream = False
         self.status = 0
         self.ttft: float | None = None
@@ -125,9 +124,8 @@ class Usage:
         return RequestUsage(self, endpoint, request_id, started)
 
     def parsed(self, record: RequestUsage, view) -> None:
-        """The body is read: what the request asked for, and the model it is counted under
-        (the one the gateway resolves its `model` to)."""
-        record.asked_model = view.model
+        """The body is read: the request is counted under the model the gateway resolves its
+        `model` to."""
         record.model = self.label(view.model)
         record.stream = view.stream
 

@@ -1,7 +1,9 @@
 """Several models behind one real gateway process, in front of simulated servers of each model
-(`python -m backends.sim --model-name ...`), loopback only: routing by `model`, aliases, 404
-and 400 in OpenAI's shape, /v1/models, per-model policies and prefix state, the default model,
-a server whose model is known only once it answers, and `--launch` with a two-model topology.
+(`python -m backends.sim --model-path ... [--served-model-name ...]`, as SGLang's flags),
+loopback only: routing by `model`, aliases, 404 and 400 in OpenAI's shape, /v1/models,
+per-model policies and prefix state, usage counted per model, the default model, a server
+whose model is known only once it answers, a single-model gateway that stays lenient, and
+`--launch` with a two-model topology.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ def chat(model: str | None, text: str = "hello there") -> dict:
     return body if model is None else {**body, "model": model}
 
 
+# how each model's servers are started: alpha by its path alone (SGLang then serves it under
+# that path), beta from a path with its own served name (the name wins)
+NAMING = {"beta": ["--model-path", "/models/beta-7b-instruct", "--served-model-name", "beta"]}
+
+
 def start_sims(stack, log_dir, layout: dict[str, tuple[int, int]]) -> dict[str, dict]:
     """{model: (prefills, decodes)} -> {model: {"prefill": [(url, boot)], "decode": [url]}}."""
     out: dict[str, dict] = {}
@@ -35,8 +42,9 @@ def start_sims(stack, log_dir, layout: dict[str, tuple[int, int]]) -> dict[str, 
             for i in range(count):
                 port, boot = free_port(), free_port() if role == "prefill" else None
                 url = f"http://{HOST}:{port}"
+                naming = NAMING.get(model, ["--model-path", model])
                 stack.enter_context(running(f"{model}-{role}{i}", sim(
-                    role, port, boot, "--model-name", model, "--fast"), log_dir, url + "/health"))
+                    role, port, boot, *naming, "--fast"), log_dir, url + "/health"))
                 servers[role].append((url, boot) if role == "prefill" else url)
         out[model] = servers
     return out
@@ -150,6 +158,48 @@ def test_each_model_has_its_own_policies_and_prefix_state(rig):
     assert beta_tree == {sims["beta"]["prefill"][0][0]}
 
 
+def usage_by_model(gw: str) -> dict[str, dict]:
+    """/admin/usage's figures per model, summed over tenants."""
+    out: dict[str, dict] = {}
+    for entry in httpx.get(gw + "/admin/usage", timeout=30).json()["tenants"].values():
+        for model, figures in entry["models"].items():
+            row = out.setdefault(model, {})
+            for name, value in figures.items():
+                row[name] = row.get(name, 0) + value
+    return out
+
+
+def test_usage_is_counted_under_the_resolved_model(rig):
+    """An alias counts under its model, an adapter under its base, an unknown name under
+    `other` (never the client's text as a label); the tokens are each answer's own."""
+    gw, _, _ = rig
+    before = usage_by_model(gw)
+    told = {"alpha": 0, "beta": 0}
+    for model, base in (("alpha", "alpha"), ("fast", "beta"), ("beta", "beta"),
+                        ("alpha:my-adapter", "alpha"), ("fast", "beta")):
+        r = httpx.post(gw + "/v1/chat/completions", json=chat(model), timeout=30)
+        assert r.status_code == 200, r.text
+        told[base] += r.json()["usage"]["completion_tokens"]
+    assert httpx.post(gw + "/v1/chat/completions", json=chat("gpt-5"),
+                      timeout=30).status_code == 404
+
+    def delta(model: str, name: str) -> int:
+        return usage_by_model(gw).get(model, {}).get(name, 0) - before.get(model, {}).get(name, 0)
+
+    deadline = time.monotonic() + 10  # a prefill's figures may land after the answer
+    while time.monotonic() < deadline and (delta("alpha", "prompt_tokens") <= 0
+                                           or delta("beta", "prompt_tokens") <= 0):
+        time.sleep(0.1)
+    assert (delta("alpha", "requests"), delta("beta", "requests")) == (2, 3)
+    assert (delta("alpha", "completion_tokens"), delta("beta", "completion_tokens")) == (
+        told["alpha"], told["beta"])
+    assert delta("alpha", "prompt_tokens") > 0 and delta("beta", "prompt_tokens") > 0
+    assert (delta("other", "requests"), delta("other", "errors_4xx")) == (1, 1)
+    assert not {"fast", "gpt-5", "alpha:my-adapter"} & set(usage_by_model(gw))
+    metrics = httpx.get(gw + "/metrics", timeout=30).text
+    assert 'model="beta"' in metrics and 'model="fast"' not in metrics
+
+
 def test_readiness_and_health_generate_cover_every_model(rig):
     gw, _, _ = rig
     ready = httpx.get(gw + "/readiness", timeout=30).json()
@@ -192,7 +242,8 @@ def test_a_server_joins_its_model_once_its_probe_answers(rig):
             for role, port, boot in (("prefill", gamma_p, gamma_boot), ("decode", gamma_d, None)):
                 url = f"http://{HOST}:{port}"
                 stack.enter_context(running(f"gamma-{role}", sim(
-                    role, port, boot, "--model-name", "gamma", "--fast"), log_dir, url + "/health"))
+                    role, port, boot, "--served-model-name", "gamma", "--fast"), log_dir,
+                    url + "/health"))
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
                 ids = [c["id"] for c in httpx.get(gw + "/v1/models", timeout=30).json()["data"]]
@@ -206,6 +257,21 @@ def test_a_server_joins_its_model_once_its_probe_answers(rig):
             policies = httpx.get(gw + "/admin/policies", timeout=30).json()["models"]
             assert set(policies["gamma"]["prefill"]["stats"]["tree_size_by_worker"]) == {
                 f"http://{HOST}:{gamma_p}"}
+
+
+def test_a_single_model_gateway_is_lenient_about_the_model_name(rig):
+    """One model behind the gateway: as SGLang, any `model` (or none) is served by it, the
+    body passes as sent, and usage counts under the model's own name."""
+    _, sims, log_dir = rig
+    with gateway(log_dir, {"beta": sims["beta"]}, name="gw-single") as gw:
+        for body in (chat(None), chat("beta"), chat("gpt-4o"), chat("default")):
+            r = httpx.post(gw + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+        assert r.json()["model"] == "default"  # SGLang echoes what was asked
+        ids = [c["id"] for c in httpx.get(gw + "/v1/models", timeout=30).json()["data"]]
+        assert ids == ["beta"]
+        assert "models" not in httpx.get(gw + "/readiness", timeout=30).json()
+        assert usage_by_model(gw)["beta"]["requests"] == 4
 
 
 def test_launch_with_a_two_model_topology(tmp_path):
