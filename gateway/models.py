@@ -108,6 +108,7 @@ class Models:
         self.only: Model | None = self._none  # that one model while open
         self._owner: dict[Worker, Model] = {}  # server -> its model, for the policy hooks
         self.unnamed = 0  # registered servers whose model is not known yet
+        self._one_sided: set[str] = set()  # models with servers of one role (warned)
         self._started = False
         self._starting: set[asyncio.Task] = set()
         for name in configured:
@@ -147,6 +148,23 @@ class Models:
                       if model.registered or name in self._configured}
         self.open = len(self.known) <= 1
         self.only = next(iter(self.known.values()), self._none) if self.open else None
+        self._warn_one_sided()
+
+    def _warn_one_sided(self) -> None:
+        """Say so when a model has servers of one role only: often one model whose prefill
+        and decode servers report different names (`--served-model-name` on one role only),
+        which now makes two models that cannot serve."""
+        one_sided = {name for name, model in self.known.items() if model.registered
+                     and not (model.servers["prefill"] and model.servers["decode"])}
+        for name in sorted(one_sided - self._one_sided):
+            model = self.known[name]
+            has, lacks = ("prefill", "decode") if model.servers["prefill"] else (
+                "decode", "prefill")
+            log.warning("model %s has %s servers but no %s server, so it cannot serve; if "
+                        "they are one model, give both roles the same --served-model-name "
+                        "(or name the model in the config); models: %s", name, has, lacks,
+                        ", ".join(self.known))
+        self._one_sided = one_sided
 
     def _model(self, name: str) -> Model:
         model = self._models.get(name)
@@ -217,6 +235,8 @@ class Models:
         """The model a request naming `name` is counted under (gateway/usage.py): its
         model's name, else `other` (an unknown name, or none among several models): a
         label is never a client's free text."""
+        if self.only is not None:  # one model: every name is its
+            return self.only.name or OTHER
         try:
             model, _ = self.lookup(name)
         except (ModelNotFound, BadRequest):

@@ -235,3 +235,19 @@ def test_file_form_names_a_servers_model(tmp_path):
 def test_a_models_own_name_wins_over_an_alias_of_that_name():
     models, _ = two_models("--model-aliases", '{"beta": "alpha"}')
     assert models.resolve(chat("beta")).model == "beta"
+
+
+def test_a_model_with_servers_of_one_role_is_warned_about_once(caplog):
+    """One model whose roles report different names becomes two models that cannot serve:
+    the log says so, naming both, once."""
+    pool = WorkerPool()
+    pool.add(server("http://p:1", "prefill", "org/llama"))
+    pool.add(server("http://d:1", "decode", "llama"))
+    cfg = config()
+    with caplog.at_level("WARNING", logger="gateway.models"):
+        models = Models(pool, lambda name: build_policies(cfg, name))
+        models.regroup()
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2
+    assert "model llama has decode servers but no prefill server" in warned[0]
+    assert "same --served-model-name" in warned[1] and "llama, org/llama" in warned[1]
