@@ -86,5 +86,5 @@ def test_text_prompts_are_routed_by_their_token_ids(counted):
     answer = httpx.post(cluster.gateway + "/generate", json=body, headers=KEY, timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.json()["meta_info"]["prompt_tokens"] > 0
-    # the cache-aware tree holds its ids, not its text (sizes in characters, a token 4)
+    # the cache-aware tree holds its ids, not its text (a token is CHARS_PER_TOKEN size units)
     assert tree_size() - before == len(ids) * CHARS_PER_TOKEN
