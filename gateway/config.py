@@ -73,7 +73,8 @@ class GatewayConfig:
         "warning", "log level")
     access_log: str | None = _opt(
         None, "write one JSON line per inference request to this file ('-': standard output): "
-        "tenant, model, pair, status, times, tokens (docs/TENANCY.md, "Usage accounting"); off by default")
+        "tenant, model, pair, status, times, tokens (docs/TENANCY.md, 'Usage accounting'); "
+        "off by default")
 
     # TLS for clients (docs/SECURITY.md)
     ssl_certfile: str | None = _opt(None, "serve HTTPS with this certificate (PEM)")
