@@ -20,16 +20,14 @@ from starlette.routing import Route
 
 from gateway.auth import Role
 from gateway.config import GatewayConfig
-from gateway.request import CHAT, COMPLETIONS, GENERATE
-from gateway.routes import admin, dashboard, info, operations
+from gateway.request import ENDPOINT_PATHS
+from gateway.routes import admin, dashboard, info, models, operations
 from gateway.routes.errors import HANDLERS
 from gateway.routes.inference import InferenceEndpoint
 from gateway.runtime import Gateway
 
 Handler = Callable[[Request], Awaitable[Response]]
 
-INFERENCE_PATHS = {"/generate": GENERATE, "/v1/chat/completions": CHAT,
-                   "/v1/completions": COMPLETIONS}
 
 PUBLIC, INFERENCE, ADMIN = Role.PUBLIC, Role.INFERENCE, Role.ADMIN
 # An admin aborts anyone's requests (or all), an inference caller its own: either role will do,
@@ -41,9 +39,10 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
     ("/health_generate", ("GET",), info.health_generate, PUBLIC),
     ("/metrics", ("GET",), info.metrics, PUBLIC),
     ("/dashboard", ("GET",), dashboard.page, PUBLIC),
-    ("/v1/models", ("GET",), info.models, INFERENCE),
-    ("/model_info", ("GET",), info.model_info, INFERENCE),
-    ("/get_model_info", ("GET",), info.model_info, INFERENCE),
+    ("/v1/models", ("GET",), models.list_models, INFERENCE),
+    ("/v1/models/{model:path}", ("GET",), models.model_card, INFERENCE),
+    ("/model_info", ("GET",), models.model_info, INFERENCE),
+    ("/get_model_info", ("GET",), models.model_info, INFERENCE),
     ("/server_info", ("GET",), info.server_info, INFERENCE),
     ("/get_server_info", ("GET",), info.server_info, INFERENCE),
     ("/v1/tokenize", ("POST",), operations.relay, INFERENCE),
@@ -56,7 +55,7 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
     ("/stop_profile", ("POST",), operations.broadcast, ADMIN),
     ("/pause_generation", ("POST",), operations.broadcast, ADMIN),
     ("/continue_generation", ("POST",), operations.broadcast, ADMIN),
-    ("/update_weights_from_disk", ("POST",), operations.broadcast, ADMIN),
+    ("/update_weights_from_disk", ("POST",), operations.update_weights, ADMIN),
     ("/admin/servers", ("GET",), admin.list_servers, ADMIN),
     ("/admin/servers", ("POST",), admin.add_server, ADMIN),
     ("/admin/servers", ("DELETE",), admin.remove_server, ADMIN),
@@ -117,7 +116,7 @@ def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None 
         finally:
             await gateway.stop()
 
-    endpoints = {path: InferenceEndpoint(gateway, name) for path, name in INFERENCE_PATHS.items()}
+    endpoints = {path: InferenceEndpoint(gateway, name) for name, path in ENDPOINT_PATHS.items()}
     app = Starlette(routes=build_routes(endpoints), exception_handlers=HANDLERS,
                     lifespan=lifespan)
     app.state.gateway = gateway

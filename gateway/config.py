@@ -16,7 +16,6 @@ parse for us anyway.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import os
 import typing
@@ -29,6 +28,7 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from gateway.config_cli import build_parser, describe_error
+from gateway.config_rules import validate
 from gateway.config_servers import (
     ConfigError,
     ServerSpec,
@@ -39,7 +39,7 @@ from gateway.config_servers import (
     servers_from_file,
     split_list,
 )
-from gateway.config_tenants import TenantSettings, check_tenancy, key_and_tenant
+from gateway.config_tenants import TenantSettings, key_and_tenant
 from gateway.discovery.incluster import in_cluster_settings
 
 __all__ = ["ConfigError", "GatewayConfig", "ServerSpec", "load_config"]
@@ -73,7 +73,8 @@ class GatewayConfig:
         "warning", "log level")
     access_log: str | None = _opt(
         None, "write one JSON line per inference request to this file ('-': standard output): "
-        "tenant, model, pair, status, times, tokens (docs/OBSERVABILITY.md); off by default")
+        "tenant, model, pair, status, times, tokens (docs/TENANCY.md, 'Usage accounting'); "
+        "off by default")
 
     # TLS for clients (docs/SECURITY.md)
     ssl_certfile: str | None = _opt(None, "serve HTTPS with this certificate (PEM)")
@@ -235,7 +236,16 @@ class GatewayConfig:
     replica_id: Annotated[int, Field(ge=0, le=4095)] | None = _opt(
         None, "gateway replica id (0..4095) in every bootstrap room; default: POD_NAME's "
         "ordinal or hash, else random at start")
-    model: str | None = _opt(None, "served model name reported when servers do not say")
+    model: str | None = _opt(None, "model name of servers that report none (else 'default')")
+
+    # Several models (gateway/models.py, docs/TENANCY.md "Several models")
+    default_model: str | None = _opt(
+        None, "model of requests that name none (or 'default') when several are served")
+    model_aliases: dict | None = _opt(
+        None, "JSON object of other names of models: {alias: model}", kind="json")
+    model_policies: dict | None = _opt(
+        None, "JSON object of per-model policy settings: {model: {policy, prefill_policy, "
+        "decode_policy, policy_options}} (default: the global ones)", kind="json")
 
     # Tokenizer (gateway/tokenizer.py): token ids for policies and checks that need them
     tokenizer: str | None = _opt(
@@ -293,58 +303,6 @@ def _construct(values: dict[str, Any], prefill: list[ServerSpec],
         raise ConfigError("; ".join(describe_error(e, _HINTS) for e in exc.errors())) from None
 
 
-def _validate(cfg: GatewayConfig) -> None:
-    """Rules that span settings (single values are checked by their types)."""
-    from gateway.policies import REGISTRY  # noqa: PLC0415  (registry imports no config)
-
-    if not cfg.launch and (not (cfg.prefill or cfg.prefill_selector)
-                           or not (cfg.decode or cfg.decode_selector)):
-        raise ConfigError(
-            "at least one prefill and one decode server are needed: "
-            "--prefill URL [BOOTSTRAP_PORT] --decode URL, --prefill-selector and "
-            "--decode-selector (Kubernetes), or --launch"
-        )
-    if (cfg.prefill_selector or cfg.decode_selector) and not cfg.k8s_api_server:
-        raise ConfigError("Kubernetes discovery needs --k8s-api-server outside a pod")
-    for name in ("policy", "prefill_policy", "decode_policy"):
-        value = getattr(cfg, name)
-        if value is not None and value not in REGISTRY:
-            raise ConfigError(f"setting {name!r}: {value!r} is unknown; "
-                              f"must be one of {sorted(REGISTRY)}")
-    for key in cfg.policy_options or {}:
-        if key not in REGISTRY:
-            raise ConfigError(f"setting 'policy_options': no policy named {key!r}")
-    if cfg.retry_backoff_max < cfg.retry_backoff:
-        raise ConfigError("setting 'retry_backoff_max' must be >= 'retry_backoff'")
-    if bool(cfg.ssl_certfile) != bool(cfg.ssl_keyfile):
-        raise ConfigError("settings 'ssl_certfile' and 'ssl_keyfile' go together")
-    if cfg.ssl_ca_certs and not cfg.ssl_certfile:
-        raise ConfigError("setting 'ssl_ca_certs' (client certificates) needs 'ssl_certfile'")
-    for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
-        path = getattr(cfg, name)
-        if path and not os.path.isfile(path):
-            raise ConfigError(f"setting {name!r}: no file {path!r}")
-    if cfg.tokenizer and not (os.path.isfile(cfg.tokenizer) or os.path.isfile(
-            os.path.join(cfg.tokenizer, "tokenizer.json"))):
-        raise ConfigError(f"setting 'tokenizer': {cfg.tokenizer!r} is neither a tokenizer.json "
-                          "file nor a directory holding one")
-    urls = [s.url for s in cfg.prefill + cfg.decode]
-    dupes = {u for u in urls if urls.count(u) > 1}
-    if dupes:
-        raise ConfigError(f"server listed twice: {', '.join(sorted(dupes))}")
-    for key in cfg.api_keys + cfg.admin_api_keys:
-        if not key or any(c.isspace() or not c.isprintable() for c in key):
-            raise ConfigError("API keys must be printable and without spaces")
-    if set(cfg.api_keys) & set(cfg.admin_api_keys):
-        raise ConfigError("a key may not be both an inference and an admin key")
-    check_tenancy(cfg)
-    try:
-        ipaddress.ip_address(cfg.host.strip("[]"))
-    except ValueError:
-        if not cfg.host or " " in cfg.host:
-            raise ConfigError(f"setting 'host': bad listen address {cfg.host!r}") from None
-
-
 def load_config(argv: list[str] | None = None,
                 environ: dict[str, str] | None = None) -> GatewayConfig:
     """Build and validate the config; raises ConfigError (argparse exits 2 on bad flags)."""
@@ -389,7 +347,7 @@ def load_config(argv: list[str] | None = None,
                 tenants += [tenant for _, tenant in pairs]
     values["api_key_tenants"] = tuple(tenants)
     cfg = _construct(values, prefill, decode)
-    _validate(cfg)
+    validate(cfg)
     return cfg
 
 

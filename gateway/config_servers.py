@@ -30,6 +30,7 @@ class ServerSpec:
     url: str
     role: str  # "prefill" | "decode"
     bootstrap_port: int | None = None  # prefill only; None = read from /server_info
+    model: str | None = None  # the model it serves; None = read from /server_info
 
 
 def split_list(value: str) -> list[str]:
@@ -92,7 +93,7 @@ def parse_decode_tokens(groups: list[list[str]]) -> list[ServerSpec]:
 
 
 def servers_from_file(items: Any, role: str) -> list[ServerSpec]:
-    """File form: a list of URLs, or of {url, bootstrap_port} maps."""
+    """File form: a list of URLs, or of {url, bootstrap_port, model} maps."""
     if items is not None and not isinstance(items, list):
         raise ConfigError(f"{role}: expected a list of servers")
     specs = []
@@ -102,8 +103,11 @@ def servers_from_file(items: Any, role: str) -> list[ServerSpec]:
         elif isinstance(item, dict) and isinstance(item.get("url"), str):
             port = item.get("bootstrap_port")
             port = parse_port(str(port), item["url"]) if port is not None else None
+            model = item.get("model")
+            if model is not None and (not isinstance(model, str) or not model):
+                raise ConfigError(f"{role}: 'model' of {item['url']} must be a name")
             specs.append(ServerSpec(validate_url(item["url"]), role,
-                                    port if role == "prefill" else None))
+                                    port if role == "prefill" else None, model))
         else:
             raise ConfigError(f"{role}: each entry must be a URL or a map with 'url'")
     return specs

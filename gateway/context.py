@@ -4,7 +4,7 @@ once, naming the numbers, instead of going to both legs to fail there.
 The rule is SGLang's (`TokenizerManager._validate_one_request`, without auto-truncation): the
 prompt must be shorter than the context length, and prompt + an explicit `max_new_tokens`
 (`max_tokens`, `max_completion_tokens`) must fit it. The context length is the servers'
-(`/v1/models` `max_model_len`, learned by the probe).
+(`/v1/models` `max_model_len`, learned by the probe), of the request's model's servers.
 
 Counting tokens costs nothing for token-id prompts or a view already counted
 (`view.lengths`, gateway/prompt_tokens.py). Otherwise a cheap upper bound decides whether
@@ -74,13 +74,13 @@ def most_tokens(view: RequestView) -> int:
 
 
 class ContextCheck:
-    def __init__(self, pool, client: httpx.AsyncClient | None, tokens=None) -> None:
-        self.pool = pool
+    def __init__(self, models, client: httpx.AsyncClient | None, tokens=None) -> None:
+        self.models = models  # gateway/models.py: the request's model and its servers
         self.client = client
         self.tokens = tokens  # prompt_tokens.PromptTokens: the served model's tokenizer, if any
 
     def context_length(self, view: RequestView) -> int | None:
-        lengths = [w.context_length for w in self.pool.usable("prefill", view.model)
+        lengths = [w.context_length for w in self.models.of(view).usable("prefill")
                    if w.context_length]
         return min(lengths) if lengths else None
 
@@ -115,7 +115,8 @@ class ContextCheck:
         body = self._tokenize_body(view)
         if body is None or self.client is None:
             return None
-        for worker in self.pool.usable("decode", view.model) + self.pool.usable("prefill"):
+        model = self.models.of(view)
+        for worker in model.usable("decode") + model.usable("prefill"):
             try:
                 async with asyncio.timeout(TOKENIZE_TIMEOUT):
                     response = await self.client.post(worker.url + "/v1/tokenize",

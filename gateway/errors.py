@@ -8,6 +8,7 @@ Hierarchy (one place to map every failure to a client-visible answer):
     ├── Unauthorized          401 authentication_error
     ├── Forbidden             403 permission_error (a key without the role a route needs)
     ├── NotFound              404
+    │   └── ModelNotFound     404 invalid_request_error, code model_not_found (OpenAI's)
     ├── TooManyRequests       429 rate_limit_error (admission full)
     ├── ServiceUnavailable    503 (no usable prefill/decode pair, draining, queue timeout)
     ├── GatewayTimeout        504 timeout_error (the client's own deadline passed first)
@@ -67,6 +68,23 @@ class Forbidden(GatewayError):
 class NotFound(GatewayError):
     status = 404
     error_type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    """A request for a model this gateway does not serve, in OpenAI's (and SGLang's) shape."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(self, name: str, available: list[str], unnamed: int = 0) -> None:
+        pending = (f"; {unnamed} servers have not reported their model yet" if unnamed
+                   else "")
+        super().__init__(f"The model '{name}' does not exist; served here: "
+                         f"{', '.join(available) or 'none'}{pending}", code="model_not_found")
+
+    def body(self) -> dict:
+        body = super().body()
+        body["error"]["param"] = "model"
+        return body
 
 
 class TooManyRequests(GatewayError):

@@ -1,5 +1,7 @@
 """`--launch`: start a local cluster with backends.launcher and keep the pool in step with it.
 
+Each server joins the pool with the model name the topology starts it with (several models:
+`models:` in the topology, docs/LAUNCHER.md), else the one its probe reports.
 The launcher reports each server's state; only READY servers are healthy in the pool, so a
 crashed server leaves rotation at once and returns when its restart is ready again.
 """
@@ -31,7 +33,8 @@ class LocalCluster:
         await self.launcher.start()
         for server in self.launcher.servers:
             if self.pool.get(server.url) is None:
-                self.pool.add(self._new_worker(server.url, server.role, server.bootstrap_port))
+                self.pool.add(self._new_worker(server.url, server.role, server.bootstrap_port,
+                                               self.topology.model_name_of(server.spec)))
 
     def _on_state(self, server: ServerHandle, state: ServerState) -> None:
         worker: Worker | None = self.pool.get(server.url)

@@ -27,14 +27,13 @@ from collections.abc import Callable
 import orjson
 
 from gateway import rescue
-from gateway.answer_tokens import ask_for_usage
-from gateway.attempt import Answer, Attempt, Timeouts, make_rids
+from gateway.attempt import Answer, Attempt, Timeouts
 from gateway.bootstrap import RoomAllocator
 from gateway.cancel import Deadline, Expired, Interrupt
-from gateway.config_tenants import KEEP, forwarded_priority, set_priority
 from gateway.deadlines import LatencyModel
-from gateway.errors import BadRequest, UpstreamError
+from gateway.errors import UpstreamError
 from gateway.inflight import Tracked
+from gateway.leg_bodies import leg_bodies
 from gateway.logprobs import StreamMerger, merge_body, prefill_parts
 from gateway.probe import FOLLOW_ROOM
 from gateway.relay import StreamRelay
@@ -116,37 +115,11 @@ class PDDispatcher:
             rooms = self.rooms.take(count)
         else:
             rooms = self.rooms.take(count, prefill.dp_size, rank)
-        body = dict(view.body)
-        if count is None:
-            body["bootstrap_host"] = prefill.bootstrap_host
-            body["bootstrap_port"] = prefill.bootstrap_port
-        else:
-            body["bootstrap_host"] = [prefill.bootstrap_host] * count
-            body["bootstrap_port"] = [prefill.bootstrap_port] * count
-        body["bootstrap_room"] = rooms
-        ask_for_usage(view, body)  # an OpenAI stream's usage event (kept from the client)
-        rid, rid_list, unsuffix = make_rids(body.get("rid"), count)
-        body["rid"] = rid
-        if rank is not None:
-            body["disagg_prefill_dp_rank"] = rank
-        mode = self.forward_priority  # docs/TENANCY.md: each leg per its server's scheduling
-        p_value = d_value = KEEP
-        if mode != "off":
-            p_value = forwarded_priority(prefill, view.priority, mode)
-            set_priority(body, d_value := forwarded_priority(decode, view.priority, mode))
-        try:
-            payload = orjson.dumps(body)
-            prefill_payload = payload
-            if routed or p_value != d_value:
-                if routed:
-                    body["routed_dp_rank"] = rank
-                set_priority(body, p_value)
-                prefill_payload = orjson.dumps(body)
-        except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
-            raise BadRequest(f"request body cannot be forwarded: {exc}") from None
-        attempt = Attempt(view, prefill, decode, rooms, rid, rid_list, payload,
-                          tracked.request_id, tracked, prefill_rank=rank, unsuffix=unsuffix)
-        attempt.prefill_payload = prefill_payload
+        legs = leg_bodies(view, prefill, decode, rooms, rank, routed, self.forward_priority)
+        attempt = Attempt(view, prefill, decode, rooms, legs.rid, legs.rids, legs.payload,
+                          tracked.request_id, tracked, prefill_rank=rank,
+                          unsuffix=legs.unsuffix)
+        attempt.prefill_payload = legs.prefill_payload
         attempt.prefill_target = prefill if rank is None else prefill.ranks[rank]
         return attempt
 

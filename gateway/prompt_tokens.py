@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import httpx
 
@@ -51,6 +52,8 @@ class PromptTokens:
         self.tokenizer: GatewayTokenizer | None = None
         self.counted = 0  # requests given exact counts by the tokenizer
         self.skipped = 0  # requests it does not mirror (kept the estimate)
+        # which requests the tokenizer is for: those of its model (gateway/models.py)
+        self.serves: Callable[[RequestView], bool] = lambda view: True
 
     async def load(self, path: str | None, client: httpx.AsyncClient | None,
                    servers: list[str]) -> None:
@@ -77,7 +80,7 @@ class PromptTokens:
         """`view` with exact token counts (and ids as the routing key) where possible, if
         `needed` (default: `always`, set when a policy or limit needs every prompt's)."""
         tokenizer = self.tokenizer
-        if tokenizer is None or view.lengths is not None or not (
+        if tokenizer is None or view.lengths is not None or not self.serves(view) or not (
                 self.always if needed is None else needed):
             return view
         try:

@@ -39,7 +39,6 @@ class Proxy:
         self.backoff_max = backoff_max
         self.request_timeout = request_timeout
         self.failover = failover
-        self._policy_names = {role: p.name for role, p in scheduler.policies.items()}
 
     async def handle(self, view: RequestView, tracked: Tracked, placement=None,
                      depth: int = 0, avoid: tuple[Worker, ...] = ()) -> Answer:
@@ -114,7 +113,8 @@ class Proxy:
         m = self.metrics
         tokens = attempt.view.prompt_tokens
         target = attempt.prefill_target
-        predicted = self.scheduler.policies["prefill"].predicted_hit(target, attempt.view) \
+        chooser = self.scheduler.policy("prefill", target)  # the model's own policy
+        predicted = chooser.predicted_hit(target, attempt.view) \
             if self.scheduler.by_policy else None  # a session or a sample's own choice
         # the prefill's load is what it must compute: a cached prefix costs it little
         attempt.prefill_tokens = tokens - round((predicted or 0.0) * tokens)
@@ -126,8 +126,9 @@ class Proxy:
         self.scheduler.dispatched(target, attempt.decode, attempt.view)
         if predicted:
             m.child(attempt.prefill, m.predicted_tokens).inc(predicted * tokens)
-        m.child(attempt.prefill, m.decisions, "prefill", self._policy_names["prefill"]).inc()
-        m.child(attempt.decode, m.decisions, "decode", self._policy_names["decode"]).inc()
+        m.child(attempt.prefill, m.decisions, "prefill", chooser.name).inc()
+        m.child(attempt.decode, m.decisions, "decode",
+                self.scheduler.policy("decode", attempt.decode).name).inc()
         if attempt.tracked.usage is not None:
             attempt.tracked.usage.dispatched(attempt)
 

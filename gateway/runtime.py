@@ -33,8 +33,9 @@ from gateway.inflight import InFlight, Tracked, new_id
 from gateway.key_limits import KeyLimits
 from gateway.latency_history import LatencyHistory
 from gateway.metrics import Metrics
+from gateway.model_settings import build_policies, configured_names, wants_token_ids
+from gateway.models import Models, describe
 from gateway.pd import PDDispatcher, Timeouts
-from gateway.policies import create_policy
 from gateway.probe import RoleMismatch, probe
 from gateway.prompt_tokens import PromptTokens
 from gateway.proxy import Proxy
@@ -50,8 +51,6 @@ from gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger("gateway")
 
-DEFAULT_PREFILL_POLICY = "cache_aware"
-DEFAULT_DECODE_POLICY = "least_load"
 RECENT_ERRORS = 50
 
 
@@ -76,21 +75,18 @@ class Gateway:
         self._flusher: asyncio.Task | None = None  # publishes buffered metrics every second
         self.pool = WorkerPool()
         for spec in config.prefill + config.decode:
-            self.pool.add(self._new_worker(spec.url, spec.role, spec.bootstrap_port))
+            self.pool.add(self._new_worker(spec.url, spec.role, spec.bootstrap_port, spec.model))
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry, self.pool, multiprocess=worker is not None)
-        options = config.policy_options or {}
-        prefill_name = config.prefill_policy or config.policy or DEFAULT_PREFILL_POLICY
-        decode_name = config.decode_policy or config.policy or DEFAULT_DECODE_POLICY
-        self.scheduler = Scheduler(
-            self.pool,
-            create_policy(prefill_name, "prefill", options.get(prefill_name)),
-            create_policy(decode_name, "decode", options.get(decode_name)),
-            affinity=SessionAffinity.from_config(config, self.metrics),
-        )
+        self.models = Models(  # which servers serve which model; each model's own policies
+            self.pool, lambda model: build_policies(config, model),
+            aliases=config.model_aliases, default=config.default_model,
+            configured=configured_names(config), fallback=config.model)
+        self.scheduler = Scheduler(self.pool, self.models,
+                                   affinity=SessionAffinity.from_config(config, self.metrics))
         self.metrics.watch_scheduler(self.scheduler)
         self.tracing = self._tracing() if config.otlp_endpoint else None
-        self.usage = Usage(self.metrics, self.pool, config.model)  # per tenant and model
+        self.usage = Usage(self.metrics, self.models.label)  # per tenant and model
         self.access_log = None
         if config.access_log:
             self.access_log = AccessLog(config.access_log, self.metrics.access_log_dropped)
@@ -112,9 +108,8 @@ class Gateway:
         self.inflight = InFlight()
         self.tokens = PromptTokens(
             config.tokenizer_threads,
-            always=self.scheduler.policies["prefill"].wants_token_ids
-            or config.rate_limit_tokens > 0)
-        self.context = ContextCheck(self.pool, None, self.tokens)
+            always=wants_token_ids(config) or config.rate_limit_tokens > 0)
+        self.context = ContextCheck(self.models, None, self.tokens)
         self.shutting_down = False
         self.serving: dict = {}  # how the server side listens (set by the command line)
         self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)
@@ -144,6 +139,7 @@ class Gateway:
             "replica_id": self.rooms.replica_id,
             "prefill_policy": self.scheduler.policies["prefill"].name,
             "decode_policy": self.scheduler.policies["decode"].name,
+            "models": self.models.names(),
         }
 
     def announcement(self) -> str:
@@ -155,6 +151,9 @@ class Gateway:
         roles = ", ".join(
             f"{len(self.pool.role(r))} {r} ({len(self.pool.usable(r))} usable)"
             for r in ("prefill", "decode"))
+        if not self.models.open:
+            roles += "; models: " + ", ".join(f"{m.name} ({describe(m)})"
+                                              for m in self.models.known.values())
         tls = ("TLS with client certificates" if serving.get("mtls")
                else "TLS" if serving.get("tls") else "no TLS")
         return (f"serving {scheme}://{host}:{c.port} ({tls}); servers: {roles}; policies: "
@@ -170,13 +169,13 @@ class Gateway:
         self.metrics.flush()
         return list(self.registry.collect())
 
-    def info_cache(self, name: str) -> TtlCache:
+    def info_cache(self, name: str, compute=None) -> TtlCache:
         """The shared, time-limited answer of an endpoint that makes servers work."""
         cache = self._info_caches.get(name)
         if cache is None:
             from gateway.routes import info  # noqa: PLC0415 - the routes compute the answers
 
-            compute = {
+            compute = compute or {
                 "health_generate": lambda: info.generate_probe(self),
                 "server_info": lambda: info.collect_server_info(self),
             }.get(name) or (lambda: info.get_from_any(self, name))
@@ -198,9 +197,7 @@ class Gateway:
         missing extra is a configuration error, never a silent "off"."""
         try:
             from gateway.tracing import Tracing  # noqa: PLC0415 - pd-gateway[tracing]
-            return Tracing(self.config, self.metrics,
-                           {role: p.name for role, p in self.scheduler.policies.items()},
-                           self.version)
+            return Tracing(self.config, self.metrics, self.scheduler.policy, self.version)
         except ImportError as exc:
             raise ConfigError(f"otlp_endpoint: tracing needs the OpenTelemetry packages "
                               f"(pip install 'pd-gateway[tracing]'): {exc}") from None
@@ -209,9 +206,10 @@ class Gateway:
         """(shared state, this worker's id) with --workers, else None."""
         return (self.shared, self.worker.id) if self.worker is not None else None
 
-    def _new_worker(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
+    def _new_worker(self, url: str, role: str, bootstrap_port: int | None,
+                    model: str | None = None) -> Worker:
         c = self.config
-        worker = Worker(url, role, bootstrap_port,
+        worker = Worker(url, role, bootstrap_port, model=model,
                         breaker=CircuitBreaker(c.breaker_failures, c.breaker_cooldown))
         if self.worker is not None:  # in-flight counts summed over the worker processes
             worker.shared = (self.shared, self.shared.slot(url), self.worker.id)
@@ -260,9 +258,8 @@ class Gateway:
         if self.cluster is not None:
             await self.cluster.start()
         await self._probe_all()
-        await self.tokens.load(c.tokenizer, self.client,
-                               [w.url for w in self.pool if w.healthy])
         self.scheduler.workers_changed()
+        await self._load_tokenizer()
         self.health = HealthChecker(
             self.pool, self.client, endpoint=c.health_endpoint, interval=c.health_interval,
             timeout=c.health_timeout, failures=c.health_failures,
@@ -271,11 +268,11 @@ class Gateway:
         self.health.start()
         self._flusher = asyncio.get_running_loop().create_task(self.metrics.run_flusher())
         self._latency_task = asyncio.get_running_loop().create_task(self.latency.run())
-        for policy in self.scheduler.policies.values():
-            await policy.start()
+        await self.models.start()
         if c.prefill_selector or c.decode_selector:
             self.discovery = KubernetesDiscovery.from_config(
-                c, on_add=self.register, on_remove=self.unregister)
+                c, on_add=self.register, on_remove=self.unregister,
+                on_change=self.pool.notify)
             await self.discovery.start()
 
     async def _probe_all(self) -> None:
@@ -304,12 +301,29 @@ class Gateway:
         if mismatches:
             raise StartupError("; ".join(mismatches))
 
+    async def _load_tokenizer(self) -> None:
+        """The tokenizer of the default model (the only one, or --default-model): from
+        --tokenizer or that model's servers; requests of other models keep the estimate.
+        With several models and no default, --tokenizer serves them all (give it only if
+        they share one) and none is looked for on the servers."""
+        models = self.models
+        try:
+            model = models.default()
+        except BadRequest:  # several models, none the default
+            model = None
+        servers = [w.url for ws in model.servers.values() for w in ws if w.healthy] \
+            if model is not None else []
+        await self.tokens.load(self.config.tokenizer, self.client, servers)
+        if model is not None and model.name:
+            self.tokens.serves = lambda view: models.open or models.of(view) is model
+
     async def register(self, url: str, role: str, bootstrap_port: int | None,
-                       require_probe: bool = False) -> Worker:
+                       require_probe: bool = False, model: str | None = None) -> Worker:
         """Add a server at runtime: probed now if it answers, else health-checked until then.
         With `require_probe` (the admin API) a server that does not answer as an SGLang
-        server of that role is refused: nobody can point traffic at an arbitrary URL."""
-        worker = self._new_worker(url, role, bootstrap_port)
+        server of that role is refused: nobody can point traffic at an arbitrary URL.
+        `model` names its model (a pod's label); else its probe says."""
+        worker = self._new_worker(url, role, bootstrap_port, model)
         try:
             worker.apply_facts(await probe(self.client, url, role, self.config.probe_timeout))
         except RoleMismatch as exc:
@@ -341,8 +355,7 @@ class Gateway:
             await cache.close()
         if self.discovery is not None:
             await self.discovery.stop()
-        for policy in self.scheduler.policies.values():
-            await policy.stop()
+        await self.models.stop()
         if self.health is not None:
             await self.health.stop()
         if self.dispatcher is not None:

@@ -14,9 +14,15 @@ then steers the request to that rank. Decode ranks are left to the decode server
 DataParallelController balances them (round robin by default) with figures the gateway
 only sees late, and what the decode caches is what the prefill sends it.
 
+Models: the candidates of both roles are the servers of the request's model only
+(`gateway/models.py`), and each model's own policies choose among them, so a prefill of one
+model is never paired with a decode of another and no policy state mixes models.
+
 Sessions: a request with a session id (`--session-header`) takes its prefill target from
 `affinity.SessionAffinity` instead of the prefill policy (which still hears of the dispatch);
-`by_policy` says whether the last prefill choice was the policy's own.
+`by_policy` says whether the last prefill choice was the policy's own. The affinity ring
+holds every prefill target; it places a session among the candidates only, so one ring serves
+every model.
 """
 
 from __future__ import annotations
@@ -26,61 +32,54 @@ from collections.abc import Collection
 
 from gateway.affinity import SessionAffinity
 from gateway.errors import ServiceUnavailable
+from gateway.models import Model, Models, Target, targets
 from gateway.pairs import PairHealth
 from gateway.policies import Policy
 from gateway.request import RequestView
-from gateway.workers import Rank, Worker, WorkerPool
-
-Target = Worker | Rank
-
-
-def targets(workers: list[Worker]) -> list[Target]:
-    """What the prefill policy chooses among: each server, or each of its DP ranks."""
-    out: list[Target] = []
-    for worker in workers:
-        if worker.ranks:
-            out.extend(worker.ranks)
-        else:
-            out.append(worker)
-    return out
+from gateway.workers import Worker, WorkerPool
 
 
 class Scheduler:
-    def __init__(self, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
-                 pairs: PairHealth | None = None, affinity: SessionAffinity | None = None
-                 ) -> None:
+    def __init__(self, pool: WorkerPool, models: Models, pairs: PairHealth | None = None,
+                 affinity: SessionAffinity | None = None) -> None:
         self.pool = pool
+        self.models = models
         self.affinity = affinity
         self.by_policy = True
         self.pairs = pairs or PairHealth()
-        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
         self.panics = {"prefill": 0, "decode": 0}  # picks made in panic mode, per role
         pool.on_change(self.workers_changed)
         self.workers_changed()
 
-    def workers_changed(self) -> None:
-        """Tell the policies the current workers (membership or probed details changed)."""
-        prefills = targets(self.pool.role("prefill"))
-        self.policies["prefill"].on_workers_changed(prefills)
-        if self.affinity is not None:
-            self.affinity.on_workers_changed(prefills)
-        self.policies["decode"].on_workers_changed(self.pool.role("decode"))
+    @property
+    def policies(self) -> dict[str, Policy]:
+        """The default model's policies, by role (what status pages show first)."""
+        return self.models.shown().policies
 
-    def candidates(self, role: str, view: RequestView, avoid: Collection[Worker]) -> list[Worker]:
-        """Usable workers of `role` (right model, not just failed); with none usable, the
-        ones that can still take a request: healthy, but with an open or busy half-open
-        breaker (panic routing, as Envoy does below its panic threshold): a suspect server
-        is better than a 503."""
+    def policy(self, role: str, target: Target) -> Policy:
+        """The policy that chose `target` (its model's)."""
+        return self.models.policy(role, target)
+
+    def workers_changed(self) -> None:
+        """Regroup the servers by model and tell each model's policies (and the session
+        ring) its servers (membership or probed details changed)."""
+        self.models.regroup()
+        if self.affinity is not None:
+            self.affinity.on_workers_changed(targets(self.pool.role("prefill")))
+
+    def candidates(self, role: str, view: RequestView, avoid: Collection[Worker],
+                   model: Model | None = None) -> list[Worker]:
+        """Usable workers of `role` of the request's model (not just failed); with none
+        usable, the ones that can still take a request: healthy, but with an open or busy
+        half-open breaker (panic routing, as Envoy does below its panic threshold): a
+        suspect server is better than a 503."""
         self.pool.refresh_breakers(role)
-        workers = self.pool.usable(role)
+        members = (model or self.models.of(view)).servers[role]
+        workers = [w for w in members if w.usable]
         if not workers:
-            workers = self.pool.panic(role)
+            workers = [w for w in members if w.serving]
             if workers:
                 self.panics[role] += 1
-        if view.model is not None:
-            same_model = [w for w in workers if w.model == view.model]
-            if same_model:
-                workers = same_model
         if avoid:
             fresh = [w for w in workers if w not in avoid]
             if fresh:
@@ -97,14 +96,16 @@ class Scheduler:
         """A (prefill target, decode) pair; the target is a server or one of its DP ranks.
         `prefer` names a prefill (and rank) to take while it is a candidate (the samples
         of one request follow the first to its cached prompt)."""
-        prefills = self.candidates("prefill", view, avoid)
-        decodes = self.candidates("decode", view, avoid)
+        model = self.models.of(view)
+        prefills = self.candidates("prefill", view, avoid, model)
+        decodes = self.candidates("decode", view, avoid, model)
         if not prefills or not decodes:
             missing = " and ".join(
                 role for role, found in (("prefill", prefills), ("decode", decodes)) if not found
             )
+            of_model = "" if self.models.open else f" of model {model.name!r}"
             raise ServiceUnavailable(
-                f"no usable {missing} server (all down, draining or circuit-open)",
+                f"no usable {missing} server{of_model} (all down, draining or circuit-open)",
                 headers={"retry-after": "1"},
             )
         self.by_policy = False
@@ -115,17 +116,17 @@ class Scheduler:
         elif view.session is not None and self.affinity is not None:
             prefill = self.affinity.pick(view.session, targets(prefills))
         else:
-            prefill = self.policies["prefill"].pick(targets(prefills), view)
+            prefill = model.policies["prefill"].pick(targets(prefills), view)
             self.by_policy = True
         server = prefill.server.url
         partners = [d for d in decodes if not self.pairs.blocked(server, d.url)]
-        decode = self.policies["decode"].pick(partners or decodes, view)
+        decode = model.policies["decode"].pick(partners or decodes, view)
         self.pairs.probe(server, decode.url)  # a quarantined pair past its cooldown: a probe
         return prefill, decode
 
     def dispatched(self, prefill: Target, decode: Worker, view: RequestView) -> None:
-        self.policies["prefill"].on_dispatch(prefill, view)
-        self.policies["decode"].on_dispatch(decode, view)
+        self.models.policy("prefill", prefill).on_dispatch(prefill, view)
+        self.models.policy("decode", decode).on_dispatch(decode, view)
 
     def completed(self, role: str, worker: Target, view: RequestView, success: bool) -> None:
-        self.policies[role].on_complete(worker, view, success)
+        self.models.policy(role, worker).on_complete(worker, view, success)

@@ -33,7 +33,8 @@ class Siblings:
         worker = gw.pool.get(url)
         if op == "add" and worker is None:
             try:
-                await gw.register(url, msg["role"], msg.get("bootstrap_port"))
+                await gw.register(url, msg["role"], msg.get("bootstrap_port"),
+                                  model=msg.get("model"))
             except Exception as exc:  # noqa: BLE001 - it was accepted by a sibling
                 log.warning("could not add %s as the other workers did: %s", url, exc)
         elif op == "remove" and worker is not None:

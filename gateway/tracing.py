@@ -34,6 +34,7 @@ request starts a trace of its own.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
@@ -100,11 +101,12 @@ def client_carrier(headers: list[tuple[bytes, bytes]]) -> dict[str, str] | None:
 class Tracing:
     """The tracer of one serving process: the entry point of every request's spans."""
 
-    def __init__(self, config, metrics, policies: dict[str, str], version: str) -> None:
+    def __init__(self, config, metrics, policy: Callable, version: str) -> None:
         self.export = Export(config.otlp_endpoint, config.otlp_protocol,
                              config.otlp_sample_ratio, config.otlp_service_name, version,
                              metrics)
-        self.policies = policies  # role -> policy name, for the pick spans
+        # (role, target) -> the policy that chose it (its model's), for the pick spans
+        self.policy = policy
         self.tracer = None
 
     def start(self) -> None:
@@ -154,16 +156,18 @@ class RequestTrace:
                 "gateway.tenant": caller.tenant, "gateway.stream": view.stream,
                 "gateway.items": (view.room_count or 1) * view.n,
                 "gateway.prompt_tokens": view.prompt_tokens})
+            if view.model is not None:
+                self.span.set_attribute("gateway.model", view.model)
 
     def picked(self, attempt, retry: int, depth: int, started_ns: int) -> AttemptTrace:
         """The scheduler chose a pair (and the dispatcher gave it rooms): a finished span."""
         self.attempts += 1
         if self.recording:
-            policies = self.tracing.policies
+            policy = self.tracing.policy
             attributes = {"gateway.retry": retry, "gateway.prefill.server": attempt.prefill.url,
                           "gateway.decode.server": attempt.decode.url,
-                          "gateway.prefill.policy": policies["prefill"],
-                          "gateway.decode.policy": policies["decode"]}
+                          "gateway.prefill.policy": policy("prefill", attempt.prefill).name,
+                          "gateway.decode.policy": policy("decode", attempt.decode).name}
             if attempt.prefill_rank is not None:
                 attributes["gateway.prefill.dp_rank"] = attempt.prefill_rank
             if depth:

@@ -16,8 +16,9 @@ Where the figures come from (docs/TENANCY.md, "Usage accounting"):
 * requests and errors: by the status the client got (499: the client left).
 
 Labels are bounded: a tenant is a name from the key file (`KEY TENANT`), `default` (a key
-without one), `anonymous` (no key) or `admin`; a model is a name the servers reported
-(probe) or `--model`, anything else `other`.
+without one), `anonymous` (no key) or `admin`; a model is the request's model as the
+gateway resolves it (`models.Models.label`: a model's name, an alias counted under its
+model, with one model every request under it), anything else `other`.
 
 One `RequestUsage` per request travels on its `inflight.Tracked`; the request path touches
 it with attribute writes and buffered counter increments only (gateway/metric_buffer.py).
@@ -29,8 +30,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from gateway.answer_tokens import StreamTokens, completion_final, completion_total
+from gateway.models import OTHER
 
-OTHER = "other"
 KINDS = ("cached", "uncached", "completion")
 FIELDS = ("requests", "errors_4xx", "errors_5xx", "prompt_tokens", "cached_tokens",
           "uncached_tokens", "completion_tokens")
@@ -58,7 +59,7 @@ class RequestUsage:
     prefill's answer may arrive after the decode's, gateway/pd.py `finish_tail`)."""
 
     __slots__ = ("owner", "endpoint", "request_id", "time", "started", "tenant", "model",
-                 "asked_model", "stream", "status", "ttft", "duration", "prompt", "cached",
+                 "stream", "status", "ttft", "duration", "prompt", "cached",
                  "completion", "attempts", "retries", "failovers", "prefill", "decode",
                  "open_legs", "ended", "tail", "meter")
 
@@ -69,8 +70,7 @@ class RequestUsage:
         self.time = time.time()
         self.started = started  # perf_counter at arrival
         self.tenant = "anonymous"
-        self.model: str | None = None  # the label, fixed at the first dispatch
-        self.asked_model: str | None = None
+        self.model: str | None = None  # the label, fixed when the body is parsed
         self.stream = False
         self.status = 0
         self.ttft: float | None = None
@@ -95,9 +95,6 @@ class RequestUsage:
         self.attempts += 1
         self.open_legs += 1
         self.prefill, self.decode = attempt.prefill.url, attempt.decode.url
-        if self.model is None:
-            self.model = self.owner.model_label(attempt.prefill.model or attempt.decode.model,
-                                                self.asked_model)
 
     def prefill_reported(self, prompt: int, cached: int) -> None:
         """A prefill server's answer said how many prompt tokens it had cached."""
@@ -117,10 +114,9 @@ class RequestUsage:
 class Usage:
     """The accountant: labels, counters, the access log sink, the admin report."""
 
-    def __init__(self, metrics, pool, model: str | None = None) -> None:
+    def __init__(self, metrics, label: Callable[[str | None], str]) -> None:
         self.metrics = metrics
-        self.pool = pool
-        self.configured_model = model
+        self.label = label  # a request's `model` -> its model's label (models.Models.label)
         self.sink: Callable[[RequestUsage], None] | None = None  # the access log, if on
         self._children: dict[tuple[str, str], _Children] = {}
 
@@ -128,7 +124,9 @@ class Usage:
         return RequestUsage(self, endpoint, request_id, started)
 
     def parsed(self, record: RequestUsage, view) -> None:
-        record.asked_model = view.model
+        """The body is read: the request is counted under the model the gateway resolves its
+        `model` to."""
+        record.model = self.label(view.model)
         record.stream = view.stream
 
     def children(self, tenant: str, model: str) -> _Children:
@@ -138,30 +136,12 @@ class Usage:
             children = self._children[key] = _Children(self.metrics, tenant, model)
         return children
 
-    def model_label(self, served: str | None, asked: str | None) -> str:
-        """The model a request is counted under: the one the server that took it reported,
-        else the one it asked for if some server serves it, else the only one served."""
-        if served:
-            return served
-        known = self.models()
-        if asked in known:
-            return asked
-        if asked is None and len(known) == 1:
-            return next(iter(known))
-        return OTHER
-
-    def models(self) -> set[str]:
-        names = {w.model for w in self.pool if w.model}
-        if self.configured_model:
-            names.add(self.configured_model)
-        return names
-
     def finish(self, record: RequestUsage, status: int) -> None:
         """The client has its answer (or gave up): count the request and its completion."""
         record.status = status
         record.duration = time.perf_counter() - record.started
-        if record.model is None:
-            record.model = self.model_label(None, record.asked_model)
+        if record.model is None:  # refused before its body was read
+            record.model = self.label(None)
         meter = record.meter
         if meter is not None and meter.completion is not None:
             record.completion = meter.completion

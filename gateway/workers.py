@@ -333,17 +333,8 @@ class WorkerPool:
         for worker in self._by_role[role]:
             worker.breaker.refresh(now)
 
-    def usable(self, role: str, model: str | None = None) -> list[Worker]:
-        return [
-            w for w in self._by_role[role]
-            if w.usable and (model is None or w.model is None or w.model == model)
-        ]
-
-    def panic(self, role: str) -> list[Worker]:
-        """Workers of `role` that can take a request when none is fully usable: in rotation
-        (healthy, verified, not draining) whatever their breaker says. A server the health
-        checks mark down cannot take it: then the answer is a 503."""
-        return [w for w in self._by_role[role] if w.serving]
+    def usable(self, role: str) -> list[Worker]:
+        return [w for w in self._by_role[role] if w.usable]
 
     def __iter__(self) -> Iterable[Worker]:
         return iter(list(self._workers.values()))
@@ -358,9 +349,6 @@ class WorkerPool:
         """Tell listeners the workers changed (membership, or facts learned by a probe)."""
         for listener in self._listeners:
             listener()
-
-    def ready(self) -> bool:
-        return bool(self.usable("prefill")) and bool(self.usable("decode"))
 
 
 def breaker_state_code(state: BreakerState) -> int:

@@ -33,6 +33,7 @@ HOST = "127.0.0.1"
 class Reply:
     ok: bool = False
     error: str | None = None
+    status: int = 0  # the HTTP status (0: no answer), so callers can tell a shed from a failure
     ttft: float | None = None  # seconds from sending to the first non-empty content
     latency: float = 0.0  # seconds from sending to the end of the stream
     text: str = ""
@@ -117,6 +118,7 @@ class _Events:
     def finish(self, status: int) -> Reply:
         reply = self.reply
         reply.latency = time.perf_counter() - self.started
+        reply.status = status
         reply.text = "".join(self.pieces)
         if status != 200 and reply.error is None:
             reply.error = f"status {status}: {self.pending[:200]!r}"
@@ -169,11 +171,14 @@ class _Protocol(asyncio.Protocol):
             self.transport.close()
 
 
-async def stream(port: int, path: str, body: dict, timeout: float) -> Reply:
-    """POST `body` (which asks for a stream) to 127.0.0.1:port and time its answer."""
+async def stream(port: int, path: str, body: dict, timeout: float,
+                 headers: dict[str, str] | None = None) -> Reply:
+    """POST `body` (which asks for a stream) to 127.0.0.1:port and time its answer; `headers`
+    are added as given (an API key, a priority class)."""
     raw = orjson.dumps(body)
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     head = (f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n").encode("ascii")
+            f"Content-Length: {len(raw)}\r\n{extra}Connection: close\r\n\r\n").encode("ascii")
     loop = asyncio.get_running_loop()
     finished: asyncio.Future = loop.create_future()
     started = time.perf_counter()

@@ -46,7 +46,7 @@ def sglang_command(topology: Topology, server: ServerSpec) -> LaunchCommand:
         "-m",
         "sglang.launch_server",
         "--model-path",
-        topology.model_path or "",
+        topology.model_path_of(server) or "",
         "--disaggregation-mode",
         DISAGGREGATION_MODE[server.role],
         "--host",
@@ -66,8 +66,8 @@ def sglang_command(topology: Topology, server: ServerSpec) -> LaunchCommand:
         argv += ["--disaggregation-transfer-backend", server.transfer_backend]
     if topology.device != "cuda":
         argv += ["--device", topology.device]
-    if topology.model_name:
-        argv += ["--served-model-name", topology.model_name]
+    if topology.model_name_of(server):
+        argv += ["--served-model-name", topology.model_name_of(server)]
     return LaunchCommand(tuple(argv + list(server.args)), server.env, topology.cwd)
 
 
@@ -89,8 +89,11 @@ def sim_command(topology: Topology, server: ServerSpec) -> LaunchCommand:
     ]
     if server.role == "prefill" and server.bootstrap_port is not None:
         argv += ["--bootstrap-port", str(server.bootstrap_port)]
-    if topology.model_name:
-        argv += ["--model-name", topology.model_name]
+    # as SGLang's flags: the served name defaults to the model path
+    if topology.model_path_of(server):
+        argv += ["--model-path", topology.model_path_of(server)]
+    if topology.model_name_of(server):
+        argv += ["--served-model-name", topology.model_name_of(server)]
     return LaunchCommand(tuple(argv + list(server.args)), server.env, topology.cwd or REPO_ROOT)
 
 

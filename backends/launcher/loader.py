@@ -4,6 +4,9 @@ A spec may give counts (`prefill: 1`, `decode: 2`) or lists of server tables. Mi
 picked (sequential from `base_port`, or free ports), missing GPU ids are packed per machine, and
 `defaults` (`all`, `prefill`, `decode`, `plain`) are merged into every server: args are
 concatenated (all, role, server), env and other keys are overridden in that order.
+Several models: `models:` lists models, each with its `model_name`/`model_path` and its own
+servers (counts or lists, as at the top level); a server's `model_*` keys override the
+top level's, its model's override both.
 Strings may use `${VAR}` or `${VAR:-default}`; `${TOPOLOGY_DIR}` is the file's directory.
 Unknown keys and wrong types are errors naming the key; all are reported at once.
 """
@@ -44,9 +47,13 @@ SERVER_KEYS = frozenset(
         "transfer_backend",
         "args",
         "env",
+        "model_path",
+        "model_name",
     }
 )
 DEFAULT_KEYS = SERVER_KEYS - {"port", "bootstrap_port"}
+# one entry of `models:`: a model and its servers (role counts or lists, as at the top level)
+MODEL_KEYS = frozenset({"model_path", "model_name", *ROLES})
 RESTART_KEYS = frozenset(f.name for f in dataclasses.fields(RestartPolicy))
 SCALAR_KEYS = {  # top-level key -> type
     "backend": str,
@@ -64,7 +71,7 @@ SCALAR_KEYS = {  # top-level key -> type
     "health_interval_s": float,
     "stop_grace_s": float,
 }
-TOP_KEYS = frozenset(SCALAR_KEYS) | {"restart", "defaults", *ROLES}
+TOP_KEYS = frozenset(SCALAR_KEYS) | {"restart", "defaults", "models", *ROLES}
 _Merged = list[tuple[Role, int, dict[str, Any]]]
 _VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 
@@ -234,7 +241,7 @@ class _Parser:
                     merged[key] = self._scalar(f"{layer_where}.{key}", value, str)
         return {key: value for key, value in merged.items() if value is not None}
 
-    def _entries(self, role: Role, raw: Any) -> list[Mapping[str, Any]]:
+    def _entries(self, role: str, raw: Any) -> list[Mapping[str, Any]]:
         if raw is None:
             return []
         if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
@@ -262,8 +269,7 @@ class _Parser:
         table_of = {name: t for name, t in defaults.items() if isinstance(t, Mapping)}
         merged: _Merged = []
         for role in ROLES:
-            for index, entry in enumerate(self._entries(role, data.get(role))):
-                where = f"{role}[{index}]"
+            for index, (where, entry) in enumerate(self._role_entries(data, role)):
                 server = self._merge(
                     where, [table_of.get("all", {}), table_of.get(role, {}), entry]
                 )
@@ -289,9 +295,31 @@ class _Parser:
                 transfer_backend=s.get("transfer_backend", "mooncake"),
                 args=tuple(s["args"]),
                 env=tuple(s["env"].items()),
+                model_path=s.get("model_path"),
+                model_name=s.get("model_name"),
             )
             for role, index, s in merged
         )
+
+    def _role_entries(self, data: Mapping[str, Any], role: Role) -> list[tuple[str, Mapping]]:
+        """The server tables of `role`: the top level's, then each model's of `models:`
+        with that model's `model_path` and `model_name` (indices run on across models)."""
+        found = [(f"{role}[{i}]", e) for i, e in enumerate(self._entries(role, data.get(role)))]
+        groups = data.get("models") or []
+        if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+            if role == ROLES[0]:
+                self.problems.append("models: expected a list of model tables")
+            return found
+        for number, group in enumerate(groups):
+            where = f"models[{number}]"
+            if role == ROLES[0]:
+                self._unknown(where, group, MODEL_KEYS)
+                if not group.get("model_name") and not group.get("model_path"):
+                    self.problems.append(f"{where}: needs model_name or model_path")
+            own = {k: group[k] for k in ("model_path", "model_name") if group.get(k)}
+            entries = self._entries(f"{where}.{role}", group.get(role))
+            found += [(f"{where}.{role}[{i}]", {**own, **e}) for i, e in enumerate(entries)]
+        return found
 
     def _assign_ports(
         self, merged: _Merged, key: str, base: int | None, wants: Callable[[Role], bool]

@@ -56,6 +56,8 @@ class ServerSpec:
     transfer_backend: str = "mooncake"
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    model_path: str | None = None  # this server's model, else the topology's
+    model_name: str | None = None
 
     @property
     def name(self) -> str:
@@ -97,6 +99,13 @@ class Topology:
 
     def by_role(self, role: Role) -> tuple[ServerSpec, ...]:
         return tuple(server for server in self.servers if server.role == role)
+
+    def model_path_of(self, server: ServerSpec) -> str | None:
+        return server.model_path or self.model_path
+
+    def model_name_of(self, server: ServerSpec) -> str | None:
+        """The served model name the server is started with (None: the server's default)."""
+        return server.model_name or self.model_name
 
     def server(self, name: str) -> ServerSpec:
         """The server called `name` (e.g. `prefill-0`); KeyError if there is none."""

@@ -42,9 +42,14 @@ def _shape_problems(topology: Topology) -> list[str]:
     problems = []
     if not topology.servers:
         problems.append("no servers: give at least one prefill and one decode (or plain)")
-    prefill, decode = topology.by_role("prefill"), topology.by_role("decode")
-    if bool(prefill) != bool(decode):
-        problems.append(f"PD needs both roles: {len(prefill)} prefill and {len(decode)} decode")
+    groups = _by_model(topology)
+    for model, servers in groups.items():
+        prefill = [s for s in servers if s.role == "prefill"]
+        decode = [s for s in servers if s.role == "decode"]
+        if bool(prefill) != bool(decode):
+            of_model = f"model {model}: " if len(groups) > 1 else ""
+            problems.append(f"{of_model}PD needs both roles: {len(prefill)} prefill and "
+                            f"{len(decode)} decode")
     if topology.readiness_timeout_s <= 0:
         problems.append("readiness_timeout_s must be > 0")
     if not topology.health_path.startswith("/"):
@@ -123,14 +128,26 @@ def _span(server: ServerSpec) -> str:
     return str(ids.start) if len(ids) == 1 else f"{ids.start}-{ids.stop - 1}"
 
 
+def _by_model(topology: Topology) -> dict[str | None, list[ServerSpec]]:
+    """Servers by the model they serve (its name, else its path): each model is its own PD
+    cluster, so each needs both roles."""
+    groups: dict[str | None, list[ServerSpec]] = {}
+    for server in topology.servers:
+        key = topology.model_name_of(server) or topology.model_path_of(server)
+        groups.setdefault(key, []).append(server)
+    return groups
+
+
 def _model_problems(topology: Topology) -> list[str]:
-    path = topology.model_path
-    if not path:
-        return ["model_path: required for the sglang backend"]
-    # "org/name" is a hub id (SGLang downloads it); anything path-like must exist here.
-    if path.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(path)):
-        return [f"model_path: {path} does not exist"]
-    return []
+    problems = []
+    paths = dict.fromkeys(topology.model_path_of(s) for s in topology.servers)
+    for path in paths or [topology.model_path]:
+        if not path:
+            problems.append("model_path: required for the sglang backend")
+        # "org/name" is a hub id (SGLang downloads it); anything path-like must exist here.
+        elif path.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(path)):
+            problems.append(f"model_path: {path} does not exist")
+    return problems
 
 
 def _python_problems(python: str) -> list[str]:

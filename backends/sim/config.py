@@ -106,7 +106,8 @@ class SimConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     bootstrap_port: int = 8998
-    model_name: str = "sim-model"
+    model_path: str = "sim-model"  # what it reports as model_path and tokenizer_path
+    model_name: str = "sim-model"  # served_model_name: the model's name in the API
     page_size: int = 1
     max_running_requests: int = 256
     max_total_tokens: int = 400_000
@@ -177,8 +178,10 @@ def _flag_table() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
         (("--port",), {"type": int, "default": d.port, "help": "HTTP port"}),
         (("--bootstrap-port", "--disaggregation-bootstrap-port"),
          {"type": int, "default": d.bootstrap_port, "help": "bootstrap server port (prefill)"}),
-        (("--model-name", "--served-model-name", "--model-path"),
-         {"default": d.model_name, "help": "served model name, also reported as model path"}),
+        (("--model-path",), {"default": d.model_path, "help": "model path it reports"}),
+        (("--served-model-name", "--model-name"),
+         {"dest": "model_name", "default": None,
+          "help": "the model's name in the API (default: the model path, as SGLang)"}),
         (("--page-size",), {"type": int, "default": d.page_size, "help": "KV page size in tokens"}),
         (("--dp-size", "--data-parallel-size"),
          {"type": int, "default": 1, "help": "DP ranks: schedulers, each with its own cache"}),
@@ -309,7 +312,8 @@ def _resolve(ns: argparse.Namespace) -> SimConfig:
     capacity = ns.cache_capacity_tokens
     return SimConfig(
         mode=ns.mode, host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port,
-        model_name=ns.model_name, page_size=ns.page_size,
+        model_path=ns.model_path, model_name=ns.model_name or ns.model_path,
+        page_size=ns.page_size,
         max_running_requests=ns.max_running_requests, max_total_tokens=ns.max_total_tokens,
         cache_capacity_tokens=ns.max_total_tokens if capacity is None else max(0, capacity),
         chunked_prefill_size=ns.chunked_prefill_size, context_length=ns.context_length,

@@ -34,8 +34,8 @@ async def health(request: Request) -> Response:
 async def model_info(request: Request) -> Response:
     cfg = _state(request).config
     return JSONResponse({
-        "model_path": cfg.model_name, "served_model_name": cfg.model_name,
-        "tokenizer_path": cfg.model_name, "is_generation": True,
+        "model_path": cfg.model_path, "served_model_name": cfg.model_name,
+        "tokenizer_path": cfg.model_path, "is_generation": True,
         "preferred_sampling_params": None, "weight_version": "default", "load_format": "dummy",
         "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": cfg.mode,
         "has_image_understanding": False, "has_audio_understanding": False,
@@ -75,7 +75,7 @@ async def server_info(request: Request) -> Response:
     state = _state(request)
     cfg = state.config
     info: dict[str, Any] = {
-        "model_path": cfg.model_name, "tokenizer_path": cfg.model_name,
+        "model_path": cfg.model_path, "tokenizer_path": cfg.model_path,
         "served_model_name": cfg.model_name, "host": cfg.host, "port": cfg.port,
         "skip_tokenizer_init": False, "load_format": "dummy", "dtype": "bfloat16",
         "kv_cache_dtype": "auto", "context_length": cfg.context_length, "device": "cuda",

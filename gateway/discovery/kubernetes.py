@@ -11,6 +11,9 @@ the pods stand for (desired) with the servers discovery registered (members), by
     draining member desired again    the drain is cancelled and the worker takes work again
     same URL, another pod            the old worker is drained and removed, then the new
                                      pod is added (a reused IP is a new server)
+    same pod, another model label    the worker's model is renamed in place, on_change()
+                                     (the label goes to on_add too, before the probe: it
+                                     wins over the server's served_model_name)
 
 Reconciling is idempotent: it can run after every event, or twice, with the same result.
 Servers discovery did not add (static `--prefill`/`--decode`, the admin API) are never
@@ -45,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.discovery")
 
-AddServer = Callable[[str, str, "int | None"], Awaitable["Worker"]]
+AddServer = Callable[..., Awaitable["Worker"]]  # (url, role, bootstrap_port, model=...)
 RemoveServer = Callable[[str], Any]  # may return an awaitable
 DEFAULT_NAMESPACE = "default"
 DEFAULT_DRAIN_TIMEOUT = 60.0
@@ -63,7 +66,8 @@ class Member:
 
 class KubernetesDiscovery:
     def __init__(self, api: KubeAPI, *, namespace: str, selectors: dict[str, str],
-                 on_add: AddServer, on_remove: RemoveServer, rules: PodRules = DEFAULT_RULES,
+                 on_add: AddServer, on_remove: RemoveServer,
+                 on_change: Callable[[], None] = lambda: None, rules: PodRules = DEFAULT_RULES,
                  drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, drain_poll: float = 0.1,
                  watch_timeout: float = 60.0, backoff_initial: float = 0.5,
                  backoff_max: float = 30.0) -> None:
@@ -74,6 +78,7 @@ class KubernetesDiscovery:
         self.namespace = namespace
         self._on_add = on_add
         self._on_remove = on_remove
+        self._on_change = on_change
         self.drain_timeout = drain_timeout
         self.drain_poll = drain_poll
         self.watches = {
@@ -91,7 +96,7 @@ class KubernetesDiscovery:
 
     @classmethod
     def from_config(cls, config: GatewayConfig, *, on_add: AddServer,
-                    on_remove: RemoveServer,
+                    on_remove: RemoveServer, on_change: Callable[[], None] = lambda: None,
                     transport: httpx.AsyncBaseTransport | None = None) -> KubernetesDiscovery:
         selectors = {role: selector for role, selector in
                      (("prefill", config.prefill_selector), ("decode", config.decode_selector))
@@ -101,7 +106,7 @@ class KubernetesDiscovery:
                       transport=transport)
         rules = PodRules(default_port=config.k8s_worker_port, model_key=config.k8s_model_label)
         return cls(api, namespace=config.namespace or DEFAULT_NAMESPACE, selectors=selectors,
-                   on_add=on_add, on_remove=on_remove, rules=rules,
+                   on_add=on_add, on_remove=on_remove, on_change=on_change, rules=rules,
                    drain_timeout=config.k8s_drain_timeout)
 
     # -- life cycle -------------------------------------------------------------------------
@@ -191,23 +196,25 @@ class KubernetesDiscovery:
 
     async def _add(self, target: Target) -> None:
         try:
-            worker = await self._on_add(target.url, target.role, target.bootstrap_port)
+            worker = await self._on_add(target.url, target.role, target.bootstrap_port,
+                                        model=target.model)
         except Exception as exc:  # the gateway refused this server; the others go on
             self._refused[target.url] = target.identity
             log.error("pod %s (%s server %s) was not added: %s", target.pod, target.role,
                       target.url, exc)
             return
-        if target.model:
-            worker.model = target.model
         self.members[target.url] = Member(target, worker)
-        log.warning("pod %s added as %s server %s%s", target.pod, target.role, target.url,
+        log.warning("pod %s added as %s server %s%s%s", target.pod, target.role, target.url,
                     f" (bootstrap port {target.bootstrap_port})" if target.bootstrap_port
-                    else "")
+                    else "", f" of model {worker.model}" if worker.model else "")
 
     def _keep(self, member: Member, target: Target) -> None:
         member.target = target
         if target.model and member.worker.model != target.model:
+            log.warning("pod %s: model %s is now called %s", target.pod, member.worker.model,
+                        target.model)
             member.worker.model = target.model
+            self._on_change()  # the gateway regroups its servers by model
         if member.drain is not None and not member.removing:
             member.drain.cancel()
             member.drain = None

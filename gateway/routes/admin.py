@@ -45,6 +45,7 @@ async def list_servers(request: Request) -> Response:
     for worker in gw.pool:
         snapshot = worker.snapshot()
         snapshot["learned_latency"] = gw.dispatcher.model.snapshot(worker.url)
+        snapshot["model"] = gw.models.name_of(worker)  # the model it serves (None: not known yet)
         servers.append(snapshot)
     return JSONResponse({"servers": servers, "pairs": gw.scheduler.pairs.snapshot(),
                          "panic_picks": dict(gw.scheduler.panics)})
@@ -52,9 +53,13 @@ async def list_servers(request: Request) -> Response:
 
 async def list_policies(request: Request) -> Response:
     gw = request.app.state.gateway
-    body = {role: {"name": policy.name, "options": dataclasses.asdict(policy.options),
-                   "stats": policy.stats()}
-            for role, policy in gw.scheduler.policies.items()}
+    def described(policies: dict) -> dict:
+        return {role: {"name": policy.name, "options": dataclasses.asdict(policy.options),
+                       "stats": policy.stats()} for role, policy in policies.items()}
+
+    body = described(gw.scheduler.policies)  # the default model's (the only one's)
+    if not gw.models.open:  # each model's own policies and state
+        body["models"] = {m.name: described(m.policies) for m in gw.models.known.values()}
     body["prompt_tokens"] = gw.tokens.stats()  # the tokenizer behind exact routing, if any
     return JSONResponse(body)
 
@@ -87,8 +92,12 @@ async def add_server(request: Request) -> Response:
     if gw.pool.get(url) is not None:
         raise GatewayError(f"{url} is already registered", status=409)
     await _require_sglang(gw, url, role)
-    worker = await gw.register(url, role, port, require_probe=True)
-    gw.siblings.admin_change("add", url, role=role, bootstrap_port=worker.bootstrap_port)
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise BadRequest("'model' must be a model name")
+    worker = await gw.register(url, role, port, require_probe=True, model=model)
+    gw.siblings.admin_change("add", url, role=role, bootstrap_port=worker.bootstrap_port,
+                             model=model)
     return JSONResponse({"server": worker.snapshot()}, status_code=201)
 
 

@@ -45,6 +45,11 @@ async def read_body(scope: dict, receive: Receive, limit: int) -> bytes:
 
 async def read_json(request: Request, limit: int = SMALL_BODY) -> dict:
     """A small JSON object body (admin and operation routes), read with the same reader."""
+    return (await read_json_raw(request, limit))[1]
+
+
+async def read_json_raw(request: Request, limit: int) -> tuple[bytes, dict]:
+    """A JSON object body and its bytes (a relay forwards the bytes as sent)."""
     raw = await read_body(request.scope, request.receive, limit)
     try:
         body = orjson.loads(raw or b"{}")
@@ -52,7 +57,7 @@ async def read_json(request: Request, limit: int = SMALL_BODY) -> dict:
         raise BadRequest("request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    return body
+    return raw, body
 
 
 def header(scope: dict, name: bytes) -> str | None:

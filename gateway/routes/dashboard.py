@@ -77,7 +77,7 @@ async def data(request: Request) -> Response:
             "prefill_policy": gw.scheduler.policies["prefill"].name,
             "decode_policy": gw.scheduler.policies["decode"].name,
             "shutting_down": gw.shutting_down,
-            "ready": gw.pool.ready() and not gw.shutting_down,
+            "ready": gw.models.ready() and not gw.shutting_down,
         },
         "roles": roles,
         "servers": servers,

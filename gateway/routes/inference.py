@@ -1,14 +1,14 @@
 """The inference endpoints as pure ASGI apps: the request path, kept short.
 
 auth -> tenancy headers (tenant, priority class, deadline, session: gateway/tenancy.py) ->
-read body -> parse once -> count prompt tokens (exact with the model's tokenizer) -> per-key
-token limit -> context check -> in-flight table -> admission slot (fair queue) -> serve (one PD
-request, or n single-sample ones for n > 1) -> answer. The disconnect watch is armed before
-the admission wait, so a client that leaves while queued leaves the queue at once. The work runs in the request's own task, under
-one `Interrupt`: the client's departure fires it (told by the server protocol directly,
-`server_protocol.Departure`; under another ASGI server a watcher task waits for
-`http.disconnect` instead), `/abort_request` fires
-it when it must stop the request itself, and the stream relay fires it when the client stops
+read body -> parse once -> the request's model (gateway/models.py: 404 for an unknown one) ->
+count prompt tokens (exact with the model's tokenizer) -> per-key token limit -> context check
+-> in-flight table -> admission slot (fair queue) -> serve (one PD request, or n
+single-sample ones for n > 1) -> answer. The disconnect watch is armed before the admission
+wait, so a client that leaves while queued leaves the queue at once. The work runs in the
+request's own task, under one `Interrupt`: the client's departure fires it (told by the
+server protocol directly, `server_protocol.Departure`; under another ASGI server a watcher
+task waits for `http.disconnect` instead), `/abort_request` fires it when it must stop the request itself, and the stream relay fires it when the client stops
 reading (`--send-timeout`); the server protocol also cuts a connection whose response stalls
 that long (`server_protocol.STALLED`: counted as a slow client too). Whatever fired, both
 upstream legs are cancelled.
@@ -97,7 +97,8 @@ class InferenceEndpoint:
                 raw = await read_body(scope, receive, gw.config.max_body_bytes)
                 view = parse_request(self.endpoint, raw)
                 view.priority, view.session = ticket[1], ticket[3]  # completing the new view
-                gw.usage.parsed(usage, view)
+                gw.usage.parsed(usage, view)  # counted under its model, even when refused
+                view = gw.models.resolve(view)  # 404 model_not_found
                 items = view.room_count
                 if items is not None and items > gw.config.max_items:
                     raise BadRequest(f"{items} items (batch size x n) exceed the limit of "

@@ -1,20 +1,19 @@
-"""Health, readiness, metrics, models and server info.
+"""Health, readiness, metrics and server info.
 
 What each costs the servers, and who may ask (the role is in app.ROUTES):
 * `/health`, `/readiness`, `/metrics`: answered from the gateway's own state, open to probes
   and scrapers.
 * `/health_generate`: a real one-token PD generation, open to probes, but through a cache:
   at most one generation per `--info-cache-ttl` seconds however many callers ask.
-* `/v1/models`, `/model_info`, `/server_info`: inference callers; cached the same way, so a
-  caller cannot make the gateway fan out to every server per call. Secrets in the servers'
-  own arguments (API keys, tokens) are redacted.
+* `/server_info` (and `/v1/models`, `/model_info` in routes/models.py): inference callers;
+  cached the same way, so a caller cannot make the gateway fan out to every server per call.
+  Secrets in the servers' own arguments (API keys, tokens) are redacted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
-from typing import Any
+import dataclasses
 
 import httpx
 import orjson
@@ -23,20 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import GatewayError, ServiceUnavailable
+from gateway.redact import redact
 from gateway.request import parse_request
 from gateway.upstream import upstream_message
 
 HEALTH_PROBE = b'{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}'
-# Words that make a field a secret, matched as whole words of its name (snake_case, kebab-case
-# or camelCase): `api_key`, `hf_token`, `ssl_keyfile_password`, `apiKey`; not
-# `max_total_num_tokens`, `tokenizer_path` or `ssl_keyfile` (a path, not the key).
-SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd",
-                          "credential", "credentials", "auth", "authorization", "cookie"})
-_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
-_WORD = re.compile(r"[^A-Za-z0-9]+")
-# user:password@ in URLs anywhere in a string value (e.g. a model path on a private hub)
-_USERINFO = re.compile(r"(?<=://)[^/@\s]*:[^/@\s]*@")
-REDACTED = "<redacted>"
 
 
 async def health(request: Request) -> Response:
@@ -45,13 +35,18 @@ async def health(request: Request) -> Response:
 
 
 async def readiness(request: Request) -> Response:
+    """Ready while some model has a usable prefill and decode server (one model down must
+    not take the others' traffic away with the gateway)."""
     gw = request.app.state.gateway
     body = {
-        "ready": gw.pool.ready() and not gw.shutting_down,
+        "ready": gw.models.ready() and not gw.shutting_down,
         "prefill_usable": len(gw.pool.usable("prefill")),
         "decode_usable": len(gw.pool.usable("decode")),
         "shutting_down": gw.shutting_down,
     }
+    if not gw.models.open:
+        body["models"] = {m.name: bool(m.usable("prefill") and m.usable("decode"))
+                          for m in gw.models.known.values()}
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 
@@ -61,8 +56,23 @@ async def health_generate(request: Request) -> Response:
 
 
 async def generate_probe(gw) -> tuple[int, bytes]:
-    """One real one-token PD request through a pair (the cached computation)."""
-    view = parse_request("generate", HEALTH_PROBE)
+    """One real one-token PD request through a pair of every model (the cached computation);
+    the first failure is the answer, naming its model when there are several."""
+    listed = gw.models.listed()
+    if gw.models.open or not listed:
+        return await _generate_once(gw, parse_request("generate", HEALTH_PROBE))
+    results = await asyncio.gather(*(
+        _generate_once(gw, dataclasses.replace(parse_request("generate", HEALTH_PROBE),
+                                               model=model.name)) for model in listed))
+    for model, (status, body) in zip(listed, results, strict=True):
+        if status != 200:
+            error = orjson.loads(body)
+            error["error"]["message"] = f"model {model.name}: {error['error']['message']}"
+            return status, orjson.dumps(error)
+    return 200, b'{"healthy": true}'
+
+
+async def _generate_once(gw, view) -> tuple[int, bytes]:
     try:
         async with asyncio.timeout(gw.config.health_timeout * 4):
             answer = await gw.proxy.handle(view, gw.tracked_probe())
@@ -76,11 +86,14 @@ async def generate_probe(gw) -> tuple[int, bytes]:
     return 200, b'{"healthy": true}'
 
 
-async def get_from_any(gw, path: str) -> tuple[int, bytes]:
-    """A GET relayed to the first usable server that answers (decode first: it serves
-    the client-visible answer)."""
-    workers = gw.pool.usable("decode") + gw.pool.usable("prefill")
-    workers = workers or list(gw.pool)
+async def get_from_any(gw, path: str, model=None) -> tuple[int, bytes]:
+    """A GET relayed to the first usable server (of `model`, else of any) that answers
+    (decode first: it serves the client-visible answer)."""
+    if model is None:
+        workers = gw.pool.usable("decode") + gw.pool.usable("prefill") or list(gw.pool)
+    else:
+        workers = (model.usable("decode") + model.usable("prefill")
+                   or model.servers["decode"] + model.servers["prefill"])
     last = "no servers registered"
     for worker in workers:
         try:
@@ -93,16 +106,6 @@ async def get_from_any(gw, path: str) -> tuple[int, bytes]:
         last = f"{worker.url} answered {response.status_code}: {upstream_message(response.content)}"
     err = ServiceUnavailable(f"no server could answer {path}: {last}")
     return err.status, orjson.dumps(err.body())
-
-
-async def models(request: Request) -> Response:
-    status, body = await request.app.state.gateway.info_cache("/v1/models").get()
-    return Response(body, status_code=status, media_type="application/json")
-
-
-async def model_info(request: Request) -> Response:
-    status, body = await request.app.state.gateway.info_cache("/model_info").get()
-    return Response(body, status_code=status, media_type="application/json")
 
 
 async def server_info(request: Request) -> Response:
@@ -130,25 +133,6 @@ async def collect_server_info(gw) -> tuple[int, bytes]:
             body["internal_states"].extend(info["internal_states"])
     body["gateway"] = gw.describe()
     return 200, orjson.dumps(body)
-
-
-def secret_name(name: str) -> bool:
-    words = _WORD.split(_CAMEL.sub("_", name).lower())
-    return any(word in SECRET_WORDS for word in words)
-
-
-def redact(value: Any) -> Any:
-    """A copy of a JSON value with secret fields replaced (recursively): fields whose name
-    holds a secret word and whose value could hold one (a non-empty string, list or object;
-    None, booleans and numbers stay: they say "not set" or "on"), and passwords in URLs."""
-    if isinstance(value, dict):
-        return {k: (REDACTED if secret_name(str(k)) and isinstance(v, (str, list, dict)) and v
-                    else redact(v)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v) for v in value]
-    if isinstance(value, str) and "@" in value:
-        return _USERINFO.sub("<redacted>@", value)
-    return value
 
 
 async def metrics(request: Request) -> Response:

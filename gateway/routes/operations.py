@@ -8,8 +8,9 @@
   `{"abort_all": true}` ever reaches a server.
 * Fleet operations, admin only, sent to every server with per-server results (as
   `/flush_cache`): `/flush_cache`, `/start_profile`, `/stop_profile`, `/pause_generation`,
-  `/continue_generation`, `/update_weights_from_disk`. `?role=prefill|decode` narrows the
-  servers. Every other SGLang operational endpoint (weight updates from tensors or
+  `/continue_generation`, `/update_weights_from_disk`. `?role=prefill|decode` and
+  `?model=NAME` narrow the servers; with several models `/update_weights_from_disk` needs
+  `?model=`. Every other SGLang operational endpoint (weight updates from tensors or
   distributed groups, LoRA loading, memory release, sessions, expert records, ...) is not
   relayed: each needs per-server arguments or coordination a broadcast cannot give
   (docs/SECURITY.md lists them).
@@ -25,23 +26,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
-from gateway.routes.asgi import read_body, read_json
+from gateway.routes.asgi import read_json, read_json_raw
 from gateway.upstream import upstream_message
 from gateway.workers import ROLES
 
 
 async def relay(request: Request) -> Response:
-    """POST the body as is to the first usable server that answers."""
+    """POST the body as is to the first usable server of its `model` that answers."""
     gw = request.app.state.gateway
-    raw = await read_body(request.scope, request.receive, gw.config.max_body_bytes)
-    try:
-        if not isinstance(orjson.loads(raw or b"null"), dict):
-            raise ValueError
-    except ValueError:
-        raise BadRequest("request body must be a JSON object") from None
+    raw, body = await read_json_raw(request, gw.config.max_body_bytes)
     path = request.url.path
     last = "no usable server"
-    for worker in gw.pool.usable("decode") + gw.pool.usable("prefill"):
+    model = body.get("model")
+    model, _ = gw.models.lookup(model if isinstance(model, str) else None)
+    for worker in model.usable("decode") + model.usable("prefill"):
         try:
             response = await gw.client.post(worker.url + path, content=raw,
                                             headers={"content-type": "application/json"},
@@ -83,14 +81,38 @@ async def abort_request(request: Request) -> Response:
 
 
 async def broadcast(request: Request) -> Response:
+    """The body to every server (of `?role=`, of `?model=`), with each one's result."""
+    return await _broadcast(request, one_model=False)
+
+
+async def update_weights(request: Request) -> Response:
+    """As `broadcast`, but with several models `?model=` is required: one model's weights
+    on another's servers would break them."""
+    return await _broadcast(request, one_model=True)
+
+
+async def _broadcast(request: Request, one_model: bool) -> Response:
     gw = request.app.state.gateway
     body = await read_json(request)
     role = request.query_params.get("role")
     if role is not None and role not in ROLES:
         raise BadRequest("'role' must be prefill or decode")
     workers = [w for w in gw.pool if role is None or w.role == role]
+    name = request.query_params.get("model")
+    if name is not None:
+        servers = set(_model_servers(gw, name))
+        workers = [w for w in workers if w in servers]
+    elif one_model and not gw.models.open:
+        raise BadRequest(f"{request.url.path} with several models needs ?model=NAME: "
+                         f"{', '.join(gw.models.names())}")
     ok, results = await post_all(gw, request.url.path, orjson.dumps(body), workers)
     return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)
+
+
+def _model_servers(gw, name: str) -> list:
+    """Every registered server of the model `name` (an alias resolves; unknown: 404)."""
+    model, _ = gw.models.lookup(name)
+    return [w for ws in model.servers.values() for w in ws]
 
 
 async def post_all(gw, path: str, payload: bytes, workers: list) -> tuple[bool, list[dict]]:

@@ -23,12 +23,13 @@ class FakePool:
         self.removed: list[str] = []
         self.refuse: set[str] = set()
 
-    async def add(self, url: str, role: str, bootstrap_port: int | None) -> Worker:
+    async def add(self, url: str, role: str, bootstrap_port: int | None,
+                  model: str | None = None) -> Worker:
         if url in self.refuse:
             raise ValueError(f"{url} answers with another disaggregation mode")
         if url in self.workers:
             raise ValueError(f"{url} is already registered")
-        worker = Worker(url, role, bootstrap_port)
+        worker = Worker(url, role, bootstrap_port, model=model)
         self.workers[url] = worker
         self.added.append((url, role, bootstrap_port))
         return worker

@@ -103,3 +103,44 @@ def test_gateway_follows_the_pods(tmp_path):
         wait_for(lambda: httpx.get(gateway + "/readiness", timeout=5).status_code == 200,
                  what="ready again")
         assert httpx.post(gateway + "/generate", json=BODY, timeout=30).status_code == 200
+
+
+def test_pods_of_two_models_are_two_pools(tmp_path):
+    """The pods' `sglang.ai/model` label names their model (over the name the sims report):
+    one selector per role finds the pods of both models, and `model` picks the pool."""
+    with contextlib.ExitStack() as stack:
+        fake = stack.enter_context(ThreadedFakeKube())
+        urls: dict[str, dict[str, str]] = {}
+        for model in ("alpha", "beta"):
+            for role in ("prefill", "decode"):
+                port, boot = free_port(), free_port() if role == "prefill" else None
+                url = f"http://{HOST}:{port}"
+                name = f"{model}-{role}"
+                stack.enter_context(running(name, sim(role, port, boot, "--model-name",
+                                                      f"served-{model}"), tmp_path, url + "/health"))
+                pod = sim_pod(name, role, port, boot)
+                pod["metadata"]["labels"]["sglang.ai/model"] = model
+                fake.call(fake.fake.add, pod, NAMESPACE)
+                urls.setdefault(model, {})[role] = url
+        port = free_port()
+        gateway = f"http://{HOST}:{port}"
+        argv = python("-m", "gateway", "--host", HOST, "--port", str(port),
+                      "--k8s-api-server", fake.url, "--namespace", NAMESPACE,
+                      "--prefill-selector", "app=sglang,role=prefill",
+                      "--decode-selector", "app=sglang,role=decode")
+        stack.enter_context(running("gateway", argv, tmp_path, gateway + "/readiness"))
+        wait_for(lambda: len(servers(gateway)) == 4, what="four pods registered")
+        assert {s["url"]: s["model"] for s in servers(gateway).values()} == {
+            u: model for model, roles in urls.items() for u in roles.values()}
+        for model, count in (("alpha", 3), ("beta", 2)):
+            for _ in range(count):
+                r = httpx.post(gateway + "/generate", json={**BODY, "model": model}, timeout=30)
+                assert r.status_code == 200, r.text
+        listed = servers(gateway)
+        for model, count in (("alpha", 3), ("beta", 2)):
+            for url in urls[model].values():
+                assert listed[url]["total_requests"] == count
+        ids = [c["id"] for c in httpx.get(gateway + "/v1/models", timeout=5).json()["data"]]
+        assert ids == ["alpha", "beta"]  # named by the label, not the servers' own names
+        assert httpx.post(gateway + "/generate", json={**BODY, "model": "served-alpha"},
+                          timeout=30).status_code == 404

@@ -82,10 +82,14 @@ def test_events_add_ready_unready_delete():
 
 
 def test_model_label_change_updates_the_worker_in_place():
+    changes = []
+
     async def go():
-        async with discovering(make_pod("d0", role="decode", labels={"sglang.ai/model": "a"})
-                               ) as (fake, pool, discovery):
+        async with discovering(make_pod("d0", role="decode", labels={"sglang.ai/model": "a"}),
+                               on_change=lambda: changes.append(1)) as (fake, pool, discovery):
             worker = pool.workers[url("10.0.0.1")]
+            assert worker.model == "a"  # given to on_add: set before the server's probe
+            assert changes == []
 
             def relabel(pod):
                 pod["metadata"]["labels"]["sglang.ai/model"] = "b"
@@ -93,6 +97,7 @@ def test_model_label_change_updates_the_worker_in_place():
             fake.modify("d0", relabel)
             await eventually(lambda: worker.model == "b", what="model updated")
             assert pool.removed == [] and len(pool.added) == 1
+            assert changes == [1]  # the gateway regroups its servers by model
 
     run(go())
 

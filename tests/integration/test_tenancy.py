@@ -165,7 +165,8 @@ def test_priority_goes_to_the_server_that_schedules_by_it_only(rig):
 
 def test_forwarding_to_a_server_that_refuses_priorities_fails_as_sglang_does(rig):
     """Why `auto` is the default: `--forward-priority on` against a server started with
-    --abort-on-priority-when-disabled gets SGLang's 503 on every decode leg."""
+    --abort-on-priority-when-disabled gets SGLang's 503 on every decode leg (the gateway
+    answers 502: an upstream failure, naming the server's status and message)."""
     port = free_port()
     gateway = f"http://{HOST}:{port}"
     argv = rig["base"] + ["--port", str(port), "--forward-priority", "on", "--max-attempts",
@@ -173,8 +174,9 @@ def test_forwarding_to_a_server_that_refuses_priorities_fails_as_sglang_does(rig
     with running("gateway-forward-on", argv, rig["log_dir"], gateway + "/readiness"):
         r = httpx.post(gateway + "/generate", json=body(2, "fwd-on"), timeout=30,
                        headers=auth(TEAM_KEY))
-    assert r.status_code == 503, r.text
-    assert "Using priority is disabled" in r.json()["error"]["message"]
+    assert r.status_code == 502, r.text
+    message = r.json()["error"]["message"]
+    assert "answered 503" in message and "Using priority is disabled" in message
 
 
 @pytest.mark.timeout(60)

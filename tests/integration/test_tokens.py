@@ -24,7 +24,7 @@ TOKENS_PER_MINUTE = 100
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
     model = write_model(tmp_path_factory.mktemp("model") / "tiny-model", train())
-    sims = ["--context-length", str(CONTEXT), "--model-name", str(model)]
+    sims = ["--context-length", str(CONTEXT), "--model-path", str(model)]
     gateway = ["--api-key", "key-a", "--api-key", "key-b", "--rate-limit-tokens", str(TOKENS_PER_MINUTE)]
     tokenizer = load_tokenizer(model)
     with sim_cluster(tmp_path_factory.mktemp("logs"), n_decode=1, sim_args=sims,

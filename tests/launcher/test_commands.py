@@ -48,19 +48,22 @@ def topo(backend: str = "sglang", **kw: object) -> Topology:
         pytest.param(
             topo("sim"),
             PREFILL,
-            "py -m backends.sim --mode prefill --host 10.0.0.1 --port 30000 --bootstrap-port 8998",
+            "py -m backends.sim --mode prefill --host 10.0.0.1 --port 30000 --bootstrap-port 8998 "
+            "--model-path /m",
             id="sim-prefill",
         ),
         pytest.param(
             topo("sim", model_name="m1"),
             DECODE,
-            "py -m backends.sim --mode decode --host 10.0.0.1 --port 30001 --model-name m1",
+            "py -m backends.sim --mode decode --host 10.0.0.1 --port 30001 --model-path /m "
+            "--served-model-name m1",
             id="sim-decode-model-name",
         ),
         pytest.param(
             topo("sim"),
             PLAIN,
-            "py -m backends.sim --mode null --host 127.0.0.1 --port 30002 --enable-metrics",
+            "py -m backends.sim --mode null --host 127.0.0.1 --port 30002 --model-path /m "
+            "--enable-metrics",
             id="sim-plain-extra-args",
         ),
     ],

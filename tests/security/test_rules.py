@@ -20,7 +20,7 @@ from gateway.app import ROUTES, Role, build_app
 from gateway.cli import keys_on_command_line
 from gateway.config import ConfigError, load_config
 from gateway.config_servers import validate_url
-from gateway.routes.info import redact
+from gateway.redact import redact
 from tests.unit.fakes import FakeCluster, FakeServer
 
 P, D = "http://127.0.0.1:30000", "http://127.0.0.1:30001"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from types import SimpleNamespace
 
 import httpx
 import orjson
@@ -13,7 +12,6 @@ import pytest
 
 from gateway.runtime import StartupError
 from gateway.sse import DONE, frame
-from gateway.usage import Usage
 from tests.unit.fakes import FakeCluster, FakeServer, make_app
 
 P1 = "http://127.0.0.1:30000"
@@ -169,18 +167,6 @@ def test_an_unwritable_access_log_stops_the_start(tmp_path):
 
     with pytest.raises(StartupError, match="access log"):
         run(go())
-
-
-@pytest.mark.parametrize("served, asked, models, expected", [
-    ("m1", "anything", {"m1", "m2"}, "m1"),
-    (None, "m2", {"m1", "m2"}, "m2"),
-    (None, "m3", {"m1", "m2"}, "other"),
-    (None, None, {"m1"}, "m1"),
-    (None, None, {"m1", "m2"}, "other"),
-], ids=["served", "asked-and-served-here", "unknown", "the-only-model", "ambiguous"])
-def test_model_labels_stay_bounded(served, asked, models, expected):
-    pool = [SimpleNamespace(model=m) for m in models]
-    assert Usage(None, pool).model_label(served, asked) == expected
 
 
 def test_a_native_answers_completion_count_is_the_sum_of_its_items():
