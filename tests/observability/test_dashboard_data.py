@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 from collections import deque
 
-import httpx
 import pytest
 
 from gateway.routes.dashboard import ERROR_FIELDS, RECENT_ERRORS_SHOWN
-from tests.unit.fakes import FakeCluster, FakeServer, make_app
+from tests.unit.fakes import FakeCluster, FakeServer, run
+from tests.unit.fakes import served_gateway as gateway
 
 P1 = "http://127.0.0.1:30000"
 D1, D2 = "http://127.0.0.1:30001", "http://127.0.0.1:30003"
@@ -20,19 +19,6 @@ D1, D2 = "http://127.0.0.1:30001", "http://127.0.0.1:30003"
 def three_servers() -> FakeCluster:
     return FakeCluster({P1: FakeServer("prefill"), D1: FakeServer("decode"),
                         D2: FakeServer("decode")})
-
-
-@contextlib.asynccontextmanager
-async def gateway(cluster, *extra):
-    app = make_app(cluster, *extra)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield client, app.state.gateway
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
 
 
 def test_page_is_self_contained_html():

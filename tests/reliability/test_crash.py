@@ -57,8 +57,10 @@ def test_kill_9_under_load(make_rig, timing, role):
     # a prefill's death never reaches a client (a started stream already holds its KV), and
     # a stream the dead decode had started is continued on the other pair (failover)
     assert not bad, summary(outcomes)
-    if role == "decode":
-        assert rig.metrics().total("gateway_stream_failovers_total", outcome="continued") >= 1
+    if role == "decode":  # every stream the kill cut (most rounds cut one) went on elsewhere
+        m = rig.metrics()
+        assert m.total("gateway_stream_failovers_total", outcome="failed") == 0
+        assert m.total("gateway_stream_failovers_total", outcome="not_resumable") == 0
     timing(f"kill -9 {role}", "gateway RSS growth, round 1 to 3 (MiB)", rss[-1] - rss[1])
     assert rss[-1] - rss[1] < 5, f"gateway RSS grows round over round (MiB): {rss}"
     assert max(rss) - rss[0] < 15, f"gateway RSS (MiB): {rss}"

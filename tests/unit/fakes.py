@@ -7,6 +7,7 @@ stream chunks. The fake records what it received and which requests were cancell
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,3 +107,30 @@ def make_app(cluster: FakeCluster, *extra: str):
             "--policy", "round_robin", "--loads-interval", "0", "--retry-backoff", "0.001",
             *extra]
     return build_app(load_config(argv, environ={}), transport=httpx.MockTransport(cluster.handle))
+
+
+@contextlib.asynccontextmanager
+async def served(cluster: FakeCluster, *extra: str):
+    """The gateway app for `cluster`, its lifespan running, and an in-process client to it."""
+    app = make_app(cluster, *extra)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            yield client, app
+
+
+@contextlib.asynccontextmanager
+async def served_client(cluster: FakeCluster, *extra: str):
+    async with served(cluster, *extra) as (client, _):
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def served_gateway(cluster: FakeCluster, *extra: str):
+    """The client and the app's `runtime.Gateway`."""
+    async with served(cluster, *extra) as (client, app):
+        yield client, app.state.gateway
+
+
+def run(coro, timeout: float = 20):
+    return asyncio.run(asyncio.wait_for(coro, timeout))

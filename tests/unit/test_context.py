@@ -2,26 +2,16 @@
 either leg is sent; text prompts near the limit are counted by a server's /v1/tokenize."""
 
 import asyncio
-import contextlib
 
-import httpx
 import pytest
 
 from backends.tiny_tokenizer import train, write_model
 from gateway.tokenizer import load_tokenizer
-from tests.unit.fakes import FakeCluster, FakeServer, make_app
+from tests.unit.fakes import FakeCluster, FakeServer
+from tests.unit.fakes import served_client as gateway
 
 P1, D1 = "http://127.0.0.1:30000", "http://127.0.0.1:30001"
 CONTEXT = 100
-
-
-@contextlib.asynccontextmanager
-async def gateway(cluster, *extra):
-    app = make_app(cluster, *extra)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield client
 
 
 def cluster() -> FakeCluster:

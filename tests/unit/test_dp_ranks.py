@@ -1,31 +1,17 @@
 """DP-rank-aware routing: a prefill with several DP ranks is scheduled rank by rank, and each
 request is steered to its rank the way SGLang finds it (room % ranks, or routed_dp_rank)."""
 
-import asyncio
-import contextlib
 from collections import Counter
 
-import httpx
 import pytest
 
 from gateway.probe import balance_method_of, dp_ranks_of
-from tests.unit.fakes import FakeCluster, FakeServer, make_app
+from tests.unit.fakes import FakeCluster, FakeServer
+from tests.unit.fakes import run as fakes_run
+from tests.unit.fakes import served_gateway as gateway
 
 P1, P2 = "http://127.0.0.1:30000", "http://127.0.0.1:30002"
 D1 = "http://127.0.0.1:30001"
-
-
-@contextlib.asynccontextmanager
-async def gateway(cluster, *extra):
-    app = make_app(cluster, *extra)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield client, app.state.gateway
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 @pytest.mark.parametrize("info, ranks", [
@@ -144,3 +130,7 @@ def test_client_routing_fields_are_refused_naming_the_field(field):
     r = run(go())
     assert r.status_code == 400 and field in r.json()["error"]["message"]
     assert not cluster.servers[P1].received
+
+
+def run(coro):
+    return fakes_run(coro, 30)

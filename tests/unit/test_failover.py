@@ -2,31 +2,16 @@
 on as one well-formed stream (native and OpenAI shapes), or ends with an error event where a
 continuation is not possible."""
 
-import asyncio
-import contextlib
 import json
 
-import httpx
 import orjson
 import pytest
 
-from tests.unit.fakes import FakeCluster, FakeServer, make_app
+from tests.unit.fakes import FakeCluster, FakeServer, run
+from tests.unit.fakes import served_gateway as gateway
 
 P1 = "http://127.0.0.1:30000"
 D1, D2 = "http://127.0.0.1:30001", "http://127.0.0.1:30003"
-
-
-@contextlib.asynccontextmanager
-async def gateway(cluster, *extra):
-    app = make_app(cluster, *extra)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield client, app.state.gateway
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
 
 
 def sse(obj) -> bytes:

@@ -4,25 +4,16 @@ each leg carries as SGLang's `priority`, the 400s for bad headers, session routi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import httpx
 import pytest
 
-from tests.unit.fakes import FakeCluster, FakeServer, make_app
+from tests.unit.fakes import FakeCluster, FakeServer
+from tests.unit.fakes import served_client as gateway
 
 P1, P2 = "http://127.0.0.1:30000", "http://127.0.0.1:30002"
 D1 = "http://127.0.0.1:30001"
 BODY = {"text": "hello", "priority": 999}  # a client's own priority
-
-
-@contextlib.asynccontextmanager
-async def gateway(cluster, *extra):
-    app = make_app(cluster, *extra)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield client
 
 
 def send(cluster, extra, headers, body=BODY, times=1) -> list[httpx.Response]:

@@ -6,31 +6,17 @@ merge the answers in SGLang's order and shape (prompt-major, choices[].index, us
 """
 
 import asyncio
-import contextlib
 import itertools
 import json
 
-import httpx
 import orjson
 import pytest
 
-from tests.unit.fakes import FakeCluster, FakeServer, make_app
+from tests.unit.fakes import FakeCluster, FakeServer, run
+from tests.unit.fakes import served_client as gateway
 
 P1, P2 = "http://127.0.0.1:30000", "http://127.0.0.1:30002"
 D1, D2 = "http://127.0.0.1:30001", "http://127.0.0.1:30003"
-
-
-@contextlib.asynccontextmanager
-async def gateway(cluster, *extra):
-    app = make_app(cluster, *extra)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield client
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
 
 
 def numbered_decode(endpoint: str, counter=None):

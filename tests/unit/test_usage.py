@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
-import httpx
 import orjson
 import pytest
 
 from gateway.runtime import StartupError
 from gateway.sse import DONE, frame
-from tests.unit.fakes import FakeCluster, FakeServer, make_app
+from tests.unit.fakes import FakeCluster, FakeServer, run
+from tests.unit.fakes import served_gateway as gateway
 
 P1 = "http://127.0.0.1:30000"
 D1, D2 = "http://127.0.0.1:30001", "http://127.0.0.1:30003"
@@ -22,19 +21,6 @@ KEYS = {"acme": "key-acme", "beta": "key-beta"}
 def decode_answer(body: dict) -> dict:
     return {"text": "out", "meta_info": {"prompt_tokens": 4, "cached_tokens": 2,
                                          "completion_tokens": 7}}
-
-
-@contextlib.asynccontextmanager
-async def gateway(cluster, *extra):
-    app = make_app(cluster, *extra)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield client, app.state.gateway
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
 
 
 def key_file(tmp_path) -> list[str]:
