@@ -20,6 +20,7 @@ import asyncio
 import math
 import re
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from gateway.config_tenants import (
     ANY_TENANT,
@@ -33,6 +34,15 @@ ANONYMOUS = "anonymous"  # the tenant of callers without a key (auth.Caller's de
 MAX_DEADLINE = 86400.0
 SESSION_ID = re.compile(rb"[\x21-\x7e]{1,256}")  # visible ASCII, no spaces, at most 256 bytes
 _CLASS_BY_NAME = {name.encode(): index for index, name in enumerate(PRIORITIES)}
+
+
+class Ticket(NamedTuple):
+    """What the headers said about one request, against its caller's tenant."""
+
+    tenant: Tenant
+    klass: int  # index into PRIORITIES
+    deadline: float | None  # loop time, the client's own
+    session: bytes | None
 
 
 class Tenant:
@@ -76,12 +86,12 @@ class Tenancy:
         return self.anonymous if key_index is None else self.by_key[key_index]
 
     def classify(self, headers: list[tuple[bytes, bytes]], key_index: int | None
-                 ) -> tuple[Tenant, int, float | None, bytes | None]:
+                 ) -> Ticket:
         """(tenant, class, deadline in loop time or None, session id or None) of a request
         with these headers from the caller with inference key number `key_index`."""
         tenant = self.anonymous if key_index is None else self.by_key[key_index]
         if not self._any:
-            return tenant, tenant.default, None, None
+            return Ticket(tenant, tenant.default, None, None)
         priority = deadline = session = None
         wanted_p, wanted_d, wanted_s = self._priority, self._deadline, self._session
         for name, value in headers:
@@ -98,7 +108,7 @@ class Tenancy:
         if session is not None and SESSION_ID.fullmatch(session) is None:
             raise BadRequest(f"header {self._session.decode()!r} must be 1-256 visible ASCII "
                              "characters without spaces", code="invalid_header")
-        return tenant, klass, deadline, session
+        return Ticket(tenant, klass, deadline, session)
 
     def _class(self, value: bytes) -> int:
         klass = _CLASS_BY_NAME.get(value.strip().lower())

@@ -33,6 +33,7 @@ from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
 from gateway.server_protocol import DEPARTURE, STALLED
 from gateway.sse import DONE, frame
+from gateway.tenancy import Ticket
 
 log = logging.getLogger("gateway.inference")
 
@@ -96,7 +97,7 @@ class InferenceEndpoint:
                 ticket = gw.tenancy.classify(scope["headers"], caller.key_index)
                 raw = await read_body(scope, receive, gw.config.max_body_bytes)
                 view = parse_request(self.endpoint, raw)
-                view.priority, view.session = ticket[1], ticket[3]  # completing the new view
+                view.priority, view.session = ticket.klass, ticket.session  # completing the new view
                 gw.usage.parsed(usage, view)  # counted under its model, even when refused
                 view = gw.models.resolve(view)  # 404 model_not_found
                 items = view.room_count
@@ -107,7 +108,7 @@ class InferenceEndpoint:
                 gw.limits.take_tokens(caller.key_index, view.prompt_tokens)
                 await gw.context.check(view)
                 tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt,
-                                  trace=trace, usage=usage, not_after=ticket[2])
+                                  trace=trace, usage=usage, not_after=ticket.deadline)
                 if trace is not None:
                     trace.admitted(caller, view)
                 gw.inflight.add(tracked)
@@ -156,10 +157,10 @@ class InferenceEndpoint:
                 trace.finish(status)
             gw.usage.finish(usage, status)
 
-    async def _serve(self, view, tracked: Tracked, ticket: tuple, scope: Scope,
+    async def _serve(self, view, tracked: Tracked, ticket: Ticket, scope: Scope,
                      receive: Receive, send: Send, started: float, state: dict, usage) -> int:
         """Wait for a slot, run the request and send its answer, while a watcher listens for
-        a disconnect (`ticket`: tenant, class, deadline, session from gateway/tenancy.py)."""
+        a disconnect."""
         watch = _Watch(tracked.interrupt, scope)
         departure = scope.get(DEPARTURE)
         watcher = None
@@ -169,7 +170,7 @@ class InferenceEndpoint:
             watcher = asyncio.get_running_loop().create_task(watch(receive))
         admission = self.gw.admission
         try:
-            await admission.acquire(ticket[0], ticket[1], ticket[2])
+            await admission.acquire(ticket.tenant, ticket.klass, ticket.deadline)
             try:
                 answer: Answer = await self.gw.serve(view, tracked)
                 try:

@@ -179,8 +179,9 @@ def test_forwarding_to_a_server_that_refuses_priorities_fails_as_sglang_does(rig
     assert "answered 503" in message and "Using priority is disabled" in message
 
 
-@pytest.mark.timeout(60)
-def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(rig):
+@contextlib.contextmanager
+def both_slots_held(rig):
+    """A client whose two long batch requests hold both admission slots of the rig."""
     gw = rig["gateway"]
     idle(rig)
     client = Client(gw)
@@ -188,6 +189,15 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(rig):
         client.send("hold1", BATCH_KEY, 60)
         client.send("hold2", BATCH_KEY, 60)
         wait_until(lambda: active(gw) == 2, 10, "both slots taken")
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(rig):
+    gw = rig["gateway"]
+    with both_slots_held(rig) as client:
         sent = received(rig["decode"])
         left_before = metrics(gw).total("gateway_admission_requests_total", outcome="left")
         client.send("leaver", TEAM_KEY, 2, timeout=0.5)  # gives up after 0.5 s in the queue
@@ -199,19 +209,12 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(rig):
         assert left == left_before + 1
         assert isinstance(client.done["leaver"][0], httpx.TimeoutException)
         assert received(rig["decode"]) == sent, "no work was sent for the departed client"
-    finally:
-        client.close()
 
 
 @pytest.mark.timeout(60)
 def test_the_clients_deadline_ends_its_wait_before_any_work(rig):
     gw = rig["gateway"]
-    idle(rig)
-    client = Client(gw)
-    try:
-        client.send("hold1", BATCH_KEY, 60)
-        client.send("hold2", BATCH_KEY, 60)
-        wait_until(lambda: active(gw) == 2, 10, "both slots taken")
+    with both_slots_held(rig):
         sent = received(rig["decode"])
         started = time.monotonic()
         r = httpx.post(gw + "/generate", json=body(2, "hurried"), timeout=30,
@@ -220,8 +223,6 @@ def test_the_clients_deadline_ends_its_wait_before_any_work(rig):
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error", r.text
         assert 0.55 <= took < 3.0, took  # its own 0.6 s, not the queue's 10 s
         assert received(rig["decode"]) == sent
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize("headers, fragment", [
