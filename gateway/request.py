@@ -32,8 +32,9 @@ DP_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")
 @dataclass(slots=True, eq=False)
 class RequestView:
     """What the gateway needs to know about one inference request. Treated as immutable
-    (derive with `dataclasses.replace`), but not frozen: a frozen dataclass's __init__ costs
-    7x a plain one (3 us here, on every request)."""
+    once anyone else holds it (derive with `dataclasses.replace`); the endpoint only fills in
+    `priority` and `session` on the view it has just parsed. Not frozen: a frozen
+    dataclass's __init__ costs 7x a plain one (3 us here, on every request)."""
 
     endpoint: str
     body: dict
