@@ -30,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+from gateway.auth import ANONYMOUS
 from gateway.config_tenants import DEFAULT_SETTINGS, PRIORITIES, STANDARD
 from gateway.errors import GatewayTimeout, ServiceUnavailable, TooManyRequests
 from gateway.fair_queue import FairQueue
 from gateway.metrics import Metrics
-from gateway.tenancy import ANONYMOUS, Tenant
+from gateway.tenancy import Tenant
 from gateway.timers import Timers
 
 POLL = 0.005  # seconds between looks at slots other workers freed

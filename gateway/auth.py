@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from gateway.errors import Forbidden, Unauthorized
 from gateway.key_limits import KeyLimits
 
+ANONYMOUS = "anonymous"  # the tenant of callers without a key
+
 
 class Role(enum.Enum):
     PUBLIC = "public"
@@ -59,7 +61,7 @@ class Caller:
     loopback: bool
     address: str = ""  # the client's IP address as the socket says (no forwarded headers)
     key_index: int | None = None  # which inference key (its per-key limits)
-    tenant: str = "anonymous"  # whose usage this is: the key's tenant (configured), else this
+    tenant: str = ANONYMOUS  # whose usage this is: the key's tenant (configured), else this
 
     @property
     def owner(self) -> str:

@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from gateway.auth import ANONYMOUS
 from gateway.config_tenants import (
     ANY_TENANT,
     DEFAULT_SETTINGS,
@@ -30,7 +31,6 @@ from gateway.config_tenants import (
 )
 from gateway.errors import BadRequest
 
-ANONYMOUS = "anonymous"  # the tenant of callers without a key (auth.Caller's default)
 MAX_DEADLINE = 86400.0
 SESSION_ID = re.compile(rb"[\x21-\x7e]{1,256}")  # visible ASCII, no spaces, at most 256 bytes
 _CLASS_BY_NAME = {name.encode(): index for index, name in enumerate(PRIORITIES)}
@@ -81,9 +81,6 @@ class Tenancy:
         self._deadline = _header(deadline_header)
         self._session = _header(session_header)
         self._any = bool(self._priority or self._deadline or self._session)
-
-    def tenant_of(self, key_index: int | None) -> Tenant:
-        return self.anonymous if key_index is None else self.by_key[key_index]
 
     def classify(self, headers: list[tuple[bytes, bytes]], key_index: int | None
                  ) -> Ticket:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from gateway.answer_tokens import StreamTokens, completion_final, completion_total
+from gateway.auth import ANONYMOUS
 from gateway.models import OTHER
 
 KINDS = ("cached", "uncached", "completion")
@@ -69,7 +70,7 @@ class RequestUsage:
         self.request_id = request_id
         self.time = time.time()
         self.started = started  # perf_counter at arrival
-        self.tenant = "anonymous"
+        self.tenant = ANONYMOUS
         self.model: str | None = None  # the label, fixed when the body is parsed
         self.stream = False
         self.status = 0
