@@ -81,10 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--proxy-cpu", type=int, default=0)
     p.add_argument("--load-cpu", type=int, default=1)
     p.add_argument("--no-pin", action="store_true", help="do not pin anything to a CPU")
-    p.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV,
-                   help="venv with sglang-router 0.3.2; created when missing")
-    p.add_argument("--peers-python", help="run the peers with this interpreter instead of a "
-                   "venv (sglang_router importable there, e.g. python3 with PYTHONPATH)")
+    peers.add_arguments(p)
     p.add_argument("--out", type=Path, help="write settings, medians and every run as JSON")
     p.add_argument("--markdown", type=Path, help="also write the tables to this file")
     p.add_argument("--profile", type=Path, metavar="DIR",

@@ -11,6 +11,7 @@ installed beside our packages instead and `peer_python(..., python)` takes that 
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,12 @@ def peer_python(venv: Path, python: str | None = None) -> Path:
     if not works(Path(python)):
         raise RuntimeError(f"{python} cannot run the peers: {CHECK}")
     return Path(python)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--peers-venv` and `--peers-python`, read back by `peer_python(args.peers_venv,
+    args.peers_python)`: the flags every benchmark that runs the peers takes."""
+    parser.add_argument("--peers-venv", type=Path, default=DEFAULT_VENV,
+                        help="venv with sglang-router 0.3.2; created when missing")
+    parser.add_argument("--peers-python", help="run the peers with this interpreter instead of "
+                        "a venv (sglang_router importable there, e.g. python3 with PYTHONPATH)")

@@ -122,9 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1, help="seed of the interactive arrivals")
     p.add_argument("--request-timeout", type=float, default=60.0,
                    help="client timeout of one request")
-    p.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV,
-                   help="venv with sglang-router 0.3.2 (created when missing)")
-    p.add_argument("--peers-python", help="run the peer with this interpreter instead")
+    peers.add_arguments(p)
     p.add_argument("--out", type=Path, help="write settings and every figure as JSON")
     p.add_argument("--markdown", type=Path, help="also write the table to this file")
     p.add_argument("--log-dir", type=Path, help="process logs (default: a temporary dir)")

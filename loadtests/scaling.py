@@ -178,10 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also measure SSE events/s with long chat streams")
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=2)
-    p.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV,
-                   help="venv with sglang-router 0.3.2; created when missing")
-    p.add_argument("--peers-python", help="run the peers with this interpreter instead of a "
-                   "venv (sglang_router importable there, e.g. python3 with PYTHONPATH)")
+    peers.add_arguments(p)
     p.add_argument("--out", type=Path, help="write settings, points and goals as JSON")
     p.add_argument("--markdown", type=Path, help="also write the tables to this file")
     p.add_argument("--log-dir", type=Path, help="process logs (default: a temporary dir)")
