@@ -71,7 +71,7 @@ class Proxy:
                                      and resumable(view))
                 if attempt.resumable:
                     Resumed(self, view, tracked, attempt, depth)
-                self._started(attempt)
+                self._started(attempt, self.scheduler.by_policy(view, target, prefer))
                 tracked.attempts.add(attempt)
                 try:
                     answer = await self.dispatcher.run(attempt)  # stays in `attempts`
@@ -109,13 +109,13 @@ class Proxy:
         return GatewayError(f"request did not complete within {self.request_timeout:g}s{detail}",
                             status=504)
 
-    def _started(self, attempt: Attempt) -> None:
+    def _started(self, attempt: Attempt, by_policy: bool) -> None:
         m = self.metrics
         tokens = attempt.view.prompt_tokens
         target = attempt.prefill_target
         chooser = self.scheduler.policy("prefill", target)  # the model's own policy
         predicted = chooser.predicted_hit(target, attempt.view) \
-            if self.scheduler.by_policy else None  # a session or a sample's own choice
+            if by_policy else None  # not for a session's or a sample's own choice
         # the prefill's load is what it must compute: a cached prefix costs it little
         attempt.prefill_tokens = tokens - round((predicted or 0.0) * tokens)
         attempt.prefill.start(attempt.prefill_tokens)

@@ -20,7 +20,7 @@ model is never paired with a decode of another and no policy state mixes models.
 
 Sessions: a request with a session id (`--session-header`) takes its prefill target from
 `affinity.SessionAffinity` instead of the prefill policy (which still hears of the dispatch);
-`by_policy` says whether the last prefill choice was the policy's own. The affinity ring
+`by_policy` says whether a pick's prefill was the policy's own choice. The affinity ring
 holds every prefill target; it places a session among the candidates only, so one ring serves
 every model.
 """
@@ -45,7 +45,6 @@ class Scheduler:
         self.pool = pool
         self.models = models
         self.affinity = affinity
-        self.by_policy = True
         self.pairs = pairs or PairHealth()
         self.panics = {"prefill": 0, "decode": 0}  # picks made in panic mode, per role
         pool.on_change(self.workers_changed)
@@ -108,7 +107,6 @@ class Scheduler:
                 f"no usable {missing} server{of_model} (all down, draining or circuit-open)",
                 headers={"retry-after": "1"},
             )
-        self.by_policy = False
         if prefer is not None and prefer[0] in prefills:
             worker, rank = prefer
             prefill = worker.ranks[rank] if rank is not None and rank < len(worker.ranks) \
@@ -117,12 +115,19 @@ class Scheduler:
             prefill = self.affinity.pick(view.session, targets(prefills))
         else:
             prefill = model.policies["prefill"].pick(targets(prefills), view)
-            self.by_policy = True
         server = prefill.server.url
         partners = [d for d in decodes if not self.pairs.blocked(server, d.url)]
         decode = model.policies["decode"].pick(partners or decodes, view)
         self.pairs.probe(server, decode.url)  # a quarantined pair past its cooldown: a probe
         return prefill, decode
+
+    def by_policy(self, view: RequestView, prefill: Target,
+                  prefer: tuple[Worker, int | None] | None) -> bool:
+        """Was `prefill`, as `pick(view, ..., prefer)` returned it, the prefill policy's own
+        choice (not the preferred server of a sample, nor a session's)?"""
+        if prefer is not None and prefill.server is prefer[0]:
+            return False  # `pick` takes a preferred server whenever it is a candidate
+        return view.session is None or self.affinity is None
 
     def dispatched(self, prefill: Target, decode: Worker, view: RequestView) -> None:
         self.models.policy("prefill", prefill).on_dispatch(prefill, view)
