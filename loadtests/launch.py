@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,10 @@ import urllib.request
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
+from backends.launcher.ports import free_port as free_port  # the one port picker, re-exported
+
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 # Where taskset is missing: set the affinity, then become the command (same pid, so its

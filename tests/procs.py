@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,11 @@ from pathlib import Path
 
 import httpx
 
+from backends.launcher.ports import free_port as free_port  # the one port picker, re-exported
 from loadtests.launch import stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class Proc:

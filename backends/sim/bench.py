@@ -24,18 +24,13 @@ from typing import Any
 
 import orjson
 
+from backends.launcher.ports import free_port
 from backends.sim.loadgen import PairSpec, Results, rooms, worker
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox jumps over the lazy dog"
 _TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,14 +14,10 @@ from typing import Any
 
 import httpx
 
+from backends.launcher.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class Sim:
