@@ -37,12 +37,17 @@ def policy_choice(cfg: GatewayConfig, model: str | None, role: str) -> tuple[str
     return name, options or None
 
 
-def build_policies(cfg: GatewayConfig, model: str | None) -> dict[str, Policy]:
-    """New policy instances of both roles for `model`: its own state, shared with no other."""
+def build_policies(cfg: GatewayConfig, model: str | None,
+                   prefixes: object = None) -> dict[str, Policy]:
+    """New policy instances of both roles for `model`: its own state, shared with no other
+    policy of this process; with `--workers`, `prefixes` is the table where every worker
+    process records where it sent prompts (policies/shared_prefixes.py)."""
     policies = {}
     for role in DEFAULT_POLICIES:
         name, options = policy_choice(cfg, model, role)
         policies[role] = create_policy(name, role, options)
+        if prefixes is not None:
+            policies[role].share(prefixes)
     return policies
 
 

@@ -79,7 +79,8 @@ class Gateway:
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry, self.pool, multiprocess=worker is not None)
         self.models = Models(  # which servers serve which model; each model's own policies
-            self.pool, lambda model: build_policies(config, model),
+            self.pool, lambda model: build_policies(
+                config, model, self.shared.prefixes if self.shared is not None else None),
             aliases=config.model_aliases, default=config.default_model,
             configured=configured_names(config), fallback=config.model)
         self.scheduler = Scheduler(self.pool, self.models,

@@ -12,7 +12,8 @@ configured.
 Layout (8-byte words): a header; per worker: active requests; per server slot: the URL's hash,
 then in-flight requests and in-flight prompt tokens per worker; per API key: two token
 buckets (requests, prompt tokens: gateway/key_limits.py), each (tokens, last refill time) as
-doubles; per worker: its most urgent waiter's class and wait start (gateway/admission.py).
+doubles; per worker: its most urgent waiter's class and wait start (gateway/admission.py);
+then the table of where each process sent its prompts (gateway/policies/shared_prefixes.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
 
 from gateway.key_limits import take
+from gateway.policies.shared_prefixes import WORDS as PREFIX_WORDS
+from gateway.policies.shared_prefixes import SharedPrefixes
 
 SERVER_SLOTS = 1024
 OTHERS_TTL = 0.005  # seconds the other workers' in-flight sums are reused
@@ -51,7 +54,8 @@ class SharedState:
         self._tokens = self._in_flight + SERVER_SLOTS * workers
         self._buckets = self._tokens + SERVER_SLOTS * workers
         self._waiting = self._buckets + 4 * max(keys, 1)
-        words = self._waiting + 2 * workers
+        self._prefixes = self._waiting + 2 * workers
+        words = self._prefixes + PREFIX_WORDS
         if create:
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=8 * words)
             self.shm.buf[: 8 * words] = bytes(8 * words)
@@ -69,6 +73,7 @@ class SharedState:
                 self.words[self._waiting + 2 * worker] = -1  # nobody waits yet
         elif self.words[0] != MAGIC:
             raise RuntimeError(f"shared block {name} is not a gateway's")
+        self.prefixes = SharedPrefixes(self.words[self._prefixes:self._prefixes + PREFIX_WORDS])
         self._slots: dict[str, int] = {}
         self._others: dict[int, tuple[float, int, int]] = {}  # slot -> (when, requests, tokens)
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -180,6 +185,7 @@ class SharedState:
             return wait
 
     def close(self, unlink: bool = False) -> None:
+        self.prefixes.words.release()
         self.words.release()
         self.floats.release()
         self.shm.close()

@@ -30,6 +30,7 @@ import orjson
 from backends.sim.radix import RadixCache
 from backends.sim.tokenizer import encode, render_chat
 from gateway.policies import REGISTRY, create_policy
+from gateway.policies.shared_prefixes import WORDS, SharedPrefixes
 from gateway.probe import ServerFacts
 from gateway.request import CHAT, parse_request
 from gateway.workers import Worker
@@ -44,11 +45,19 @@ class Replay:
     """One layout (servers x ranks, cache per server) and one policy, in virtual time."""
 
     def __init__(self, policy: str, servers: int, ranks: int, cache_tokens: int,
-                 told: bool = True) -> None:
+                 told: bool = True, workers: int = 1, shared: bool = True) -> None:
         per_target = cache_tokens // ranks
         told = told and "cache_tokens" in REGISTRY[policy].Options.__dataclass_fields__
         options = {"cache_tokens": per_target} if told else {}
-        self.policy = create_policy(policy, "prefill", options)
+        # --workers N: N processes' policies, each turn to one of them at random (as the
+        # kernel spreads connections), sharing a prefix table unless `shared` is False
+        self.policies = [create_policy(policy, "prefill", options) for _ in range(workers)]
+        if workers > 1 and shared:
+            table = SharedPrefixes(memoryview(bytearray(8 * WORDS)).cast("q"))
+            for each in self.policies:
+                each.share(table)
+        self.policy = self.policies[0]
+        self._spread = random.Random(workers)
         self.servers = [Worker(url=f"http://10.0.0.{i + 1}:30000", role="prefill")
                         for i in range(servers)]
         for server in self.servers:
@@ -56,7 +65,8 @@ class Replay:
         self.targets = [r for s in self.servers for r in s.ranks] if ranks > 1 else self.servers
         self.caches = {t.url: RadixCache(1, per_target) for t in self.targets}
         self.served = {t.url: 0 for t in self.targets}
-        self.policy.on_workers_changed(self.targets)
+        for each in self.policies:
+            each.on_workers_changed(self.targets)
         self.now = START
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
@@ -72,11 +82,12 @@ class Replay:
             return
         messages = [*messages, {"role": "user", "content": conv.users[index]}]
         view = parse_request(CHAT, orjson.dumps({"messages": messages, "max_tokens": 48}))
-        target = self.policy.pick(self.targets, view)
+        policy = self.policies[self._spread.randrange(len(self.policies))]
+        target = policy.pick(self.targets, view)
         # as the proxy counts a prefill: the part the policy expects uncached there
-        predicted = self.policy.predicted_hit(target, view) or 0.0
+        predicted = policy.predicted_hit(target, view) or 0.0
         counted = view.prompt_tokens - round(predicted * view.prompt_tokens)
-        self.policy.on_dispatch(target, view)
+        policy.on_dispatch(target, view)
         target.start(counted)
         tokens = encode(render_chat(messages))
         cache = self.caches[target.url]
@@ -93,7 +104,7 @@ class Replay:
                 target.finish(counted, True)
             else:
                 target.finish(counted)
-            self.policy.on_complete(target, view, True)
+            policy.on_complete(target, view, True)
             self.at(self.now + conv.thinks[index],
                     lambda: self.turn(conv, index + 1, [*messages, reply], duration, rng))
 
@@ -125,6 +136,17 @@ def compare(policy: str, seed: int, servers: int, ranks: int, cache_tokens: int,
             "per_rank": list(many.served.values())}
 
 
+def compare_workers(policy: str, seed: int, servers: int, ranks: int, cache_tokens: int,
+                    workers: int, shared: bool = True, rate: float = 6.0,
+                    duration: float = 20.0) -> dict:
+    """One seed: hit rates with one worker process and with `workers` (their policies
+    sharing the prefix table unless `shared` is False)."""
+    one = Replay(policy, servers, ranks, cache_tokens)
+    many = Replay(policy, servers, ranks, cache_tokens, workers=workers, shared=shared)
+    base, hit = one.run(seed, rate, duration), many.run(seed, rate, duration)
+    return {"seed": seed, "hit_1": base, "hit": hit, "gap_points": 100 * (base - hit)}
+
+
 def _seeds(text: str) -> list[int]:
     if "-" in text:
         low, high = text.split("-")
@@ -143,7 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-tokens", type=int, default=16384, help="per server")
     parser.add_argument("--blind", action="store_true",
                         help="do not tell the policy the cache size (no capacity decisions)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="compare 1 worker process with this many (at --ranks)")
+    parser.add_argument("--unshared", action="store_true",
+                        help="with --workers: the processes share no prefix table")
     args = parser.parse_args(argv)
+    if args.workers > 1:
+        rows = [compare_workers(args.policy, s, args.servers, args.ranks, args.cache_tokens,
+                                args.workers, not args.unshared) for s in _seeds(args.seeds)]
+        for row in rows:
+            print(f"seed {row['seed']}: hit {100 * row['hit_1']:.1f}% with 1 worker, "
+                  f"{100 * row['hit']:.1f}% with {args.workers}: "
+                  f"gap {row['gap_points']:.1f} points")
+        gaps = [r["gap_points"] for r in rows]
+        print(f"gap mean {statistics.mean(gaps):.2f} points, max {max(gaps):.2f}")
+        return 0
     rows = [compare(args.policy, s, args.servers, args.ranks, args.cache_tokens, not args.blind)
             for s in _seeds(args.seeds)]
     for row in rows:

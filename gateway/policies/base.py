@@ -51,6 +51,11 @@ class Policy:
     def on_workers_changed(self, workers: Sequence[Worker]) -> None:
         """Workers of this role were added or removed."""
 
+    def share(self, prefixes: Any) -> None:
+        """With `--workers N`: the table where every worker process records where it sent
+        prompts (policies/shared_prefixes.py). Policies that keep no routing history ignore
+        it."""
+
     async def start(self) -> None:
         """Start background work (called once by the app lifespan)."""
 

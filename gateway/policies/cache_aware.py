@@ -69,6 +69,7 @@ from gateway.policies.load import (
 )
 from gateway.policies.placement import Ring, anchor_of
 from gateway.policies.prefix_tree import CHARS_PER_TOKEN, Key, Match, PrefixTree
+from gateway.policies.shared_prefixes import SharedPrefixes, merged
 from gateway.request import RequestView
 from gateway.workers import Worker
 
@@ -133,10 +134,29 @@ class CacheAwarePolicy(Policy):
         self.ring = Ring()
         self.capacity = Capacity(self.options.cache_tokens)
         self._last_match: tuple[dict[str, int], int] = ({}, 0)
+        self.prefixes: SharedPrefixes | None = None  # with --workers: the other processes'
+
+    def share(self, prefixes: SharedPrefixes | None) -> None:
+        self.prefixes = prefixes
+
+    def match(self, key: Key, candidates: Sequence[Worker]) -> Match:
+        """What the tree knows of `key`, plus what the other worker processes recorded."""
+        matched = self.tree.match(key)
+        if self.prefixes is None or not key:
+            return matched
+        found = self.prefixes.find(key, [w.url for w in candidates], time.monotonic(),
+                                   known=matched.end)
+        return merged(matched, found)
+
+    def learn(self, key: Key, worker: Worker) -> None:
+        """`key` went to `worker`: into the tree, and for the other worker processes."""
+        self.tree.insert(key, worker.url, budget=self.capacity.budget(worker))
+        if self.prefixes is not None:
+            self.prefixes.record(key, worker.url, time.monotonic())
 
     def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
         key = view.routing_key
-        return self.choose(candidates, self.tree.match(key), len(key), key)
+        return self.choose(candidates, self.match(key, candidates), len(key), key)
 
     def choose(self, candidates: Sequence[Worker], matched: Match, key_len: int,
                key: Key | None = None) -> Worker:
@@ -191,7 +211,7 @@ class CacheAwarePolicy(Policy):
     def on_dispatch(self, worker: Worker, view: RequestView) -> None:
         key: Key = view.routing_key
         if key:
-            self.tree.insert(key, worker.url, budget=self.capacity.budget(worker))
+            self.learn(key, worker)
 
     def on_workers_changed(self, workers: Sequence[Worker]) -> None:
         present = {w.url for w in workers}

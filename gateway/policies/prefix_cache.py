@@ -108,7 +108,7 @@ class PrefixCachePolicy(CacheAwarePolicy):
         tokens = self.tokens_of(view)
         if tokens is None:
             return super().pick(candidates, view)
-        matched = self.tree.match(tokens)
+        matched = self.match(tokens, candidates)
         body = view.body
         salt = body.get("cache_salt")
         if body.get("lora_path") is None and (salt is None or isinstance(salt, str)):
@@ -130,7 +130,7 @@ class PrefixCachePolicy(CacheAwarePolicy):
     def on_dispatch(self, worker: Worker, view: RequestView) -> None:
         tokens = self.tokens_of(view)
         if tokens:
-            self.tree.insert(tokens, worker.url, budget=self.capacity.budget(worker))
+            self.learn(tokens, worker)
         else:
             super().on_dispatch(worker, view)
         self.index.note_dispatch(worker.server.url, time.monotonic())

@@ -312,3 +312,74 @@ def test_two_replicas_send_a_conversation_to_the_same_prefill(tmp_path):
                 messages = messages + [r.json()["choices"][0]["message"],
                                        {"role": "user", "content": f"and turn {turn}?"}]
             assert len(set(homes)) == 1, (n, homes)
+
+
+def settle_draining(gateway: str, draining: set[str], timeout: float = 20.0) -> None:
+    """Until 15 answers in a row on new connections (any worker) show exactly `draining`."""
+    deadline, agreeing = time.monotonic() + timeout, 0
+    while agreeing < 15:
+        assert time.monotonic() < deadline, "the workers did not agree on the drained servers"
+        with httpx.Client(timeout=10) as client:
+            servers = client.get(gateway + "/admin/servers").json()["servers"]
+        seen = {s["url"] for s in servers if s["draining"]}
+        agreeing = agreeing + 1 if seen == draining else 0
+
+
+def test_workers_keep_a_conversation_on_the_server_of_its_last_turn(tmp_path):
+    """Turn 1 goes to the one prefill left undrained, not where the ring would place the
+    conversation; turn 2, sent on new connections to whichever worker, follows it there: the
+    workers that did not route turn 1 find it in the shared prefix table
+    (gateway/policies/shared_prefixes.py) instead of placing the conversation afresh."""
+    with contextlib.ExitStack() as stack:
+        prefills = []
+        for i in range(3):
+            port, boot = free_port(), free_port()
+            url = f"http://{HOST}:{port}"
+            stack.enter_context(running(f"p{i}", sim("prefill", port, boot), tmp_path,
+                                        url + "/health"))
+            prefills.append((url, boot))
+        dport = free_port()
+        decode = f"http://{HOST}:{dport}"
+        stack.enter_context(running("d", sim("decode", dport, None), tmp_path,
+                                    decode + "/health"))
+        gateways = []
+        for name, workers in (("probe", 1), ("gw", WORKERS)):
+            port = free_port()
+            argv = python("-m", "gateway", "--host", HOST, "--port", str(port),
+                          "--workers", str(workers), "--decode", decode)
+            for url, boot in prefills:
+                argv += ["--prefill", url, str(boot)]
+            url = f"http://{HOST}:{port}"
+            stack.enter_context(running(name, argv, tmp_path, url + "/readiness"))
+            gateways.append(url)
+        probe, gateway = gateways
+        urls = [u for u, _ in prefills]
+
+        def send(to: str, messages: list[dict]) -> tuple[str, dict]:
+            before = {u: httpx.get(u + "/sim/stats", timeout=5).json()["received"] for u in urls}
+            with httpx.Client(timeout=20) as client:  # a new connection: any worker
+                r = client.post(to + "/v1/chat/completions", json={
+                    "model": "sim-model", "messages": messages, "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            after = {u: httpx.get(u + "/sim/stats", timeout=5).json()["received"] for u in urls}
+            (went,) = [u for u in urls if after[u] > before[u]]
+            return went, r.json()["choices"][0]["message"]
+
+        turn1 = [{"role": "system", "content": "You answer for the port authority. " * 12},
+                 {"role": "user", "content": "When does the ferry from the north berth?"}]
+        placed, _ = send(probe, turn1)  # where every process's ring places this conversation
+        home = next(u for u in urls if u != placed)
+        others = {u for u in urls if u != home}
+        for url in others:
+            r = httpx.post(gateway + "/admin/servers/drain", json={"url": url, "timeout": 5},
+                           timeout=10)
+            assert r.status_code == 200, r.text
+        settle_draining(gateway, others)
+        went, reply = send(gateway, turn1)
+        assert went == home
+        for url in others:
+            httpx.post(gateway + "/admin/servers/undrain", json={"url": url}, timeout=10)
+        settle_draining(gateway, set())
+        turn2 = [*turn1, reply, {"role": "user", "content": "And the one from the south?"}]
+        homes = [send(gateway, turn2)[0] for _ in range(3 * WORKERS)]
+        assert homes == [home] * len(homes), (home, placed, homes)
