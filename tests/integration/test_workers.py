@@ -271,20 +271,25 @@ def test_sigterm_stops_every_worker(tmp_path):
         assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
 
 
+def three_prefills_one_decode(stack: contextlib.ExitStack, log_dir: Path):
+    """Three prefill simulators ((url, bootstrap port) each) and one decode's url."""
+    prefills = []
+    for i in range(3):
+        port, boot = free_port(), free_port()
+        url = f"http://{HOST}:{port}"
+        stack.enter_context(running(f"p{i}", sim("prefill", port, boot), log_dir,
+                                    url + "/health"))
+        prefills.append((url, boot))
+    dport = free_port()
+    decode = f"http://{HOST}:{dport}"
+    stack.enter_context(running("d", sim("decode", dport, None), log_dir, decode + "/health"))
+    return prefills, decode
+
+
 def test_two_replicas_send_a_conversation_to_the_same_prefill(tmp_path):
     """Replicas share nothing: their consistent-hash placement agrees by construction."""
     with contextlib.ExitStack() as stack:
-        prefills = []
-        for i in range(3):
-            port, boot = free_port(), free_port()
-            url = f"http://{HOST}:{port}"
-            stack.enter_context(running(f"p{i}", sim("prefill", port, boot), tmp_path,
-                                        url + "/health"))
-            prefills.append((url, boot))
-        dport = free_port()
-        decode = f"http://{HOST}:{dport}"
-        stack.enter_context(running("d", sim("decode", dport, None), tmp_path,
-                                    decode + "/health"))
+        prefills, decode = three_prefills_one_decode(stack, tmp_path)
         replicas = []
         for replica in range(2):
             port = free_port()
@@ -331,17 +336,7 @@ def test_workers_keep_a_conversation_on_the_server_of_its_last_turn(tmp_path):
     workers that did not route turn 1 find it in the shared prefix table
     (gateway/policies/shared_prefixes.py) instead of placing the conversation afresh."""
     with contextlib.ExitStack() as stack:
-        prefills = []
-        for i in range(3):
-            port, boot = free_port(), free_port()
-            url = f"http://{HOST}:{port}"
-            stack.enter_context(running(f"p{i}", sim("prefill", port, boot), tmp_path,
-                                        url + "/health"))
-            prefills.append((url, boot))
-        dport = free_port()
-        decode = f"http://{HOST}:{dport}"
-        stack.enter_context(running("d", sim("decode", dport, None), tmp_path,
-                                    decode + "/health"))
+        prefills, decode = three_prefills_one_decode(stack, tmp_path)
         gateways = []
         for name, workers in (("probe", 1), ("gw", WORKERS)):
             port = free_port()
