@@ -31,10 +31,15 @@ phase and per keep-alive wait cost about a tenth of the gateway's CPU per reques
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+)
 
 from gateway.errors import error_body
 from gateway.timers import Timers
@@ -62,6 +67,7 @@ class ServerLimits:
 REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
 STALLED = "gateway.stalled"  # scope key set when the response stalled past send_timeout
 DEPARTURE = "gateway.departure"  # scope key: the request's `Departure`
+WHOLE = "gateway.whole"  # scope key: the request's `Whole`
 
 
 class Departure:
@@ -79,6 +85,50 @@ class Departure:
         callback, self.callback = self.callback, None
         if callback is not None:
             callback()
+
+
+class Whole:
+    """Writes a complete answer that is not streamed (status line, headers, body) in one
+    `transport.write`, where uvicorn's `send` takes two messages and two writes (head, then
+    body: two send(2) calls). The header names are the gateway's own constants; the values
+    are checked with uvicorn's own value pattern (a content type relayed from a server must
+    not carry a control character). It declines (False: send as usual) once the response has
+    started, the client has gone, the write buffer is over its high-water mark (uvicorn's
+    `send` then waits for it to drain) or a value fails the check. What it sets on uvicorn's
+    `RequestResponseCycle` is what `send` sets for the same answer (uvicorn 0.54); the cycle
+    is held weakly, so the scope holding this object does not keep the cycle alive (no
+    reference cycle per request)."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle) -> None:
+        self._cycle = weakref.ref(cycle)
+
+    def __call__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        cycle = self._cycle()
+        if cycle is None or cycle.response_started or cycle.disconnected \
+                or cycle.flow.write_paused:
+            return False
+        for _, value in headers:
+            if HEADER_VALUE_RE.search(value):
+                return False
+        cycle.response_started = cycle.response_complete = True
+        cycle.waiting_for_100_continue = False
+        parts = [STATUS_LINE[status]]
+        for name, value in cycle.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(b"content-length: %d\r\n" % len(body))
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += (b"\r\n", body)
+        cycle.transport.write(b"".join(parts))
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
+        return True
 
 
 class _Refused(Exception):
@@ -191,8 +241,10 @@ def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProt
         def on_headers_complete(self) -> None:
             self._phase(self._limits.body_timeout)
             super().on_headers_complete()
-            if self.cycle is not None:
-                self.cycle.scope[DEPARTURE] = Departure()
+            cycle = self.cycle
+            if cycle is not None:
+                cycle.scope[DEPARTURE] = Departure()
+                cycle.scope[WHOLE] = Whole(cycle)
 
         def on_message_complete(self) -> None:
             self._due = INF  # the app answers now; a stalled answer has its own deadline

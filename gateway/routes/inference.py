@@ -31,7 +31,7 @@ from gateway.inflight import Tracked, new_id, safe_id
 from gateway.relay import SlowClient
 from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
-from gateway.server_protocol import DEPARTURE, STALLED
+from gateway.server_protocol import DEPARTURE, STALLED, WHOLE
 from gateway.sse import DONE, frame
 from gateway.tenancy import Ticket
 
@@ -193,11 +193,15 @@ class InferenceEndpoint:
         headers = [(b"content-type", answer.content_type),
                    (b"x-request-id", request_id.encode())]
         if answer.stream is None:
-            headers.append((b"content-length", str(len(answer.body)).encode()))
-            await send({"type": "http.response.start", "status": answer.status,
-                        "headers": headers})
-            watch.done = True
-            await send({"type": "http.response.body", "body": answer.body})
+            whole = watch.scope.get(WHOLE)  # one write under our server protocol
+            if whole is not None and whole(answer.status, headers, answer.body):
+                watch.done = True
+            else:
+                headers.append((b"content-length", str(len(answer.body)).encode()))
+                await send({"type": "http.response.start", "status": answer.status,
+                            "headers": headers})
+                watch.done = True
+                await send({"type": "http.response.body", "body": answer.body})
             usage.ttft = time.perf_counter() - started
             usage.tail = answer.body  # its completion tokens are read once it is counted
             self._ttft[False].observe(usage.ttft)
