@@ -2,6 +2,7 @@
 
     python -m loadtests.routing_replay                       # seeds 0-7, 16,384 tokens a server
     python -m loadtests.routing_replay --seeds 0,2,4 --cache-tokens 32768 --policy prefix_cache
+    python -m loadtests.routing_replay --workers 4 --ranks 1 --servers 4   # 1 vs 4 processes
 
 The same plan as `--workload dp` (`routing_workloads.chat_plan`, 6 turns/s for 20 s), replayed
 in virtual time: each turn is picked and dispatched by the policy, its prompt (the simulator's
@@ -13,7 +14,10 @@ own in-flight counters only), no queueing: a model for comparing policies and tu
 a substitute for the benchmark, whose figures it follows within a few points.
 
 Per seed: the hit rate with 1 rank and with `--ranks` ranks per server, their ratio (the
-issue's "vs 1 rank"), and the requests each rank served.
+issue's "vs 1 rank"), and the requests each rank served. With `--workers N`: the hit rate of
+one policy instance against N (each turn to a random one, as the kernel spreads connections
+over `--workers` processes), sharing the prefix table of gateway/policies/shared_prefixes.py
+unless `--unshared`, and the gap in points.
 """
 
 from __future__ import annotations
