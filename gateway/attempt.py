@@ -52,6 +52,7 @@ class Attempt:
     on_broken: Callable | None = None
     unsuffix: bytes | None = None  # the suffix of a client's rid, cut from the answers
     started_at: float = 0.0
+    dispatched_at: float = 0.0  # time.monotonic() when its counters were taken (proxy)
     not_after: float = float("inf")  # the request's own deadline (loop time), over retries
     progressed: bool = False  # the prefill answered or the decode sent its first byte
     deadline: object = None  # the cancel.Deadline of the first progress

@@ -118,6 +118,7 @@ class Proxy:
             if by_policy else None  # not for a session's or a sample's own choice
         # the prefill's load is what it must compute: a cached prefix costs it little
         attempt.prefill_tokens = tokens - round((predicted or 0.0) * tokens)
+        attempt.dispatched_at = time.monotonic()
         attempt.prefill.start(attempt.prefill_tokens)
         if target is not attempt.prefill:
             target.start(attempt.prefill_tokens)
@@ -153,10 +154,13 @@ class Proxy:
         tokens = attempt.prefill_tokens if leg == "prefill" else attempt.view.prompt_tokens
         if worker.finish(tokens, ok):
             self.dispatcher.rescue(worker, "opened its circuit breaker")
+        prompt = attempt.view.prompt_tokens
+        worker.load.settle(attempt.dispatched_at, prompt)
         target = worker
         if leg == "prefill" and attempt.prefill_target is not worker:
             target = attempt.prefill_target
             target.finish(tokens)
+            target.load.settle(attempt.dispatched_at, prompt)
         self.scheduler.completed(leg, target, attempt.view, ok is True)
         if ok is False:
             self.metrics.child(worker, self.metrics.leg_failures, leg, "error",

@@ -46,6 +46,21 @@ class ServerLoad:
     prefill_tokens: int = 0
     prefill_busy_us: int = 0
     prefill_speed: float = 0.0  # tokens/s, smoothed over snapshots; 0 until measured
+    # requests of this gateway process that were running when the snapshot was taken and
+    # have finished since, and their prompt tokens: the snapshot still counts them
+    settled: int = 0
+    settled_tokens: int = 0
+
+    def settle(self, since: float, tokens: int) -> None:
+        """A request of ours dispatched at `since` (time.monotonic()) has finished: if that
+        was before this snapshot, the snapshot still counts it as running and its KV as in
+        use (SGLang's `token_usage` leaves out what its radix cache may evict, which the KV
+        of a finished request becomes). Without this, a conversation's next turn, sent as
+        the previous one ends, found its server "busy" with that very turn in a snapshot up
+        to one poll old, and the cache-aware policy moved it off its cache."""
+        if since < self.updated_at:
+            self.settled += 1
+            self.settled_tokens += tokens
 
     def follow(self, before: ServerLoad) -> None:
         """Carry the measured prefill speed over from the previous snapshot, updated by

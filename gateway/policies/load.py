@@ -6,7 +6,9 @@ A worker's load comes from two sources that fail differently. The gateway's own 
 routes (other gateway replicas, direct clients). The server's `/v1/loads` figures
 see everything but lag by up to one poll. So when the server's figures are fresh we take the
 larger of the two for each quantity (taking the sum would count this gateway's requests twice);
-when they are not, we use the gateway's counters alone.
+when they are not, we use the gateway's counters alone. A snapshot taken while some of our
+requests ran still counts them after they finished: those are taken off it (`ServerLoad.settle`:
+requests, and their prompts' share of `token_usage`).
 
 Degrade consistently: comparing one worker on server figures with another on gateway counters
 is comparing different things, so if any candidate lacks fresh figures, ALL candidates are scored
@@ -69,9 +71,11 @@ def load_score(worker: Worker, options: LoadOptions, use_server: bool) -> float:
     usage = 0.0
     if use_server:
         server = worker.load
-        requests = max(requests, server.running + server.waiting)
+        requests = max(requests, server.running + server.waiting - server.settled)
         tokens = max(tokens, server.waiting_uncached_tokens)
         usage = server.token_usage
+        if server.settled_tokens and server.max_total_tokens:  # ours that ended since
+            usage = max(0.0, usage - server.settled_tokens / server.max_total_tokens)
     return requests + tokens / options.token_unit + options.usage_weight * usage
 
 

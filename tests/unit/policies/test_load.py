@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from gateway.policies import create_policy
 from gateway.policies.load import (
     LoadOptions,
     cheapest,
@@ -16,7 +17,7 @@ from gateway.policies.load import (
     spread,
     with_uncached,
 )
-from tests.unit.policies.util import worker
+from tests.unit.policies.util import generate_text, worker
 
 OPTS = LoadOptions(token_unit=100, usage_weight=10.0, load_max_age=5.0)
 
@@ -120,3 +121,36 @@ def test_cheapest(costs, lengths, expected) -> None:
 def test_spread(costs, fresh, expected) -> None:
     candidates = [worker(name) for name in "abc"]
     assert spread(["a", "b", "c"], candidates, costs, fresh, 0, 1.2) == expected
+
+
+def test_a_snapshot_forgets_our_requests_that_ended_after_it() -> None:
+    """A poll taken while our request ran still counts it (running, and its KV in
+    token_usage) after it ended; the requests dispatched before the snapshot that have
+    finished since are taken off it, those dispatched after it are not in it to begin with."""
+    busy = {"running": 1, "token_usage": 0.2, "max_total_tokens": 2048}
+    w = worker("a", load=busy, age=1.0)
+    assert load_scores([w], OPTS, time.monotonic()) == [pytest.approx(1 + 0.2 * 10)]
+    w.load.settle(time.monotonic(), 409)  # dispatched after the snapshot: not in it
+    assert load_scores([w], OPTS, time.monotonic()) == [pytest.approx(1 + 0.2 * 10)]
+    w.load.settle(w.load.updated_at - 0.5, 409)  # running when it was taken
+    assert load_scores([w], OPTS, time.monotonic()) == [pytest.approx((0.2 - 409 / 2048) * 10)]
+    w.load.settle(w.load.updated_at - 0.5, 409)  # never below nothing
+    assert load_scores([w], OPTS, time.monotonic()) == [0.0]
+
+
+def test_a_conversation_stays_on_its_server_when_the_snapshot_shows_its_last_turn() -> None:
+    """The e2e failure this fixes (tests/e2e_sglang/test_dp.py, 2026-12-01): turn 5 went to
+    the other rank because the holder's snapshot, taken during turn 4, still showed turn 4
+    running with its KV in use, and `spread` found the idle target clearly cheaper."""
+    policy = create_policy("cache_aware", "prefill")
+    text = "system: be brief\n" + "user: tell me about harbours\nassistant: ok\n" * 30
+    for settled in (False, True):
+        holder = worker("http://h:1", load={"running": 1, "token_usage": 0.3,
+                                            "max_total_tokens": 2048}, age=1.0)
+        idle = worker("http://i:1", load={"max_total_tokens": 2048}, age=1.0)
+        policy.on_workers_changed([holder, idle])
+        policy.on_dispatch(holder, generate_text(text))  # the previous turn went there
+        if settled:
+            holder.load.settle(holder.load.updated_at - 0.5, 600)
+        chosen = policy.pick([holder, idle], generate_text(text + "user: and ships?\n"))
+        assert (chosen is holder) is settled
