@@ -197,6 +197,18 @@ class PDDispatcher:
         if attempt.progressed:
             return
         attempt.progressed = True
+        # the prefill has computed (it answered, or the decode has its KV), though its HTTP
+        # answer may come after the decode's (seen on the CPU rig): its snapshot forgets the
+        # request now (a conversation's next turn sent meanwhile found the prefill "busy"),
+        # and the other samples of an n > 1 request may follow it now (they waited for that
+        # answer and ran one after the other)
+        prefill, target = attempt.prefill, attempt.prefill_target
+        prefill.load.settle(attempt.dispatched_at, attempt.view.prompt_tokens)
+        if target is not None and target is not prefill:
+            target.load.settle(attempt.dispatched_at, attempt.view.prompt_tokens)
+        future = attempt.prefill_future
+        if future is not None and not future.done():
+            future.set_result((prefill, attempt.prefill_rank))
         now = asyncio.get_running_loop().time()
         self.model.first_progress(attempt.prefill.url, attempt.view.prompt_tokens,
                                   now - attempt.started_at)

@@ -154,13 +154,14 @@ class Proxy:
         tokens = attempt.prefill_tokens if leg == "prefill" else attempt.view.prompt_tokens
         if worker.finish(tokens, ok):
             self.dispatcher.rescue(worker, "opened its circuit breaker")
-        prompt = attempt.view.prompt_tokens
-        worker.load.settle(attempt.dispatched_at, prompt)
+        if leg == "decode" or not attempt.progressed:  # else settled at first progress
+            settle(attempt, worker)
         target = worker
         if leg == "prefill" and attempt.prefill_target is not worker:
             target = attempt.prefill_target
             target.finish(tokens)
-            target.load.settle(attempt.dispatched_at, prompt)
+            if not attempt.progressed:
+                settle(attempt, target)
         self.scheduler.completed(leg, target, attempt.view, ok is True)
         if ok is False:
             self.metrics.child(worker, self.metrics.leg_failures, leg, "error",
@@ -225,6 +226,12 @@ class Resumed:
         finally:
             if nxt.close is not None:
                 await nxt.close()
+
+
+def settle(attempt: Attempt, target) -> None:
+    """`attempt` is done on `target` as far as load goes: the target's `/v1/loads` snapshot
+    forgets it (workers.ServerLoad.settle)."""
+    target.load.settle(attempt.dispatched_at, attempt.view.prompt_tokens)
 
 
 def _reason(exc: UpstreamError) -> str:
