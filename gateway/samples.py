@@ -82,6 +82,9 @@ class Samples:
         return Answer(200, answers[0].content_type, stream=stream.events(), close=stream.close)
 
 
+FOLLOW_WAIT = 0.5  # seconds the other samples wait for sample 0's prefill to answer
+
+
 class Placement:
     """Where sample 0's prompt got cached, so the other samples can follow it there."""
 
@@ -102,8 +105,13 @@ class Placement:
         return done.result() if done.done() and not done.cancelled() else None
 
     async def wait_first(self, first: asyncio.Task) -> None:
-        """Until sample 0's first prefill has finished (or sample 0 itself ended)."""
-        await asyncio.wait([first, self.prefill_done], return_when=asyncio.FIRST_COMPLETED)
+        """Until sample 0's first prefill has finished (or sample 0 itself ended), at most
+        FOLLOW_WAIT: a prefill's HTTP answer may come long after it computed (after the
+        decode's, on the CPU rig), and the samples then ran one after the other. Past the
+        bound the others start without a preference; the prefill policy's own history
+        (sample 0 was recorded at dispatch) sends them to the same prefill and rank."""
+        await asyncio.wait([first, self.prefill_done], timeout=FOLLOW_WAIT,
+                           return_when=asyncio.FIRST_COMPLETED)
         if not self.prefill_done.done():
             self.prefill_done.cancel()
 
