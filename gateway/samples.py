@@ -91,12 +91,14 @@ class Placement:
     def __init__(self) -> None:
         self.prefill_done: asyncio.Future = asyncio.get_running_loop().create_future()
         self._claimed = False
+        self._first: tuple | None = None  # sample 0's (prefill worker, DP rank) as picked
 
     def started(self, attempt) -> None:
         """Called for every attempt of every sample; the very first one reports its prefill."""
         if not self._claimed:
             self._claimed = True
             attempt.prefill_future = self.prefill_done
+            self._first = (attempt.prefill, attempt.prefill_rank)
 
     @property
     def prefer(self):
@@ -108,10 +110,11 @@ class Placement:
         """Until sample 0's first prefill has finished (or sample 0 itself ended), at most
         FOLLOW_WAIT: a prefill's HTTP answer may come long after it computed (after the
         decode's, on the CPU rig), and the samples then ran one after the other. Past the
-        bound the others start without a preference; the prefill policy's own history
-        (sample 0 was recorded at dispatch) sends them to the same prefill and rank."""
+        bound the others follow sample 0 to the prefill and rank it was sent to."""
         await asyncio.wait([first, self.prefill_done], timeout=FOLLOW_WAIT,
                            return_when=asyncio.FIRST_COMPLETED)
+        if not self.prefill_done.done() and not first.done() and self._first is not None:
+            self.prefill_done.set_result(self._first)
         if not self.prefill_done.done():
             self.prefill_done.cancel()
 
