@@ -60,6 +60,11 @@ class Attempt:
     outcome: dict[str, bool | None] = field(default_factory=dict)
     trace: object = None  # tracing.AttemptTrace with tracing on, else None
 
+    def settle(self, target) -> None:
+        """This attempt is done on `target` (a Worker or Rank) as far as load goes: the
+        target's `/v1/loads` snapshot forgets it (workers.ServerLoad.settle)."""
+        target.load.settle(self.dispatched_at, self.view.prompt_tokens)
+
 
 @dataclass
 class Answer:

@@ -203,9 +203,9 @@ class PDDispatcher:
         # and the other samples of an n > 1 request may follow it now (they waited for that
         # answer and ran one after the other)
         prefill, target = attempt.prefill, attempt.prefill_target
-        prefill.load.settle(attempt.dispatched_at, attempt.view.prompt_tokens)
+        attempt.settle(prefill)
         if target is not None and target is not prefill:
-            target.load.settle(attempt.dispatched_at, attempt.view.prompt_tokens)
+            attempt.settle(target)
         future = attempt.prefill_future
         if future is not None and not future.done():
             future.set_result((prefill, attempt.prefill_rank))

@@ -155,13 +155,13 @@ class Proxy:
         if worker.finish(tokens, ok):
             self.dispatcher.rescue(worker, "opened its circuit breaker")
         if leg == "decode" or not attempt.progressed:  # else settled at first progress
-            settle(attempt, worker)
+            attempt.settle(worker)
         target = worker
         if leg == "prefill" and attempt.prefill_target is not worker:
             target = attempt.prefill_target
             target.finish(tokens)
             if not attempt.progressed:
-                settle(attempt, target)
+                attempt.settle(target)
         self.scheduler.completed(leg, target, attempt.view, ok is True)
         if ok is False:
             self.metrics.child(worker, self.metrics.leg_failures, leg, "error",
@@ -226,12 +226,6 @@ class Resumed:
         finally:
             if nxt.close is not None:
                 await nxt.close()
-
-
-def settle(attempt: Attempt, target) -> None:
-    """`attempt` is done on `target` as far as load goes: the target's `/v1/loads` snapshot
-    forgets it (workers.ServerLoad.settle)."""
-    target.load.settle(attempt.dispatched_at, attempt.view.prompt_tokens)
 
 
 def _reason(exc: UpstreamError) -> str:
