@@ -376,7 +376,9 @@ class HTTPClient:
                 + b"\r\nContent-Type: application/json\r\nAccept-Encoding: identity"
                 + b"\r\nContent-Length: ")
         request = b"%s%d\r\n%s\r\n%s" % (head, len(body), headers, body)
-        connection = await self._acquire(pool)
+        connection = pool.take_idle()  # the usual case, without a coroutine for _acquire
+        if connection is None:
+            connection = await self._acquire(pool)
         response = Response(asyncio.get_running_loop())
         connection.start(response, request)
         try:

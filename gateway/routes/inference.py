@@ -117,6 +117,7 @@ class InferenceEndpoint:
                                                started, state, usage)
                 finally:
                     gw.inflight.remove(tracked)
+                    tracked.attempts.clear()  # attempt -> tracked -> attempts: no cycle left
             except asyncio.CancelledError:
                 reason = interrupt.reason()
                 if reason is None:
