@@ -1,0 +1,192 @@
+"""What the gateway's own code costs per request, without sockets: the ASGI app in this process,
+its upstream replaced by one that answers at once, 64 requests at a time on one event loop.
+
+    python -m loadtests.logic_cost                      # default policies, round robin, none
+    python -m loadtests.logic_cost --requests 20000 --rounds 5 --endpoint chat
+
+The socket benchmark (`loadtests.overhead`) measures the whole proxy against its peers; this
+one isolates the Python work of a request (parsing, admission, scheduling, both legs'
+bookkeeping, accounting, the answer) from the kernel, the HTTP client and the peers, and
+moves less from run to run. Configurations, side by side in one run:
+
+* `default`: the shipped policies (cache_aware prefill, least_load decode);
+* `round_robin`: `--policy round_robin`;
+* `fixed`: the scheduler's choice replaced by a fixed alternation and its dispatch and
+  completion hooks by nothing: what the policies cost is `default` minus this.
+
+CPU time of this process per request (`time.process_time`), min and median over the rounds;
+each round alternates the configurations so that a slow moment of the machine hits all of
+them. Not a test: nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import time
+
+import orjson
+
+from gateway.app import build_app
+from gateway.config import load_config
+from gateway.server_protocol import DEPARTURE, WHOLE, Departure
+
+SERVERS = ["--prefill", "http://127.0.0.1:1", "9", "--decode", "http://127.0.0.1:2",
+           "--decode", "http://127.0.0.1:3", "--skip-probe", "--health-interval", "600",
+           "--loads-interval", "0"]
+BODIES = {
+    "generate": ("/generate", {"text": "Summarise the plot of a short story about a lighthouse "
+                                       "keeper and a storm.",
+                               "sampling_params": {"max_new_tokens": 2, "temperature": 0}}),
+    "chat": ("/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Summarise the plot of a short story about a lighthouse "
+                                    "keeper and a storm."}]}),
+}
+ANSWERS = {
+    "generate": {"text": " w01 w02", "meta_info": {"id": "x", "prompt_tokens": 17,
+                                                   "completion_tokens": 2, "cached_tokens": 0,
+                                                   "finish_reason": {"type": "length"}}},
+    "chat": {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "finish_reason": "length",
+                          "message": {"role": "assistant", "content": " w01 w02"}}],
+             "usage": {"prompt_tokens": 17, "completion_tokens": 2, "total_tokens": 19}},
+}
+CONCURRENCY = 64
+
+
+class _Answer:
+    """An upstream answer already in memory (the `UpstreamResponse` shape)."""
+
+    status = 200
+
+    def __init__(self, body: bytes) -> None:
+        self._body: bytes | None = body
+
+    def header(self, name: bytes) -> bytes | None:
+        return b"application/json" if name == b"content-type" else None
+
+    async def next_chunk(self) -> bytes | None:
+        body, self._body = self._body, None
+        return body
+
+    async def read(self) -> bytes:
+        await asyncio.sleep(0)  # one loop turn, as a socket read would take
+        return self._body or b""
+
+    def abort(self) -> None:
+        pass
+
+
+class _Upstream:
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+
+    async def post(self, base_url, path, body, request_id, headers=()) -> _Answer:
+        await asyncio.sleep(0)
+        return _Answer(self.answer)
+
+    async def close(self) -> None:
+        pass
+
+
+def _fixed_choice(gateway) -> None:
+    """The scheduler without its policies: prefill 0, decodes in turn, no hooks."""
+    scheduler = gateway.scheduler
+    model = scheduler.models.only or next(iter(scheduler.models.known.values()))
+    prefill, decodes = model.servers["prefill"][0], model.servers["decode"]
+    turn = iter(range(1 << 62))
+    scheduler.pick = lambda view, avoid=(), prefer=None: (
+        prefill, decodes[next(turn) % len(decodes)])
+    scheduler.dispatched = lambda *args: None
+    scheduler.completed = lambda *args: None
+
+
+async def _measure(config: str, endpoint: str, requests: int) -> float:
+    """CPU microseconds per request for one configuration (after a warm-up)."""
+    flags = ["--policy", "round_robin"] if config == "round_robin" else []
+    app = build_app(load_config([*SERVERS, *flags]))
+    path, body = BODIES[endpoint]
+    raw = orjson.dumps(body)
+    headers = [(b"host", b"gw"), (b"content-type", b"application/json"),
+               (b"content-length", str(len(raw)).encode())]
+    answered = 0
+
+    def whole(status, answer_headers, answer) -> bool:
+        nonlocal answered
+        answered += status == 200
+        return True
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message) -> None:
+        pass
+
+    async def client(count: int) -> None:
+        for _ in range(count):
+            scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+                     "headers": headers, "query_string": b"", "http_version": "1.1",
+                     "scheme": "http", "root_path": "", "client": ("127.0.0.1", 40000),
+                     "server": ("127.0.0.1", 8000), DEPARTURE: Departure(), WHOLE: whole}
+            await app(scope, receive, send)
+
+    async with app.app.router.lifespan_context(app.app):
+        gateway = app.state.gateway
+        gateway.dispatcher.upstream = _Upstream(orjson.dumps(ANSWERS[endpoint]))
+        if config == "fixed":
+            _fixed_choice(gateway)
+        await asyncio.gather(*(client(20) for _ in range(CONCURRENCY)))  # warm-up
+        per_client = max(1, requests // CONCURRENCY)
+        answered = 0
+        gc.collect()
+        start = time.process_time()
+        await asyncio.gather(*(client(per_client) for _ in range(CONCURRENCY)))
+        spent = time.process_time() - start
+    if answered != per_client * CONCURRENCY:
+        raise RuntimeError(f"{config}: {answered} of {per_client * CONCURRENCY} answered 200")
+    return spent / answered * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.logic_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=12800, help="measured requests per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--endpoint", choices=sorted(BODIES), default="generate")
+    p.add_argument("--configs", default="default,round_robin,fixed")
+    args = p.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    results: dict[str, list[float]] = {c: [] for c in configs}
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)  # as the gateway runs (gateway/cli.py)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            for _ in range(args.rounds):
+                for config in configs:
+                    results[config].append(runner.run(_measure(config, args.endpoint,
+                                                               args.requests)))
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+    base = statistics.median(results[configs[0]])
+    print(f"`python -m loadtests.logic_cost --endpoint {args.endpoint}` ({args.requests} "
+          f"requests x {args.rounds} rounds, {CONCURRENCY} at a time)\n")
+    print("| configuration | CPU us / request (min) | median | vs " + configs[0] + " |")
+    print("|---|---|---|---|")
+    for config, values in results.items():
+        median = statistics.median(values)
+        print(f"| {config} | {min(values):.1f} | {median:.1f} | {median / base:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
