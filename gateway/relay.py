@@ -188,7 +188,17 @@ class StreamRelay:
                         trace.relayed(out)
                     yield out
                 started = watchdog.waiting()
-                chunk = await self._next_chunk(attempt, response, watchdog)
+                try:  # here, not in a helper coroutine: one coroutine less per chunk
+                    chunk = await response.next_chunk()
+                except asyncio.CancelledError:
+                    if (reason := watchdog.upstream.reason()) is not None:
+                        raise reason from None  # the server went silent, or was rescued
+                    raise
+                except Exception as exc:  # the client's errors, as the leg's UpstreamError
+                    error = translated("decode", url, exc)
+                    if error is None:
+                        raise
+                    raise error from exc
                 d.model.gap(url, watchdog.loop.time() - started)
             rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter
                            and splitter.rest().strip() else b"")
@@ -223,22 +233,6 @@ class StreamRelay:
                     yield chunk
             finally:
                 await rest_of.aclose()
-
-    async def _next_chunk(self, attempt: Attempt, response: UpstreamResponse,
-                          watchdog: StreamWatchdog) -> bytes | None:
-        """The next raw chunk; None at the end of the stream. (Errors are translated in the
-        except clause, not by a context manager: this runs once per chunk.)"""
-        try:
-            return await response.next_chunk()
-        except asyncio.CancelledError:
-            if (reason := watchdog.upstream.reason()) is not None:
-                raise reason from None
-            raise
-        except Exception as exc:
-            error = translated("decode", attempt.decode.url, exc)
-            if error is None:
-                raise
-            raise error from exc
 
     def end(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
             ok: bool | None) -> None:

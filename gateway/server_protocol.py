@@ -68,6 +68,7 @@ REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fiel
 STALLED = "gateway.stalled"  # scope key set when the response stalled past send_timeout
 DEPARTURE = "gateway.departure"  # scope key: the request's `Departure`
 WHOLE = "gateway.whole"  # scope key: the request's `Whole`
+CHUNKS = "gateway.chunks"  # scope key: the request's `Chunks`
 
 
 class Departure:
@@ -128,6 +129,31 @@ class Whole:
         if not cycle.keep_alive:
             cycle.transport.close()
         cycle.on_response()
+        return True
+
+
+class Chunks:
+    """Writes one chunk of a streamed (chunked) body straight to the transport, where uvicorn's
+    `send` takes a message dict and a coroutine per chunk to write the same bytes (a streamed
+    answer is hundreds of chunks). It declines (False: send as usual) unless the response has
+    started with chunked encoding and is not complete, the client is still there and the write
+    buffer is below its high-water mark: uvicorn's `send` then waits for the drain, so
+    backpressure and the send deadline are those of every response. The end of the body (the
+    last, empty chunk) always goes through `send`, which completes the cycle. Held weakly, as
+    `Whole` is."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle) -> None:
+        self._cycle = weakref.ref(cycle)
+
+    def __call__(self, body: bytes) -> bool:
+        cycle = self._cycle()
+        if cycle is None or not cycle.response_started or cycle.response_complete \
+                or cycle.disconnected or cycle.flow.write_paused or not cycle.chunked_encoding \
+                or not body:
+            return False
+        cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
         return True
 
 
@@ -245,6 +271,7 @@ def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProt
             if cycle is not None:
                 cycle.scope[DEPARTURE] = Departure()
                 cycle.scope[WHOLE] = Whole(cycle)
+                cycle.scope[CHUNKS] = Chunks(cycle)
 
         def on_message_complete(self) -> None:
             self._due = INF  # the app answers now; a stalled answer has its own deadline

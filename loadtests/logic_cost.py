@@ -3,6 +3,7 @@ its upstream replaced by one that answers at once, 64 requests at a time on one 
 
     python -m loadtests.logic_cost                      # default policies, round robin, none
     python -m loadtests.logic_cost --requests 20000 --rounds 5 --endpoint chat
+    python -m loadtests.logic_cost --endpoint chat-stream   # per relayed event too
 
 The socket benchmark (`loadtests.overhead`) measures the whole proxy against its peers; this
 one isolates the Python work of a request (parsing, admission, scheduling, both legs'
@@ -31,7 +32,7 @@ import orjson
 
 from gateway.app import build_app
 from gateway.config import load_config
-from gateway.server_protocol import DEPARTURE, WHOLE, Departure
+from gateway.server_protocol import CHUNKS, DEPARTURE, WHOLE, Departure
 
 SERVERS = ["--prefill", "http://127.0.0.1:1", "9", "--decode", "http://127.0.0.1:2",
            "--decode", "http://127.0.0.1:3", "--skip-probe", "--health-interval", "600",
@@ -43,7 +44,11 @@ BODIES = {
     "chat": ("/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
         {"role": "user", "content": "Summarise the plot of a short story about a lighthouse "
                                     "keeper and a storm."}]}),
+    "chat-stream": ("/v1/chat/completions", {"model": "m", "max_tokens": 64, "stream": True,
+                                             "messages": [{"role": "user", "content": "Tell "
+                                                           "me a long story."}]}),
 }
+STREAM_EVENTS = 64  # the chunks of a streamed answer, one event each, then [DONE]
 ANSWERS = {
     "generate": {"text": " w01 w02", "meta_info": {"id": "x", "prompt_tokens": 17,
                                                    "completion_tokens": 2, "cached_tokens": 0,
@@ -56,18 +61,36 @@ ANSWERS = {
 CONCURRENCY = 64
 
 
+def _events() -> list[bytes]:
+    """A chat stream as SGLang sends it: one event per token, then [DONE]."""
+    chunks = [b"data: " + orjson.dumps({
+        "id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": {"content": f" w{i:02d}"}, "finish_reason": None}]})
+        + b"\n\n" for i in range(STREAM_EVENTS)]
+    return [*chunks, b"data: [DONE]\n\n"]
+
+
 class _Answer:
-    """An upstream answer already in memory (the `UpstreamResponse` shape)."""
+    """An upstream answer already in memory (the `UpstreamResponse` shape); a stream hands
+    out one event per loop turn, as a socket delivering them one by one would."""
 
     status = 200
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, events: list[bytes] | None = None) -> None:
         self._body: bytes | None = body
+        self._events = list(events) if events is not None else None
 
     def header(self, name: bytes) -> bytes | None:
-        return b"application/json" if name == b"content-type" else None
+        if name != b"content-type":
+            return None
+        return b"application/json" if self._events is None else b"text/event-stream"
 
     async def next_chunk(self) -> bytes | None:
+        if self._events is not None:
+            if not self._events:
+                return None
+            await asyncio.sleep(0)
+            return self._events.pop(0)
         body, self._body = self._body, None
         return body
 
@@ -80,12 +103,15 @@ class _Answer:
 
 
 class _Upstream:
-    def __init__(self, answer: bytes) -> None:
+    def __init__(self, answer: bytes, events: list[bytes] | None) -> None:
         self.answer = answer
+        self.events = events
 
     async def post(self, base_url, path, body, request_id, headers=()) -> _Answer:
         await asyncio.sleep(0)
-        return _Answer(self.answer)
+        streamed = self.events is not None and b"/generate" not in path.encode() \
+            and b'"stream":true' in body
+        return _Answer(self.answer, self.events if streamed else None)
 
     async def close(self) -> None:
         pass
@@ -118,6 +144,11 @@ async def _measure(config: str, endpoint: str, requests: int) -> float:
         answered += status == 200
         return True
 
+    def chunks(body: bytes) -> bool:  # as server_protocol.Chunks: written at once
+        nonlocal answered
+        answered += body.endswith(b"data: [DONE]\n\n")
+        return True
+
     async def receive() -> dict:
         return {"type": "http.request", "body": raw, "more_body": False}
 
@@ -129,12 +160,16 @@ async def _measure(config: str, endpoint: str, requests: int) -> float:
             scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
                      "headers": headers, "query_string": b"", "http_version": "1.1",
                      "scheme": "http", "root_path": "", "client": ("127.0.0.1", 40000),
-                     "server": ("127.0.0.1", 8000), DEPARTURE: Departure(), WHOLE: whole}
+                     "server": ("127.0.0.1", 8000), DEPARTURE: Departure(), WHOLE: whole,
+                     CHUNKS: chunks}
             await app(scope, receive, send)
 
     async with app.app.router.lifespan_context(app.app):
         gateway = app.state.gateway
-        gateway.dispatcher.upstream = _Upstream(orjson.dumps(ANSWERS[endpoint]))
+        streamed = endpoint.endswith("-stream")
+        gateway.dispatcher.upstream = _Upstream(
+            orjson.dumps(ANSWERS[endpoint.removesuffix("-stream")]),
+            _events() if streamed else None)
         if config == "fixed":
             _fixed_choice(gateway)
         await asyncio.gather(*(client(20) for _ in range(CONCURRENCY)))  # warm-up
@@ -178,13 +213,16 @@ def main(argv: list[str] | None = None) -> int:
         gc.unfreeze()
         gc.set_threshold(*threshold)
     base = statistics.median(results[configs[0]])
+    per_event = STREAM_EVENTS + 1 if args.endpoint.endswith("-stream") else 0
     print(f"`python -m loadtests.logic_cost --endpoint {args.endpoint}` ({args.requests} "
           f"requests x {args.rounds} rounds, {CONCURRENCY} at a time)\n")
-    print("| configuration | CPU us / request (min) | median | vs " + configs[0] + " |")
-    print("|---|---|---|---|")
+    extra = f" CPU us / event ({per_event} a stream, median) |" if per_event else ""
+    print("| configuration | CPU us / request (min) | median | vs " + configs[0] + " |" + extra)
+    print("|---|---|---|---|" + ("---|" if per_event else ""))
     for config, values in results.items():
         median = statistics.median(values)
-        print(f"| {config} | {min(values):.1f} | {median:.1f} | {median / base:.2f}x |")
+        event = f" {median / per_event:.2f} |" if per_event else ""
+        print(f"| {config} | {min(values):.1f} | {median:.1f} | {median / base:.2f}x |{event}")
     return 0
 
 

@@ -31,7 +31,7 @@ from gateway.inflight import Tracked, new_id, safe_id
 from gateway.relay import SlowClient
 from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
-from gateway.server_protocol import DEPARTURE, STALLED, WHOLE
+from gateway.server_protocol import CHUNKS, DEPARTURE, STALLED, WHOLE
 from gateway.sse import DONE, frame
 from gateway.tenancy import Ticket
 
@@ -218,13 +218,16 @@ class InferenceEndpoint:
         meter = usage.meter = StreamTokens.of(view)  # None for most: read at the end only
         feed = meter.feed if meter is not None else None
         previous = final = b""
+        direct = watch.scope.get(CHUNKS)  # one write per chunk under our server protocol
         try:
             async for chunk in answer.stream:
                 if feed is not None:  # the usage event the client did not ask for is cut
                     chunk = feed(chunk)
                     if not chunk:
                         continue
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if direct is None or not direct(chunk):
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
                 now = time.perf_counter()
                 if last:
                     itl.observe(now - last)

@@ -50,8 +50,9 @@ def test_a_client_that_stops_reading_loses_its_stream_and_both_legs(fast, fast_s
         sock = connect(fast.port, rcvbuf=4096)
         sock.sendall(stalled_request(request_id))
         started = time.monotonic()
-        wait_for(lambda: fast_sims.decode.tap.seen("/generate") and upstream_rid(
-            fast_sims, request_id), 10, "the stream reached the decode")
+        wait_for(lambda: any(s.header("x-request-id") == request_id  # other tests' too
+                             for s in fast_sims.decode.tap.seen("/generate")),
+                 10, "the stream reached the decode")
         took = wait_for(lambda: slow() > before, 20, "a slow client counted")
         rid = upstream_rid(fast_sims, request_id)
         wait_for(lambda: fast_sims.decode.rooms(rid), 10, "the decode ended the request")
