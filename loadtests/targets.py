@@ -53,6 +53,14 @@ def _gateway(*extra: str):
     return argv
 
 
+def _python_floor(c: Cluster, port: int, _peer_python: Path | None) -> list[str]:
+    args = [sys.executable, "-m", "loadtests.pd_floor", "--host", HOST, "--port", str(port),
+            "--prefill", c.prefill_urls[0], str(c.bootstrap_port)]
+    for url in c.decode_urls:
+        args += ["--decode", url]
+    return args
+
+
 def _router(*extra: str):
     def argv(c: Cluster, port: int, peer_python: Path | None) -> list[str]:
         args = [str(peer_python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -130,6 +138,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("gateway-tracing-10", "gateway-tracing with --otlp-sample-ratio 0.1 (one request "
            "in ten recorded)", _gateway("--otlp-sample-ratio", "0.1"), ours=True,
            ready_path="/readiness", sidecar=otlp_blackhole),
+    Target("python-floor", "the least a Python PD proxy does, on the gateway's server "
+           "protocol and client (loadtests/pd_floor.py): a measuring stick", _python_floor,
+           ours=True),
     Target("sglang-router", "sglang-router 0.3.2 (Rust), --policy random",
            _rust_router, peer=True, ready_path="/readiness"),
     Target("mini-lb", "sglang-router 0.3.2 --mini-lb (Python, FastAPI + aiohttp)",
