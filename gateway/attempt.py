@@ -65,6 +65,13 @@ class Attempt:
         target's `/v1/loads` snapshot forgets it (workers.ServerLoad.settle)."""
         target.load.settle(self.dispatched_at, self.view.prompt_tokens)
 
+    def settle_prefill(self) -> None:
+        """`settle` on the prefill server, and on the DP rank the policy chose there."""
+        self.settle(self.prefill)
+        target = self.prefill_target
+        if target is not None and target is not self.prefill:
+            self.settle(target)
+
 
 @dataclass
 class Answer:

@@ -202,13 +202,10 @@ class PDDispatcher:
         # request now (a conversation's next turn sent meanwhile found the prefill "busy"),
         # and the other samples of an n > 1 request may follow it now (they waited for that
         # answer and ran one after the other)
-        prefill, target = attempt.prefill, attempt.prefill_target
-        attempt.settle(prefill)
-        if target is not None and target is not prefill:
-            attempt.settle(target)
+        attempt.settle_prefill()
         future = attempt.prefill_future
         if future is not None and not future.done():
-            future.set_result((prefill, attempt.prefill_rank))
+            future.set_result((attempt.prefill, attempt.prefill_rank))
         now = asyncio.get_running_loop().time()
         self.model.first_progress(attempt.prefill.url, attempt.view.prompt_tokens,
                                   now - attempt.started_at)

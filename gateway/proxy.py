@@ -154,14 +154,14 @@ class Proxy:
         tokens = attempt.prefill_tokens if leg == "prefill" else attempt.view.prompt_tokens
         if worker.finish(tokens, ok):
             self.dispatcher.rescue(worker, "opened its circuit breaker")
-        if leg == "decode" or not attempt.progressed:  # else settled at first progress
+        if leg == "decode":
             attempt.settle(worker)
+        elif not attempt.progressed:  # else settled at first progress (pd.progress)
+            attempt.settle_prefill()
         target = worker
         if leg == "prefill" and attempt.prefill_target is not worker:
             target = attempt.prefill_target
             target.finish(tokens)
-            if not attempt.progressed:
-                attempt.settle(target)
         self.scheduler.completed(leg, target, attempt.view, ok is True)
         if ok is False:
             self.metrics.child(worker, self.metrics.leg_failures, leg, "error",

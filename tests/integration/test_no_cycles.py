@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from loadtests.cluster import cluster
 from tests.procs import HOST, ROOT, free_port, python, running
 
 ROUNDS = 30
@@ -36,22 +37,17 @@ SHAPES = [
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    prefill, bootstrap, decodes = free_port(), free_port(), [free_port(), free_port()]
-    stub = python("-m", "loadtests.pdstub", "--host", HOST, "--prefill-port", str(prefill),
-                  "--bootstrap-port", str(bootstrap))
-    for port in decodes:
-        stub += ["--decode-port", str(port)]
-    port = free_port()
-    gateway = python(str(ROOT / "tests/integration/gc_probe.py"), "--host", HOST,
-                     "--port", str(port), "--prefill", f"http://{HOST}:{prefill}",
-                     str(bootstrap))
-    for decode in decodes:
-        gateway += ["--decode", f"http://{HOST}:{decode}"]
     out = logs / "garbage.json"
-    with running("pdstub", stub, logs, f"http://{HOST}:{prefill}/health"), \
-            running("gateway", gateway, logs, f"http://{HOST}:{port}/readiness",
-                    env={"GC_PROBE_OUT": str(out)}) as proc:
-        yield f"http://{HOST}:{port}", proc, out
+    with cluster("stub", 2, None, logs) as servers:
+        port = free_port()
+        gateway = python(str(ROOT / "tests/integration/gc_probe.py"), "--host", HOST,
+                         "--port", str(port), "--prefill", servers.prefill_url,
+                         str(servers.bootstrap_port))
+        for decode in servers.decode_urls:
+            gateway += ["--decode", decode]
+        with running("gateway", gateway, logs, f"http://{HOST}:{port}/readiness",
+                     env={"GC_PROBE_OUT": str(out)}) as proc:
+            yield f"http://{HOST}:{port}", proc, out
 
 
 def garbage_of(proc, out, send) -> dict:
