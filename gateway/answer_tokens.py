@@ -28,9 +28,12 @@ bytes `"completion_tokens"` followed by `:` only occur as a key.
 
 from __future__ import annotations
 
+import re
+
 import orjson
 
 from gateway.request import GENERATE, RequestView
+from gateway.sse import data_objects
 
 KEY = b'"completion_tokens"'
 USAGE_MARKS = (b'"usage":{', b'"usage": {')
@@ -50,30 +53,15 @@ def ask_for_usage(view: RequestView, body: dict) -> None:
         body["stream_options"] = {"include_usage": True}
 
 
-def _values(data: bytes):
-    """The integers under the key `completion_tokens`, in order."""
-    at = data.find(KEY)
-    while at >= 0:
-        end = at + len(KEY)
-        while end < len(data) and data[end] in b" \t\r\n":
-            end += 1
-        if end < len(data) and data[end] == 58:  # ":"
-            end += 1
-            while end < len(data) and data[end] in b" \t\r\n":
-                end += 1
-            start = end
-            while end < len(data) and 48 <= data[end] <= 57:
-                end += 1
-            if end > start:
-                yield int(data[start:end])
-        at = data.find(KEY, end)
+# the key, JSON whitespace, a colon, whitespace, the integer (a C-level scan, no parse)
+_COUNT = re.compile(rb'"completion_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]+)')
 
 
 def completion_total(body: bytes) -> int | None:
     """The completion tokens of a whole answer: one `usage`, or one `meta_info` per item of a
     native batch (summed); None when the answer says nothing."""
-    values = list(_values(body))
-    return sum(values) if values else None
+    values = _COUNT.findall(body)
+    return sum(map(int, values)) if values else None
 
 
 def completion_final(data: bytes) -> int | None:
@@ -81,7 +69,43 @@ def completion_final(data: bytes) -> int | None:
     at = data.rfind(KEY, max(0, len(data) - TAIL_LIMIT))
     if at < 0:
         return None
-    return next(_values(data[at:]), None)
+    found = _COUNT.match(data, at)
+    return int(found[1]) if found is not None else None
+
+
+def prompt_usage(body: bytes) -> tuple[int, int]:
+    """(prompt_tokens, cached_tokens) of a prefill's answer, summed over its items: a
+    native answer's `meta_info` (one per item of a batch), an OpenAI answer's `usage` (its
+    cached count under `prompt_tokens_details`); an SSE body (a streamed prefill answer)
+    summed over its events. Parsed (orjson), not scanned: two keys, where a byte scan per
+    key cost more than the parse."""
+    first = body[:1]
+    try:
+        if first == b"{" or first == b"[" or body.lstrip()[:5] != b"data:":
+            items = orjson.loads(body)
+        else:
+            items = data_objects(body)
+    except orjson.JSONDecodeError:
+        return 0, 0
+    if isinstance(items, dict):
+        items = (items,)
+    elif not isinstance(items, list):
+        return 0, 0
+    prompt = cached = 0
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        meta = item.get("meta_info")
+        if isinstance(meta, dict):
+            prompt += meta.get("prompt_tokens") or 0
+            cached += meta.get("cached_tokens") or 0
+            continue
+        usage = item.get("usage")
+        if isinstance(usage, dict):
+            prompt += usage.get("prompt_tokens") or 0
+            details = usage.get("prompt_tokens_details") or {}
+            cached += details.get("cached_tokens") or 0
+    return prompt, cached
 
 
 class StreamTokens:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.auth import Role
+from gateway.auth import ADMIN, INFERENCE, PUBLIC, Role
 from gateway.config import GatewayConfig
 from gateway.request import ENDPOINT_PATHS
 from gateway.routes import admin, dashboard, info, models, operations
@@ -29,7 +29,6 @@ from gateway.runtime import Gateway
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-PUBLIC, INFERENCE, ADMIN = Role.PUBLIC, Role.INFERENCE, Role.ADMIN
 # An admin aborts anyone's requests (or all), an inference caller its own: either role will do,
 # admin first so that an admin key is recognised as one (an inference key never becomes admin).
 ABORTERS = (ADMIN, INFERENCE)

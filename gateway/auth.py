@@ -45,10 +45,16 @@ class Role(enum.Enum):
     INFERENCE = "inference"
     ADMIN = "admin"
 
+    # members are singletons: the identity hash (in C) instead of Enum's Python-level
+    # hash of the name, asked on every request by `role in caller.roles`
+    __hash__ = object.__hash__
+
 
 ADMIN_TENANT = "admin"  # the tenant of admin callers (their aborts, flushes...)
-_PUBLIC = frozenset({Role.PUBLIC})
-_PUBLIC_INFERENCE = frozenset({Role.PUBLIC, Role.INFERENCE})
+# plain module names for the members (on Python 3.11 `Role.ADMIN` is a ~170 ns lookup)
+PUBLIC, INFERENCE, ADMIN = Role.PUBLIC, Role.INFERENCE, Role.ADMIN
+_PUBLIC = frozenset({PUBLIC})
+_PUBLIC_INFERENCE = frozenset({PUBLIC, INFERENCE})
 
 
 @dataclass(slots=True, eq=False)
@@ -70,7 +76,7 @@ class Caller:
 
     @property
     def is_admin(self) -> bool:
-        return Role.ADMIN in self.roles
+        return ADMIN in self.roles
 
 
 def is_loopback(client: tuple | None) -> bool:
@@ -138,6 +144,7 @@ class Auth:
         if len(tenants) != len(inference_keys):
             tenants = ("default",) * len(inference_keys)
         self.tenants = tenants  # the tenant of each inference key
+        self._keyless_callers: dict[str, Caller] = {}
 
     @property
     def inference_open(self) -> bool:
@@ -158,18 +165,18 @@ class Auth:
                     continue
             needed = needed[-1]
         client = scope.get("client")
-        loopback = is_loopback(client)
-        address = str(client[0]) if client else ""
         key = presented_key(scope["headers"])
         if key is not None and (self.inference.keys or self.admin.keys):
-            caller = self._by_key(key, loopback, address, needed)
+            address = str(client[0]) if client else ""
+            caller = self._by_key(key, is_loopback(client), address, needed)
         else:
-            caller = Caller(self._open, None, loopback, address)
+            caller = self._keyless(client)
         if needed in caller.roles:
             return caller
-        if needed is Role.ADMIN:
+        loopback, address = caller.loopback, caller.address
+        if needed is ADMIN:
             if not self.admin_keys_set and loopback:
-                return Caller(caller.roles | {Role.ADMIN}, caller.key_id, loopback,
+                return Caller(caller.roles | {ADMIN}, caller.key_id, loopback,
                               address)  # the operator on the host
             if caller.key_id is not None:
                 raise Forbidden("this API key has no admin rights")
@@ -180,6 +187,18 @@ class Auth:
             raise Unauthorized("this API key is not an inference key")
         raise Unauthorized("missing API key (Authorization: Bearer <key>)")
 
+    def _keyless(self, client: tuple | None) -> Caller:
+        """The caller without a key at this address: one per address, made once (a caller is
+        never changed; the set of keys is fixed for the life of this object)."""
+        address = str(client[0]) if client else ""
+        caller = self._keyless_callers.get(address)
+        if caller is None:
+            if len(self._keyless_callers) >= 4096:  # bounded: many addresses, start over
+                self._keyless_callers.clear()
+            caller = self._keyless_callers[address] = Caller(self._open, None,
+                                                             is_loopback(client), address)
+        return caller
+
     @property
     def _open(self) -> frozenset[Role]:
         """What a caller without a key may do."""
@@ -187,21 +206,21 @@ class Auth:
 
     def _by_key(self, key: str, loopback: bool, address: str, needed: Role) -> Caller:
         if key == AMBIGUOUS:
-            if needed is Role.PUBLIC:
+            if needed is PUBLIC:
                 return Caller(_PUBLIC, None, loopback, address)
             raise Unauthorized("several Authorization or x-api-key headers; send one key")
         candidate = key.encode("latin-1")
         admin = self.admin.index(candidate)
         inference = self.inference.index(candidate)
         if admin >= 0:
-            return Caller(self._open | {Role.ADMIN}, f"admin:{admin}", loopback, address,
+            return Caller(self._open | {ADMIN}, f"admin:{admin}", loopback, address,
                           tenant=ADMIN_TENANT)
         if inference >= 0:
-            if needed is Role.INFERENCE:
+            if needed is INFERENCE:
                 self.limits.take_request(inference)
             return Caller(_PUBLIC_INFERENCE, f"inference:{inference}", loopback, address,
                           key_index=inference, tenant=self.tenants[inference])
-        if needed is Role.PUBLIC or (needed is Role.INFERENCE and self.inference_open):
+        if needed is PUBLIC or (needed is INFERENCE and self.inference_open):
             # an unknown key where none is needed (OpenAI clients always send one)
             return Caller(self._open, None, loopback, address)
         raise Unauthorized("invalid API key")

@@ -24,6 +24,11 @@ class BreakerState(StrEnum):
     HALF_OPEN = "half_open"
 
 
+# The members as plain module names: on Python 3.11 `BreakerState.OPEN` is a descriptor
+# lookup of about 170 ns, and the request path asks a breaker's state several times.
+CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
+
+
 class CircuitBreaker:
     def __init__(
         self,
@@ -40,7 +45,7 @@ class CircuitBreaker:
         self.failure_rate = failure_rate
         self.probes = probes
         self._clock = clock
-        self.state = BreakerState.CLOSED
+        self.state = CLOSED
         self.consecutive_failures = 0
         self.opened_at = 0.0
         self.probes_in_flight = 0
@@ -49,29 +54,29 @@ class CircuitBreaker:
 
     def refresh(self, now: float | None = None) -> None:
         """Move an open breaker whose cooldown elapsed to half-open."""
-        if self.state is BreakerState.OPEN:
+        if self.state is OPEN:
             now = self._clock() if now is None else now
             if now - self.opened_at >= self.cooldown:
-                self.state = BreakerState.HALF_OPEN
+                self.state = HALF_OPEN
                 self.probes_in_flight = 0
 
     @property
     def admits(self) -> bool:
         """May a new request go to this server now (no side effect)?"""
-        if self.state is BreakerState.CLOSED:
+        if self.state is CLOSED:
             return True
-        if self.state is BreakerState.OPEN:
+        if self.state is OPEN:
             return False
         return self.probes_in_flight < self.probes
 
     def on_dispatch(self) -> None:
-        if self.state is BreakerState.HALF_OPEN:
+        if self.state is HALF_OPEN:
             self.probes_in_flight += 1
 
     def release_probe(self) -> None:
         """A half-open probe ended without a verdict (cancelled, or the other leg failed
         first): its place goes to the next request."""
-        if self.state is BreakerState.HALF_OPEN and self.probes_in_flight > 0:
+        if self.state is HALF_OPEN and self.probes_in_flight > 0:
             self.probes_in_flight -= 1
 
     def record(self, success: bool) -> bool:
@@ -79,18 +84,18 @@ class CircuitBreaker:
         self._recent.append(success)
         if success:
             self.consecutive_failures = 0
-            if self.state is not BreakerState.CLOSED:
-                self.state = BreakerState.CLOSED
+            if self.state is not CLOSED:
+                self.state = CLOSED
                 self._recent.clear()
             self.probes_in_flight = 0
             return False
         self.consecutive_failures += 1
-        if self.state is BreakerState.HALF_OPEN or self._should_open():
+        if self.state is HALF_OPEN or self._should_open():
             return self._open()
         return False
 
     def _should_open(self) -> bool:
-        if self.state is BreakerState.OPEN:
+        if self.state is OPEN:
             return False
         if self.consecutive_failures >= self.failure_threshold:
             return True
@@ -100,16 +105,16 @@ class CircuitBreaker:
         return False
 
     def _open(self) -> bool:
-        opened = self.state is not BreakerState.OPEN
+        opened = self.state is not OPEN
         if opened:
             self.opens += 1
-        self.state = BreakerState.OPEN
+        self.state = OPEN
         self.opened_at = self._clock()
         self.probes_in_flight = 0
         return opened
 
     def reset(self) -> None:
-        self.state = BreakerState.CLOSED
+        self.state = CLOSED
         self.consecutive_failures = 0
         self.probes_in_flight = 0
         self._recent.clear()

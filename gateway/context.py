@@ -18,6 +18,7 @@ the request goes on and the servers decide.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
 import httpx
@@ -80,35 +81,37 @@ class ContextCheck:
         self.tokens = tokens  # prompt_tokens.PromptTokens: the served model's tokenizer, if any
 
     def context_length(self, view: RequestView) -> int | None:
-        lengths = [w.context_length for w in self.models.of(view).usable("prefill")
-                   if w.context_length]
-        return min(lengths) if lengths else None
+        """The least context length of the model's usable prefill servers (None: unknown)."""
+        least = None
+        for worker in self.models.of(view).servers["prefill"]:
+            context = worker.context_length
+            if context and (least is None or context < least) and worker.usable:
+                least = context
+        return least
 
-    async def check(self, view: RequestView) -> None:
+    def check(self, view: RequestView) -> Coroutine[Any, Any, None] | None:
+        """Raise BadRequest if `view` cannot fit; None when that is settled here, else the
+        coroutine to await that counts the prompt exactly first (a prompt near the limit):
+        the usual request makes no coroutine."""
         context = self.context_length(view)
         if context is None:
-            return
+            return None
         new = requested_new_tokens(view)
-        lengths = view.lengths
-        if lengths is None:
+        if view.lengths is None:
             if most_tokens(view) + (new or 0) < NEAR * context:
-                return
-            if self.tokens is not None:
-                lengths = (await self.tokens.count(view, needed=True)).lengths
-            if lengths is None:
-                lengths = await self._count(view)
-            if lengths is None:
-                return
-        for prompt in lengths:
-            if prompt >= context:
-                raise BadRequest(f"the prompt has {prompt} tokens, and the model's context "
-                                 f"length is {context} tokens: it does not fit",
-                                 code="context_length_exceeded")
-            if new is not None and prompt + new > context:
-                raise BadRequest(f"the prompt has {prompt} tokens and {new} new tokens were "
-                                 f"asked for: {prompt + new} tokens do not fit the model's "
-                                 f"context length of {context} tokens",
-                                 code="context_length_exceeded")
+                return None
+            return self._check_counted(view, context, new)
+        _fits(view.lengths, context, new)
+        return None
+
+    async def _check_counted(self, view: RequestView, context: int, new: int | None) -> None:
+        lengths = None
+        if self.tokens is not None:
+            lengths = (await self.tokens.count(view, needed=True)).lengths
+        if lengths is None:
+            lengths = await self._count(view)
+        if lengths is not None:
+            _fits(lengths, context, new)
 
     async def _count(self, view: RequestView) -> list[int] | None:
         """Exact prompt lengths from a server's own tokenizer, or None if it cannot say."""
@@ -147,3 +150,17 @@ class ContextCheck:
                                            and all(isinstance(p, str) for p in prompt)):
                 return {"prompt": prompt}
         return None
+
+
+def _fits(lengths, context: int, new: int | None) -> None:
+    """Raise BadRequest naming the numbers when a prompt (plus the new tokens) cannot fit."""
+    for prompt in lengths:
+        if prompt >= context:
+            raise BadRequest(f"the prompt has {prompt} tokens, and the model's context "
+                             f"length is {context} tokens: it does not fit",
+                             code="context_length_exceeded")
+        if new is not None and prompt + new > context:
+            raise BadRequest(f"the prompt has {prompt} tokens and {new} new tokens were "
+                             f"asked for: {prompt + new} tokens do not fit the model's "
+                             f"context length of {context} tokens",
+                             code="context_length_exceeded")

@@ -20,6 +20,7 @@ stream gaps, which any server's gaps also inform). How the defaults were chosen 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -38,24 +39,22 @@ class DeadlineOptions:
 class _Ring:
     """The last `size` observations and their cached percentile."""
 
-    __slots__ = ("values", "size", "next", "count", "_cached", "_dirty")
+    __slots__ = ("values", "size", "count", "seen", "_cached", "_dirty")
 
     def __init__(self, size: int) -> None:
-        self.values: list[float] = []
+        self.values: deque[float] = deque(maxlen=size)  # the oldest drops out (in C)
         self.size = size
-        self.next = 0
         self.count = 0
+        self.seen = 0  # observations offered, kept or not (a sampling ring)
         self._cached = 0.0
         self._dirty = 0
 
-    def add(self, value: float) -> None:
-        if len(self.values) < self.size:
-            self.values.append(value)
-        else:
-            self.values[self.next] = value
-            self.next = (self.next + 1) % self.size
+    def add(self, value: float) -> bool:
+        """Keep `value`; True when this one makes the cached percentile due for a new sort."""
+        self.values.append(value)
         self.count += 1
         self._dirty += 1
+        return self._dirty == 16 or self.count <= 64
 
     def quantile(self, q: float) -> float:
         """The q-quantile, recomputed every 16 new observations (a sort of <= 256 floats)."""
@@ -84,6 +83,10 @@ class LatencyModel:
         self._first_any: dict[int, _Ring] = {}
         self._gaps: dict[str, _Ring] = {}
         self._gaps_any = _Ring(self.options.window)
+        # (url, bucket) -> (limit, deadline): asked for on every attempt, while what it is
+        # made of changes at most every 16 observations of a ring (`_Ring.quantile`); the
+        # observation that makes a ring due for a new quantile clears it
+        self._memo: dict[tuple[str, int], tuple[float, float]] = {}
 
     def _ring(self, table: dict, key) -> _Ring:
         ring = table.get(key)
@@ -95,15 +98,21 @@ class LatencyModel:
 
     def first_progress(self, url: str, tokens: int, seconds: float) -> None:
         bucket = bucket_of(tokens)
-        self._ring(self._first, (url, bucket)).add(seconds)
-        self._ring(self._first_any, bucket).add(seconds)
+        stale = self._ring(self._first, (url, bucket)).add(seconds)
+        if self._ring(self._first_any, bucket).add(seconds) or stale:
+            self._memo.clear()  # a deadline made of either ring may change
 
     def gap(self, url: str, seconds: float) -> None:
-        """One chunk gap of `url`'s stream (called per streamed chunk: kept cheap; the
-        fallback over all servers takes one gap in 8, plenty for a percentile)."""
+        """One chunk gap of `url`'s stream, called per streamed chunk, so kept cheap: once
+        the server has `min_samples` gaps, one gap in 4 is kept (its ring then spans its
+        last 1024 gaps, plenty for a percentile); the fallback over all servers takes one
+        kept gap in 8."""
         ring = self._gaps.get(url)
         if ring is None:
             ring = self._gaps[url] = _Ring(self.options.window)
+        ring.seen += 1
+        if ring.seen & 3 != 1 and ring.count >= self.options.min_samples:
+            return
         ring.add(seconds)
         if ring.count & 7 == 1:
             self._gaps_any.add(seconds)
@@ -117,17 +126,31 @@ class LatencyModel:
         return min(limit, max(o.floor, o.factor * learned))
 
     def first_progress_deadline(self, url: str, tokens: int, limit: float) -> float:
-        o = self.options
         bucket = bucket_of(tokens)
-        for below in range(bucket, -1, -1):  # this bucket, else a smaller one scaled up
+        key = (url, bucket)
+        known = self._memo.get(key)
+        if known is not None and known[0] == limit:
+            return known[1]
+        o = self.options
+        learned = self._learned_first(url, bucket)
+        if learned is None:  # cold: the prompt's own size counts, not its bucket's
+            return self._bounded(None, limit, o.cold + tokens / o.cold_tokens_per_second)
+        deadline = self._bounded(learned, limit)
+        self._memo[key] = (limit, deadline)
+        return deadline
+
+    def _learned_first(self, url: str, bucket: int) -> float | None:
+        """The percentile learned for `url` and the bucket (a smaller bucket's scaled up),
+        else every server's for the bucket, else None."""
+        o = self.options
+        for below in range(bucket, -1, -1):
             ring = self._first.get((url, below))
             if ring is not None and ring.count >= o.min_samples:
-                scale = bucket_tokens(bucket) / bucket_tokens(below)
-                return self._bounded(ring.quantile(o.percentile) * scale, limit)
+                return ring.quantile(o.percentile) * (bucket_tokens(bucket) / bucket_tokens(below))
         ring = self._first_any.get(bucket)
         if ring is not None and ring.count >= o.min_samples:
-            return self._bounded(ring.quantile(o.percentile), limit)
-        return self._bounded(None, limit, o.cold + tokens / o.cold_tokens_per_second)
+            return ring.quantile(o.percentile)
+        return None
 
     def gap_deadline(self, url: str, limit: float) -> float:
         """This server's gaps, else every server's (decode steps are alike), else cold."""
@@ -138,6 +161,7 @@ class LatencyModel:
         return self._bounded(None, limit, o.gap_cold)
 
     def forget(self, url: str) -> None:
+        self._memo.clear()
         for key in [k for k in self._first if k[0] == url]:
             del self._first[key]
         self._gaps.pop(url, None)

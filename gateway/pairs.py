@@ -46,14 +46,21 @@ class PairHealth:
         self._partners: dict[str, dict[str, tuple[bool, float]]] = {}
 
     def _note(self, prefill: str, decode: str, ok: bool, now: float) -> None:
-        self._partners.setdefault(prefill, {})[decode] = (ok, now)
-        self._partners.setdefault(decode, {})[prefill] = (ok, now)
+        partners = self._partners
+        outcome = (ok, now)
+        known = partners.get(prefill)
+        if known is None:
+            known = partners[prefill] = {}
+        known[decode] = outcome
+        known = partners.get(decode)
+        if known is None:
+            known = partners[decode] = {}
+        known[prefill] = outcome
 
     def record_success(self, prefill: str, decode: str) -> None:
         self._note(prefill, decode, True, self._clock())
-        pair = self._pairs.get((prefill, decode))
-        if pair is not None:
-            del self._pairs[(prefill, decode)]  # healthy again (a probe succeeded)
+        if self._pairs:  # healthy again (a probe succeeded)
+            self._pairs.pop((prefill, decode), None)
 
     def record_failure(self, prefill: str, decode: str) -> bool:
         """A failed attempt of the pair; True when it is the pair's fault (both servers
@@ -89,6 +96,8 @@ class PairHealth:
 
     def blocked(self, prefill: str, decode: str) -> bool:
         """Should the scheduler avoid pairing these two now? (No side effect.)"""
+        if not self._pairs:  # (asked for every decode on every pick)
+            return False
         pair = self._pairs.get((prefill, decode))
         if pair is None or not pair.quarantined_until:
             return False
@@ -96,6 +105,8 @@ class PairHealth:
 
     def probe(self, prefill: str, decode: str) -> None:
         """The scheduler sends a request through a quarantined pair whose cooldown is over."""
+        if not self._pairs:
+            return
         pair = self._pairs.get((prefill, decode))
         if pair is not None and pair.quarantined_until and not pair.probing:
             pair.probing = True

@@ -11,7 +11,8 @@ Deadlines: until its first progress (the prefill's answer or the decode's first 
 attempt has the deadline learned for its prefill server and prompt size (gateway/deadlines.py),
 so a hung pair is suspected in seconds; after it, the hard --response-timeout. Every attempt
 waiting on a server is registered on it: when the server is marked down or its breaker opens,
-`rescue` stops those attempts at once so they are retried elsewhere.
+`rescue` stops those attempts at once so they are retried elsewhere (when the role has
+another usable server; else they keep waiting under these deadlines).
 
 The decode leg runs in the caller's task and the prefill leg in a second task whose failure
 interrupts the decode (`Interrupt`, gateway/cancel.py): two legs, one extra task.
@@ -35,6 +36,7 @@ from gateway.errors import UpstreamError
 from gateway.inflight import Tracked
 from gateway.leg_bodies import leg_bodies
 from gateway.logprobs import StreamMerger, merge_body, prefill_parts
+from gateway.prefill_tails import PrefillTails
 from gateway.probe import FOLLOW_ROOM
 from gateway.relay import StreamRelay
 from gateway.request import RequestView
@@ -63,6 +65,7 @@ class _PrefillWatch:
     def __call__(self, prefill: asyncio.Task) -> None:
         error = None if prefill.cancelled() else prefill.exception()  # always retrieved
         self.attempt.prefill.attempts.discard(self.attempt)
+        self.dispatcher.tails.ended(prefill)
         if error is None and not prefill.cancelled():
             self.dispatcher.progress(self.attempt, by_prefill=True)
         elif self.armed and error is not None:
@@ -88,7 +91,11 @@ class PDDispatcher:
         self.on_leg_done: LegCallback = lambda attempt, leg, ok: None
         self.on_prefill_body: Callable[[Attempt, bytes], None] = lambda attempt, body: None
         self._background: set[asyncio.Task] = set()
+        self.tails = PrefillTails(self.timers, timeouts.tail, self._tail_expired)
         self.forward_priority = "off"  # --forward-priority: auto, on, off
+        # the servers of a role (runtime: pool.role): a rescue stops attempts only if a
+        # retry can go elsewhere (rescue.rescue); None: it always stops them
+        self.peers: Callable[[str], list[Worker]] | None = None
 
     # -- building the attempt -------------------------------------------------------------
 
@@ -217,8 +224,9 @@ class PDDispatcher:
             attempt.deadline.move(min(limit, attempt.not_after))
 
     def rescue(self, worker: Worker, why: str) -> int:
-        """Stop every attempt waiting on `worker` (marked down, or its breaker opened)."""
-        return rescue.stop_all(worker, f"{worker.role} server {worker.url} {why}")
+        """Stop the attempts on `worker` (down, breaker open) if a retry can go elsewhere."""
+        return rescue.rescue(worker, f"{worker.role} server {worker.url} {why}",
+                             None if self.peers is None else self.peers(worker.role))
 
     def _expired(self, attempt: Attempt, p_task: asyncio.Task, first: float,
                  now: float) -> UpstreamError:
@@ -268,12 +276,8 @@ class PDDispatcher:
                 self.abort(attempt.prefill, attempt.rid_list)
 
     def finish_tail(self, attempt: Attempt, p_task: asyncio.Task) -> None:
-        """The decode is done; give the prefill's own answer a bounded time to arrive.
-
-        A timer and a done-callback, not a task: this happens on many successful requests."""
-        handle = self.timers.after(self.timeouts.tail, self._tail_expired, attempt, p_task)
-        self._background.add(p_task)
-        p_task.add_done_callback(lambda task: (handle.cancel(), self._background.discard(task)))
+        """The decode is done; give the prefill's own answer a bounded time to arrive."""
+        self.tails.add(attempt, p_task)
 
     def _tail_expired(self, attempt: Attempt, p_task: asyncio.Task) -> None:
         if not p_task.done():
@@ -385,6 +389,7 @@ class PDDispatcher:
 
     async def close(self) -> None:
         """Cancel background chores (prefill tails, aborts) at shutdown."""
-        for task in list(self._background):
+        tails = self.tails.cancel_all()
+        for task in [*self._background, *tails]:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self._background, *tails, return_exceptions=True)

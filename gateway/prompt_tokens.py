@@ -76,13 +76,18 @@ class PromptTokens:
         if self.tokenizer is not None:
             log.info("%s", self.tokenizer.describe())
 
+    def wanted(self, view: RequestView, needed: bool | None = None) -> bool:
+        """Would `count` tokenize `view`? (Asked first on every request, so most requests
+        make no coroutine for it.)"""
+        return self.tokenizer is not None and view.lengths is None and (
+            self.always if needed is None else needed) and self.serves(view)
+
     async def count(self, view: RequestView, needed: bool | None = None) -> RequestView:
         """`view` with exact token counts (and ids as the routing key) where possible, if
         `needed` (default: `always`, set when a policy or limit needs every prompt's)."""
-        tokenizer = self.tokenizer
-        if tokenizer is None or view.lengths is not None or not self.serves(view) or not (
-                self.always if needed is None else needed):
+        if not self.wanted(view, needed):
             return view
+        tokenizer = self.tokenizer
         try:
             if view.endpoint == CHAT:
                 prompts = [await tokenizer.aencode_chat(view.body)]

@@ -12,9 +12,8 @@ import asyncio
 import random
 import time
 
-import orjson
-
 from gateway.aborts import Aborted
+from gateway.answer_tokens import prompt_usage
 from gateway.errors import GatewayError, UpstreamError
 from gateway.failover import Continuation, error_end, resumable
 from gateway.inflight import Tracked
@@ -23,7 +22,6 @@ from gateway.pd import REQUEST_TIMEOUT, Answer, Attempt, PDDispatcher
 from gateway.relay import Capture, StreamBroken
 from gateway.request import RequestView
 from gateway.scheduler import Scheduler
-from gateway.sse import data_objects
 from gateway.workers import Worker
 
 
@@ -111,25 +109,28 @@ class Proxy:
 
     def _started(self, attempt: Attempt, by_policy: bool) -> None:
         m = self.metrics
-        tokens = attempt.view.prompt_tokens
-        target = attempt.prefill_target
-        chooser = self.scheduler.policy("prefill", target)  # the model's own policy
-        predicted = chooser.predicted_hit(target, attempt.view) \
+        view = attempt.view
+        tokens = view.prompt_tokens
+        target, decode = attempt.prefill_target, attempt.decode
+        chooser = self.scheduler.policy("prefill", target)  # the model's own policies
+        decider = self.scheduler.policy("decode", decode)
+        predicted = chooser.predicted_hit(target, view) \
             if by_policy else None  # not for a session's or a sample's own choice
         # the prefill's load is what it must compute: a cached prefix costs it little
-        attempt.prefill_tokens = tokens - round((predicted or 0.0) * tokens)
+        prefill_tokens = attempt.prefill_tokens = \
+            tokens - round(predicted * tokens) if predicted else tokens
         attempt.dispatched_at = time.monotonic()
-        attempt.prefill.start(attempt.prefill_tokens)
+        attempt.prefill.start(prefill_tokens)
         if target is not attempt.prefill:
-            target.start(attempt.prefill_tokens)
+            target.start(prefill_tokens)
             m.child(attempt.prefill, m.rank_requests, str(target.rank), url_first=True).inc()
-        attempt.decode.start(tokens)
-        self.scheduler.dispatched(target, attempt.decode, attempt.view)
+        decode.start(tokens)
+        chooser.on_dispatch(target, view)  # (Scheduler.dispatched, policies looked up once)
+        decider.on_dispatch(decode, view)
         if predicted:
             m.child(attempt.prefill, m.predicted_tokens).inc(predicted * tokens)
         m.child(attempt.prefill, m.decisions, "prefill", chooser.name).inc()
-        m.child(attempt.decode, m.decisions, "decode",
-                self.scheduler.policy("decode", attempt.decode).name).inc()
+        m.child(decode, m.decisions, "decode", decider.name).inc()
         if attempt.tracked.usage is not None:
             attempt.tracked.usage.dispatched(attempt)
 
@@ -137,42 +138,53 @@ class Proxy:
         """Called once per leg by the dispatcher: release counters, feed breaker and policy.
         A failure that is the pair's own (both servers work with other partners) feeds the
         pair's health instead of the servers' breakers."""
+        prefill = leg == "prefill"
+        if ok is True:
+            if not prefill:
+                self.scheduler.pairs.record_success(attempt.prefill.url, attempt.decode.url)
+        else:
+            ok = self._pair_outcome(attempt, prefill, ok)
+        if prefill:
+            worker, tokens, target = attempt.prefill, attempt.prefill_tokens, \
+                attempt.prefill_target
+        else:
+            worker, tokens = attempt.decode, attempt.view.prompt_tokens
+            target = worker
+        if worker.finish(tokens, ok):
+            self.dispatcher.rescue(worker, "opened its circuit breaker")
+        if not prefill:
+            attempt.settle(worker)
+        elif not attempt.progressed:  # else settled at first progress (pd.progress)
+            attempt.settle_prefill()
+        if target is not worker:  # the prefill's DP rank
+            target.finish(tokens)
+        self.scheduler.policy(leg, target).on_complete(target, attempt.view, ok is True)
+        if ok is False:
+            self.metrics.child(worker, self.metrics.leg_failures, leg, "error",
+                               url_first=True).inc()
+        if prefill and attempt.tracked.usage is not None:
+            attempt.tracked.usage.prefill_settled()
+
+    def _pair_outcome(self, attempt: Attempt, prefill: bool, ok: bool | None) -> bool | None:
+        """A leg that failed (False) or ended without a verdict (None), told to the pair's
+        health; None when the failure is the pair's own, not its servers'."""
         pairs = self.scheduler.pairs
         p_url, d_url = attempt.prefill.url, attempt.decode.url
         if ok is False:
             if attempt.pair_verdict is None:
                 attempt.pair_verdict = "pair" if pairs.record_failure(p_url, d_url) else "server"
             if attempt.pair_verdict == "pair":
-                ok = None
                 self.metrics.child(attempt.prefill, self.metrics.pair_failures, d_url,
                                    url_first=True).inc()
-        elif ok is True and leg == "decode":
-            pairs.record_success(p_url, d_url)
-        elif ok is None and leg == "decode" and attempt.pair_verdict is None:
+                return None
+        elif not prefill and attempt.pair_verdict is None:
             pairs.release_probe(p_url, d_url)
-        worker = attempt.prefill if leg == "prefill" else attempt.decode
-        tokens = attempt.prefill_tokens if leg == "prefill" else attempt.view.prompt_tokens
-        if worker.finish(tokens, ok):
-            self.dispatcher.rescue(worker, "opened its circuit breaker")
-        if leg == "decode":
-            attempt.settle(worker)
-        elif not attempt.progressed:  # else settled at first progress (pd.progress)
-            attempt.settle_prefill()
-        target = worker
-        if leg == "prefill" and attempt.prefill_target is not worker:
-            target = attempt.prefill_target
-            target.finish(tokens)
-        self.scheduler.completed(leg, target, attempt.view, ok is True)
-        if ok is False:
-            self.metrics.child(worker, self.metrics.leg_failures, leg, "error",
-                               url_first=True).inc()
-        if leg == "prefill" and attempt.tracked.usage is not None:
-            attempt.tracked.usage.prefill_settled()
+        return ok
 
     def prefill_answered(self, attempt: Attempt, body: bytes) -> None:
         """Count prompt and cached tokens the prefill reports (its cache is the one that
         matters for time to first token)."""
-        prompt, cached = usage_of(body)
+        prompt, cached = prompt_usage(body)
         if prompt:
             self.metrics.child(attempt.prefill, self.metrics.prompt_tokens).inc(prompt)
             self.metrics.child(attempt.prefill, self.metrics.cached_tokens).inc(cached)
@@ -234,28 +246,3 @@ def _reason(exc: UpstreamError) -> str:
     if exc.upstream_status is not None:
         return str(exc.upstream_status)
     return "timeout" if exc.status == 504 else "connection"
-
-
-def usage_of(body: bytes) -> tuple[int, int]:
-    """(prompt_tokens, cached_tokens) from a native or OpenAI answer, summed over items."""
-    try:
-        items = data_objects(body) if body.lstrip()[:5] == b"data:" else orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return 0, 0
-    if isinstance(items, dict):
-        items = [items]
-    prompt = cached = 0
-    for item in items if isinstance(items, list) else []:
-        if not isinstance(item, dict):
-            continue
-        meta = item.get("meta_info")
-        if isinstance(meta, dict):
-            prompt += meta.get("prompt_tokens") or 0
-            cached += meta.get("cached_tokens") or 0
-            continue
-        usage = item.get("usage")
-        if isinstance(usage, dict):
-            prompt += usage.get("prompt_tokens") or 0
-            details = usage.get("prompt_tokens_details") or {}
-            cached += details.get("cached_tokens") or 0
-    return prompt, cached

@@ -104,16 +104,9 @@ class StreamWatchdog:
         self.stalled = stalled
         self.handle = self.loop.call_at(self.since + self.period, self._check)
 
-    def waiting(self) -> float:
-        """The relay waits for the server's next chunk; returns the time now."""
-        self.since = now = self.loop.time()
-        self.reading = True
-        return now
-
-    def handing_out(self) -> None:
-        """The relay gave a chunk to the sender: now the client must take it."""
-        self.since = self.loop.time()
-        self.reading = False
+    # Phases: `since` is when the current one began, `reading` says which it is (the relay
+    # waits for the server, True, or a chunk is being sent to the client, False). The
+    # relay writes both itself, twice per chunk, rather than calling a method to.
 
     def _check(self) -> None:
         now = self.loop.time()
@@ -160,6 +153,7 @@ class StreamRelay:
                                   tracked.interrupt if tracked is not None else None, stalled,
                                   period=min(model.options.floor, d.timeouts.send, hard) / 2)
         attempt.interrupt = watchdog.upstream  # a rescue now stops the relay's wait
+        loop = watchdog.loop
         held = b""
         tail = b""
         unsuffix = attempt.unsuffix
@@ -181,13 +175,14 @@ class StreamRelay:
                     out, held = (out[:cut], out[cut:]) if cut > 1 else (b"", out)
                 if out:
                     tail = out[-16:] if len(out) >= 16 else (tail + out)[-16:]
-                    watchdog.handing_out()
+                    watchdog.since, watchdog.reading = loop.time(), False  # handing out
                     if capture is not None:
                         capture.add(out)
                     if trace is not None:
                         trace.relayed(out)
                     yield out
-                started = watchdog.waiting()
+                watchdog.since = started = loop.time()  # waiting for the server again
+                watchdog.reading = True
                 try:  # here, not in a helper coroutine: one coroutine less per chunk
                     chunk = await response.next_chunk()
                 except asyncio.CancelledError:
@@ -199,7 +194,7 @@ class StreamRelay:
                     if error is None:
                         raise
                     raise error from exc
-                d.model.gap(url, watchdog.loop.time() - started)
+                d.model.gap(url, loop.time() - started)
             rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter
                            and splitter.rest().strip() else b"")
             if rest.strip():

@@ -27,6 +27,7 @@ ENDPOINT_PATHS = {GENERATE: "/generate", CHAT: "/v1/chat/completions", COMPLETIO
 # "follow_bootstrap_room conflict"), so they are refused, naming the field.
 PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key")
 DP_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")
+_OWNED = frozenset(PD_FIELDS + DP_FIELDS)
 
 
 @dataclass(slots=True, eq=False)
@@ -82,13 +83,15 @@ def parse_request(endpoint: str, raw: bytes) -> RequestView:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    for name in PD_FIELDS:
-        if body.get(name) is not None:
-            raise BadRequest(f"'{name}' is assigned by the gateway; do not send it")
-    for name in DP_FIELDS:
-        if body.get(name) is not None:
-            raise BadRequest(f"'{name}': data-parallel ranks are chosen by the gateway "
-                             "(it steers each request to a rank through its bootstrap room)")
+    if not _OWNED.isdisjoint(body):  # (one C-level test for the usual body without them)
+        for name in PD_FIELDS:
+            if body.get(name) is not None:
+                raise BadRequest(f"'{name}' is assigned by the gateway; do not send it")
+        for name in DP_FIELDS:
+            if body.get(name) is not None:
+                raise BadRequest(f"'{name}': data-parallel ranks are chosen by the gateway "
+                                 "(it steers each request to a rank through its bootstrap "
+                                 "room)")
     stream = _bool(body, "stream")
     model = body.get("model")
     if model is not None and not isinstance(model, str):

@@ -1,21 +1,28 @@
 """Stopping attempts that wait on a server the gateway knows or suspects is bad.
 
 A request must not wait for a server that cannot answer: when the health checks mark a server
-down or its breaker opens, every attempt waiting on it is stopped (`stop_all`) and retried on
-another pair at once. A hang is also suspected from the traffic itself (gateway/pd.py): an
-attempt that made no progress within its learned deadline stops its cohort on the same pair
-(`pair_cohort`) and makes both servers suspects (`suspect_if_hung`), which new requests avoid
-while others can serve; a stream whose KV arrived but whose decode sent nothing marks that
-decode hung (`decode_hung`). Each stop fires the attempt's `Interrupt` with a retryable error.
+down or its breaker opens, the attempts waiting on it are stopped (`rescue`, by `stop_all`)
+and retried on another pair at once, provided its role has another usable server for the
+retry; the only server of its role keeps its attempts, each bounded by its own deadlines. A
+hang is also suspected from the traffic itself (gateway/pd.py): an attempt that made no
+progress within its learned deadline stops its cohort on the same pair (`pair_cohort`) and
+makes both servers suspects (`suspect_if_hung`), which new requests avoid while others can
+serve; a stream whose KV arrived but whose decode sent nothing marks that decode hung
+(`decode_hung`, which stops its other attempts whatever else is usable: its caller does not
+see the pool). Each stop fires the attempt's `Interrupt` with a retryable error.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterable
 
 from gateway.attempt import Attempt
 from gateway.errors import UpstreamError
 from gateway.workers import Worker
+
+log = logging.getLogger("gateway.rescue")
 
 
 def _stop(attempt: Attempt, error: UpstreamError) -> bool:
@@ -30,6 +37,35 @@ def stop_all(worker: Worker, why: str, but: Attempt | None = None) -> int:
                 why, leg=worker.role, worker_url=worker.url, retryable=True, status=502,
                 reason="rescued")):
             stopped += 1
+    return stopped
+
+
+def rescue(worker: Worker, why: str, peers: Iterable[Worker] | None) -> int:
+    """`worker` was marked down or opened its breaker: stop the attempts waiting on it, so
+    they are retried at once, only when a retry has somewhere to go; returns how many stopped.
+
+    Somewhere to go: another server of the same role and model in `peers` (the pool's servers
+    of that role) that is `usable`, as the scheduler's first choice is. Without one, a retry
+    finds no usable server and answers 503, or (panic routing) goes back to this very server
+    with new rooms, after aborting the work it had done; while the server may just be slow
+    (seen with real SGLang: the only decode stalled 10 s, /health included, was marked down,
+    and came back a second after its attempts had been stopped and answered 503). So its
+    attempts keep waiting, each bounded by its own deadlines (first progress, response
+    timeout, the request's total timeout; gateway/pd.py): a server that comes back finishes
+    them, a dead one fails them by its connection errors or those deadlines, and a failure
+    then is retried as any other. `peers` None (not known) stops them all, as before.
+    Each rescue with attempts waiting logs its decision once (info)."""
+    waiting = len(worker.attempts)
+    if peers is not None and not any(
+            other is not worker and other.role == worker.role and other.model == worker.model
+            and other.usable for other in peers):
+        if waiting:
+            log.info("%s: %d attempt(s) keep waiting on it (no other usable %s server for "
+                     "a retry)", why, waiting, worker.role)
+        return 0
+    stopped = stop_all(worker, why)
+    if waiting:
+        log.info("%s: %d attempt(s) stopped, to be retried elsewhere", why, stopped)
     return stopped
 
 

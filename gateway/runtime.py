@@ -249,6 +249,7 @@ class Gateway:
                                          floor=c.hang_floor, cold=c.hang_cold)),
             timers=self.timers)
         self.dispatcher.forward_priority = c.forward_priority
+        self.dispatcher.peers = self.pool.role  # a rescue stops attempts only if a retry can go
         self.aborts = Aborts(self.inflight, control, timeout=5.0)
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout,

@@ -84,10 +84,12 @@ class Scheduler:
             if fresh:
                 workers = fresh
         now = time.monotonic()
-        if any(w.suspect_until > now for w in workers):
-            trusted = [w for w in workers if w.suspect_until <= now]
-            if trusted:  # a suspected hang: keep new requests off it while others can serve
-                workers = trusted
+        for suspect in workers:
+            if suspect.suspect_until > now:
+                trusted = [w for w in workers if w.suspect_until <= now]
+                if trusted:  # a suspected hang: keep new requests off it while others serve
+                    workers = trusted
+                break
         return workers
 
     def pick(self, view: RequestView, avoid: Collection[Worker] = (),
@@ -129,9 +131,3 @@ class Scheduler:
             return False  # `pick` takes a preferred server whenever it is a candidate
         return view.session is None or self.affinity is None
 
-    def dispatched(self, prefill: Target, decode: Worker, view: RequestView) -> None:
-        self.models.policy("prefill", prefill).on_dispatch(prefill, view)
-        self.models.policy("decode", decode).on_dispatch(decode, view)
-
-    def completed(self, role: str, worker: Target, view: RequestView, success: bool) -> None:
-        self.models.policy(role, worker).on_complete(worker, view, success)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.breaker import CLOSED, HALF_OPEN, OPEN, BreakerState, CircuitBreaker
 from gateway.probe import ServerFacts
 
 ROLES = ("prefill", "decode")
@@ -176,7 +176,7 @@ class Worker:
         """`usable` as of now, counting a breaker whose cooldown elapsed as half-open (for
         metrics and the admin API; changes nothing)."""
         breaker = self.breaker
-        if breaker.state is BreakerState.OPEN:
+        if breaker.state is OPEN:
             return self.serving and time.monotonic() - breaker.opened_at >= breaker.cooldown
         return self.serving and breaker.admits
 
@@ -245,15 +245,18 @@ class Worker:
         self.in_flight += 1
         self.in_flight_tokens += tokens
         self.total_requests += 1
-        self._publish()
-        self.breaker.on_dispatch()
+        if self.shared is not None:  # (twice per request: no call when there is no need)
+            self._publish()
+        if self.breaker.state is not CLOSED:
+            self.breaker.on_dispatch()
 
     def finish(self, tokens: int, success: bool | None) -> bool:
         """Release counters; success None means the outcome says nothing about the server.
         Returns True when this failure opened the breaker."""
         self.in_flight -= 1
         self.in_flight_tokens -= tokens
-        self._publish()
+        if self.shared is not None:
+            self._publish()
         if success is None:
             self.breaker.release_probe()
             return False
@@ -346,7 +349,9 @@ class WorkerPool:
         """Move breakers whose cooldown elapsed to half-open (the one place this happens)."""
         now = time.monotonic()
         for worker in self._by_role[role]:
-            worker.breaker.refresh(now)
+            breaker = worker.breaker
+            if breaker.state is OPEN:  # (runs on every pick: no call otherwise)
+                breaker.refresh(now)
 
     def usable(self, role: str) -> list[Worker]:
         return [w for w in self._by_role[role] if w.usable]
@@ -368,4 +373,4 @@ class WorkerPool:
 
 def breaker_state_code(state: BreakerState) -> int:
     """Numeric breaker state for gauges: 0 closed, 1 half-open, 2 open."""
-    return {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}[state]
+    return {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}[state]

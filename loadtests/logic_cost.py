@@ -117,6 +117,21 @@ class _Upstream:
         pass
 
 
+class _NoPolicy:
+    """A policy whose hooks do nothing (what `fixed` asks the proxy to tell)."""
+
+    name = "fixed"
+
+    def predicted_hit(self, target, view) -> None:
+        return None
+
+    def on_dispatch(self, target, view) -> None:
+        pass
+
+    def on_complete(self, target, view, success) -> None:
+        pass
+
+
 def _fixed_choice(gateway) -> None:
     """The scheduler without its policies: prefill 0, decodes in turn, no hooks."""
     scheduler = gateway.scheduler
@@ -125,8 +140,8 @@ def _fixed_choice(gateway) -> None:
     turn = iter(range(1 << 62))
     scheduler.pick = lambda view, avoid=(), prefer=None: (
         prefill, decodes[next(turn) % len(decodes)])
-    scheduler.dispatched = lambda *args: None
-    scheduler.completed = lambda *args: None
+    nothing = _NoPolicy()
+    scheduler.policy = lambda role, target: nothing
 
 
 async def _measure(config: str, endpoint: str, requests: int) -> float:

@@ -62,7 +62,12 @@ def is_fresh(worker: Worker, now: float, max_age: float) -> bool:
 
 
 def all_fresh(workers: Sequence[Worker], now: float, max_age: float) -> bool:
-    return all(is_fresh(w, now, max_age) for w in workers)
+    """`is_fresh` of every worker (a loop, not a generator: it runs on every pick)."""
+    for worker in workers:
+        updated = worker.load.updated_at
+        if updated <= 0.0 or now - updated > max_age:
+            return False
+    return True
 
 
 def load_score(worker: Worker, options: LoadOptions, use_server: bool) -> float:
@@ -80,9 +85,17 @@ def load_score(worker: Worker, options: LoadOptions, use_server: bool) -> float:
 
 
 def load_scores(workers: Sequence[Worker], options: LoadOptions, now: float) -> list[float]:
-    """Scores of all `workers` on one consistent basis."""
-    use_server = all_fresh(workers, now, options.load_max_age)
-    return [load_score(w, options, use_server) for w in workers]
+    """Scores of all `workers` on one consistent basis (`load_score` of each; computed in
+    one loop here when the gateway's counters alone count: every request's decode pick and
+    most prefill picks come here)."""
+    if all_fresh(workers, now, options.load_max_age):
+        return [load_score(w, options, True) for w in workers]
+    unit = options.token_unit
+    scores = []
+    for worker in workers:
+        requests, tokens = worker.totals()
+        scores.append(requests + tokens / unit)
+    return scores
 
 
 def rotating_argmin(values: Sequence[float], start: int) -> int:
@@ -91,6 +104,9 @@ def rotating_argmin(values: Sequence[float], start: int) -> int:
     Rotating the start spreads ties evenly instead of piling them on the first worker.
     """
     n = len(values)
+    low = min(values)
+    if n < 2 or values.count(low) == 1:  # one minimum: no tie to rotate (in C)
+        return values.index(low)
     best = start % n
     best_value = values[best]
     for step in range(1, n):

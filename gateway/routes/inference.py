@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.answer_tokens import StreamTokens
 from gateway.attempt import Answer
-from gateway.auth import Role
+from gateway.auth import INFERENCE
 from gateway.cancel import Interrupt
 from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
 from gateway.inflight import Tracked, new_id, safe_id
@@ -92,7 +92,7 @@ class InferenceEndpoint:
         usage = gw.usage.begin(self.endpoint, request_id, started)
         try:
             try:
-                caller = gw.auth.caller(scope, Role.INFERENCE)
+                caller = gw.auth.caller(scope, INFERENCE)
                 usage.tenant = caller.tenant
                 ticket = gw.tenancy.classify(scope["headers"], caller.key_index)
                 raw = await read_body(scope, receive, gw.config.max_body_bytes)
@@ -104,9 +104,12 @@ class InferenceEndpoint:
                 if items is not None and items > gw.config.max_items:
                     raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
                                      f"{gw.config.max_items} per request")
-                view = await gw.tokens.count(view)
+                if gw.tokens.wanted(view):
+                    view = await gw.tokens.count(view)
                 gw.limits.take_tokens(caller.key_index, view.prompt_tokens)
-                await gw.context.check(view)
+                counting = gw.context.check(view)  # a coroutine only near the context limit
+                if counting is not None:
+                    await counting
                 tracked = Tracked(request_id, caller.owner, view.rids or (), interrupt=interrupt,
                                   trace=trace, usage=usage, not_after=ticket.deadline)
                 if trace is not None:

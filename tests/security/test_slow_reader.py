@@ -76,7 +76,8 @@ def test_the_relay_watchdog_honours_a_send_timeout_shorter_than_the_idle_one():
         client = Interrupt(victim)
         stalled = UpstreamError("stalled", leg="decode", worker_url="u", retryable=True)
         watchdog = StreamWatchdog(idle=120.0, send=0.1, client=client, stalled=stalled)
-        watchdog.handing_out()  # a chunk was handed to a client that never takes it
+        # a chunk was handed to a client that never takes it (what the relay writes)
+        watchdog.since, watchdog.reading = watchdog.loop.time(), False
         await asyncio.sleep(0.5)
         watchdog.close()
         victim.cancel()

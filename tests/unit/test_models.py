@@ -139,6 +139,12 @@ def test_usage_label_of_a_single_model_gateway_is_its_model_whatever_is_asked():
     assert Models(WorkerPool(), lambda name: build_policies(cfg, name)).label(None) == "other"
 
 
+def dispatched(scheduler, prefill, decode, view) -> None:
+    """What the proxy tells the policies when it sends a pair (proxy.Proxy._started)."""
+    scheduler.policy("prefill", prefill).on_dispatch(prefill, view)
+    scheduler.policy("decode", decode).on_dispatch(decode, view)
+
+
 def test_each_model_has_its_own_policy_instances_and_servers():
     models, scheduler = two_models()
     alpha, beta = models.known["alpha"], models.known["beta"]
@@ -146,10 +152,10 @@ def test_each_model_has_its_own_policy_instances_and_servers():
     for _ in range(6):
         prefill, decode = scheduler.pick(models.resolve(chat("beta", "same prompt")))
         assert (prefill.url, decode.url) == ("http://b-p1:1", "http://b-d1:1")
-        scheduler.dispatched(prefill, decode, models.resolve(chat("beta", "same prompt")))
+        dispatched(scheduler, prefill, decode, models.resolve(chat("beta", "same prompt")))
     prefill, decode = scheduler.pick(models.resolve(chat("alpha", "same prompt")))
     assert prefill.url.startswith("http://a-") and decode.url == "http://a-d1:1"
-    scheduler.dispatched(prefill, decode, models.resolve(chat("alpha", "same prompt")))
+    dispatched(scheduler, prefill, decode, models.resolve(chat("alpha", "same prompt")))
     # each cache_aware tree holds only its own model's servers
     assert set(beta.policies["prefill"].stats()["tree_size_by_worker"]) == {"http://b-p1:1"}
     assert set(alpha.policies["prefill"].stats()["tree_size_by_worker"]) <= {
