@@ -39,11 +39,10 @@ class DeadlineOptions:
 class _Ring:
     """The last `size` observations and their cached percentile."""
 
-    __slots__ = ("values", "size", "count", "seen", "_cached", "_dirty")
+    __slots__ = ("values", "count", "seen", "_cached", "_dirty")
 
     def __init__(self, size: int) -> None:
         self.values: deque[float] = deque(maxlen=size)  # the oldest drops out (in C)
-        self.size = size
         self.count = 0
         self.seen = 0  # observations offered, kept or not (a sampling ring)
         self._cached = 0.0

@@ -55,14 +55,9 @@ class LoadOptions:
             raise ValueError(f"option 'move_factor' must be >= 1, got {self.move_factor}")
 
 
-def is_fresh(worker: Worker, now: float, max_age: float) -> bool:
-    """Whether the worker's `/v1/loads` snapshot is recent (stamped with time.monotonic())."""
-    updated = worker.load.updated_at
-    return updated > 0.0 and now - updated <= max_age
-
-
 def all_fresh(workers: Sequence[Worker], now: float, max_age: float) -> bool:
-    """`is_fresh` of every worker (a loop, not a generator: it runs on every pick)."""
+    """Whether every worker's `/v1/loads` snapshot is recent (stamped with time.monotonic();
+    0: never taken). A loop, not a generator: it runs on every pick."""
     for worker in workers:
         updated = worker.load.updated_at
         if updated <= 0.0 or now - updated > max_age:

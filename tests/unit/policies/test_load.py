@@ -9,9 +9,9 @@ import pytest
 from gateway.policies import create_policy
 from gateway.policies.load import (
     LoadOptions,
+    all_fresh,
     cheapest,
     imbalanced,
-    is_fresh,
     load_scores,
     rotating_argmin,
     spread,
@@ -53,7 +53,7 @@ def test_load_scores(workers, expected) -> None:
 
 
 def test_never_polled_is_not_fresh() -> None:
-    assert not is_fresh(worker("a"), time.monotonic(), 5.0)
+    assert not all_fresh([worker("a")], time.monotonic(), 5.0)
 
 
 @pytest.mark.parametrize(
