@@ -125,7 +125,7 @@ class Proxy:
             target.start(prefill_tokens)
             m.child(attempt.prefill, m.rank_requests, str(target.rank), url_first=True).inc()
         decode.start(tokens)
-        chooser.on_dispatch(target, view)  # (Scheduler.dispatched, policies looked up once)
+        chooser.on_dispatch(target, view)  # each policy looked up once per attempt
         decider.on_dispatch(decode, view)
         if predicted:
             m.child(attempt.prefill, m.predicted_tokens).inc(predicted * tokens)
