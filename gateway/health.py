@@ -115,7 +115,8 @@ class HealthChecker:
 
     async def _load_of(self, worker: Worker) -> None:
         with contextlib.suppress(httpx.HTTPError, TimeoutError, ValueError):
+            asked = worker.ask_loads()
             async with asyncio.timeout(self.timeout):
                 response = await self.client.get(worker.url + "/v1/loads")
             if response.status_code == 200:
-                worker.apply_loads(response.json())
+                worker.apply_loads(response.json(), asked)

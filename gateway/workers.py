@@ -6,6 +6,7 @@ allows a request and it is not draining. Counters are plain ints updated on the 
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import time
 from collections.abc import Callable, Iterable
@@ -21,11 +22,9 @@ ROLES = ("prefill", "decode")
 def bootstrap_host_of(url: str) -> str:
     """The host part SGLang expects in `bootstrap_host`: IPv6 literals in brackets."""
     host = urlsplit(url).hostname or ""
-    try:
+    with contextlib.suppress(ValueError):
         if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
             return f"[{host}]"
-    except ValueError:
-        pass
     return host
 
 
@@ -50,6 +49,10 @@ class ServerLoad:
     # have finished since, and their prompt tokens: the snapshot still counts them
     settled: int = 0
     settled_tokens: int = 0
+    # ours running when the next poll was sent (`asked_at`) that ended since (`carry`)
+    asked_at: float = 0.0
+    pending: int = 0
+    pending_tokens: int = 0
 
     def settle(self, since: float, tokens: int) -> None:
         """A request of ours dispatched at `since` (time.monotonic()) has finished: if that
@@ -57,14 +60,24 @@ class ServerLoad:
         use (SGLang's `token_usage` leaves out what its radix cache may evict, which the KV
         of a finished request becomes). Without this, a conversation's next turn, sent as
         the previous one ends, found its server "busy" with that very turn in a snapshot up
-        to one poll old, and the cache-aware policy moved it off its cache."""
+        to one poll old, and the cache-aware policy moved it off its cache. The same holds
+        for the answer of a poll sent before it ended and read after (`asked_at`)."""
         if since < self.updated_at:
             self.settled += 1
             self.settled_tokens += tokens
+        if since < self.asked_at:
+            self.pending += 1
+            self.pending_tokens += tokens
+
+    def carry(self, before: ServerLoad) -> None:
+        """This snapshot answers the poll `before` awaited: ours that ended meanwhile."""
+        self.settled, self.settled_tokens = before.pending, before.pending_tokens
 
     def follow(self, before: ServerLoad) -> None:
         """Carry the measured prefill speed over from the previous snapshot, updated by
-        what the server prefilled in between (a restart's smaller counters teach nothing)."""
+        what the server prefilled in between (a restart's smaller counters teach nothing),
+        and our requests that ended while this one was on its way (`carry`)."""
+        self.carry(before)
         tokens = self.prefill_tokens - before.prefill_tokens
         busy = self.prefill_busy_us - before.prefill_busy_us
         speed = before.prefill_speed
@@ -196,13 +209,24 @@ class Worker:
             self.ranks = [Rank(self, r) for r in range(facts.dp_size)] if facts.dp_size > 1 else []
         self.verified = True
 
-    def apply_loads(self, data: dict) -> None:
-        """A `/v1/loads` answer: one entry per DP rank, kept per rank and summed."""
+    def ask_loads(self) -> float:
+        """A `/v1/loads` poll goes out now (returns its time): the snapshots note which of
+        our requests end before its answer is read (`ServerLoad.settle`)."""
+        asked = time.monotonic()
+        self.load.asked_at = asked
+        for rank in self.ranks:
+            rank.load.asked_at = asked
+        return asked
+
+    def apply_loads(self, data: dict, asked: float | None = None) -> None:
+        """The `/v1/loads` answer to the poll of `ask_loads` (None: now): one entry per DP
+        rank, kept per rank and summed, stamped when asked (the figures are not newer)."""
         loads = data.get("loads") if isinstance(data, dict) else None
         if not isinstance(loads, list):
             return
-        now = time.monotonic()
+        now = time.monotonic() if asked is None else asked
         total = ServerLoad(updated_at=now)
+        total.carry(self.load)
         usages = []
         for position, entry in enumerate(loads):
             if not isinstance(entry, dict):

@@ -1,0 +1,117 @@
+"""A `/v1/loads` answer read after one of our requests ended, though the server took it
+before: the request is settled in that snapshot (workers.ServerLoad.carry).
+
+The e2e failure this fixes (tests/e2e_sglang/test_dp.py, CI of 2026-12-01): a conversation's
+fourth turn went to the other DP rank. The poll was sent while the third turn's prefill ran
+on its rank, the third turn ended, and then the answer arrived, stamped "now": it showed the
+rank running one request with its KV in use, after the end that would have taken them off,
+so `spread` found the idle rank clearly cheaper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from gateway.health import HealthChecker
+from gateway.policies import create_policy
+from gateway.policies.load import LoadOptions, load_scores
+from gateway.probe import ServerFacts
+from gateway.workers import Worker, WorkerPool
+from tests.unit.policies.util import generate_text
+
+URL = "http://127.0.0.1:30000"
+BUSY_RANK0 = {"loads": [
+    {"dp_rank": 0, "num_running_reqs": 1, "token_usage": 0.1, "max_total_num_tokens": 4096},
+    {"dp_rank": 1, "num_running_reqs": 0, "token_usage": 0.0, "max_total_num_tokens": 4096}]}
+PROMPT = 410  # tokens: 0.1 of the rank's 4,096
+
+
+def dp_worker() -> Worker:
+    worker = Worker(URL, "prefill")
+    worker.apply_facts(ServerFacts("prefill", 8998, "m", 2))
+    return worker
+
+
+def poll_once(worker: Worker, during=None) -> None:
+    """One `_load_of` through a transport that answers BUSY_RANK0 after `during()` ran (what
+    happened while the poll was on its way)."""
+    async def answer(request: httpx.Request) -> httpx.Response:
+        if during is not None:
+            during()
+        await asyncio.sleep(0)
+        return httpx.Response(200, json=BUSY_RANK0)
+
+    async def go() -> None:
+        pool = WorkerPool()
+        pool.add(worker)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            checker = HealthChecker(pool, client, endpoint="/health", interval=1, timeout=5,
+                                    failures=3, successes=2, loads_interval=0)
+            await checker._load_of(worker)
+
+    asyncio.run(go())
+
+
+def scores(worker: Worker) -> list[float]:
+    return load_scores(worker.ranks, LoadOptions(), time.monotonic())
+
+
+def test_a_request_that_ended_while_the_poll_was_on_its_way_is_not_in_its_answer() -> None:
+    worker = dp_worker()
+    rank0 = worker.ranks[0]
+    dispatched = time.monotonic()  # running on rank 0 when the poll is sent
+    poll_once(worker, during=lambda: rank0.load.settle(dispatched, PROMPT))
+    assert rank0.load.running == 1  # the server's figure as read
+    assert scores(worker) == [pytest.approx(0.0, abs=0.05), 0.0]
+
+
+def test_without_the_end_the_answer_counts_it() -> None:
+    worker = dp_worker()
+    poll_once(worker)
+    assert scores(worker)[0] == pytest.approx(1 + 32 * 0.1)
+
+
+def test_a_request_sent_after_the_poll_is_not_taken_off_its_answer() -> None:
+    """Dispatched once the poll was on its way: the server's figures cannot hold it, so its
+    end takes nothing off them (the rank stays as busy as it said)."""
+    worker = dp_worker()
+    rank0 = worker.ranks[0]
+    poll_once(worker, during=lambda: rank0.load.settle(time.monotonic(), PROMPT))
+    assert scores(worker)[0] == pytest.approx(1 + 32 * 0.1)
+
+
+def test_the_snapshot_is_stamped_when_it_was_asked_for() -> None:
+    """A request dispatched while the poll was on its way (after the server answered from
+    its figures) and ending after the answer is read is not in the snapshot: its end takes
+    nothing off (stamped at the answer instead, the snapshot would seem to hold it)."""
+    worker = dp_worker()
+    mid: list[float] = []
+    poll_once(worker, during=lambda: mid.append(time.monotonic()))
+    assert worker.load.updated_at < mid[0]
+    assert worker.ranks[0].load.updated_at == worker.load.updated_at
+    worker.ranks[0].load.settle(mid[0], PROMPT)
+    assert scores(worker)[0] == pytest.approx(1 + 32 * 0.1)
+
+
+def test_the_conversation_stays_on_its_rank_across_the_race() -> None:
+    """The decision of the e2e test: the turn after one that ended mid-poll stays."""
+    worker = dp_worker()
+    rank0, rank1 = worker.ranks
+    policy = create_policy("cache_aware", "prefill")
+    policy.on_workers_changed(worker.ranks)
+    text = "system: be brief\n" + "user: tell me about harbours\nassistant: ok\n" * 30
+    policy.on_dispatch(rank0, generate_text(text))  # the previous turn went to rank 0
+    dispatched = time.monotonic()
+    poll_once(worker, during=lambda: rank0.load.settle(dispatched, PROMPT))
+    assert policy.pick(worker.ranks, generate_text(text + "user: and ships?\n")) is rank0
+    unsettled = dp_worker()
+    policy.on_workers_changed(unsettled.ranks)
+    policy.on_dispatch(unsettled.ranks[0], generate_text(text))
+    poll_once(unsettled)  # the same answer without the end: the guard moves the turn
+    assert policy.pick(unsettled.ranks, generate_text(text + "user: and ships?\n")) \
+        is unsettled.ranks[1]
+    assert rank1.load.running == 0
