@@ -96,7 +96,7 @@ class Admission:
         counter = tenant.admitted[klass]
         if counter is None:
             counter = tenant.admitted[klass] = self._counter(tenant.name, klass, "admitted")
-        counter.inc()
+        counter.pending += 1
 
     def release(self) -> None:
         """The request is done: its slot goes to the next waiter, else back to the pool."""

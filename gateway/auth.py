@@ -165,8 +165,9 @@ class Auth:
                     continue
             needed = needed[-1]
         client = scope.get("client")
-        key = presented_key(scope["headers"])
-        if key is not None and (self.inference.keys or self.admin.keys):
+        keys = self.inference.keys or self.admin.keys  # none: every caller is keyless
+        key = presented_key(scope["headers"]) if keys else None
+        if key is not None:
             address = str(client[0]) if client else ""
             caller = self._by_key(key, is_loopback(client), address, needed)
         else:

@@ -39,12 +39,12 @@ class DeadlineOptions:
 class _Ring:
     """The last `size` observations and their cached percentile."""
 
-    __slots__ = ("values", "count", "seen", "_cached", "_dirty")
+    __slots__ = ("values", "count", "skip", "_cached", "_dirty")
 
     def __init__(self, size: int) -> None:
         self.values: deque[float] = deque(maxlen=size)  # the oldest drops out (in C)
         self.count = 0
-        self.seen = 0  # observations offered, kept or not (a sampling ring)
+        self.skip = 0  # observations to pass over before the next is kept (a sampling ring)
         self._cached = 0.0
         self._dirty = 0
 
@@ -101,20 +101,24 @@ class LatencyModel:
         if self._ring(self._first_any, bucket).add(seconds) or stale:
             self._memo.clear()  # a deadline made of either ring may change
 
-    def gap(self, url: str, seconds: float) -> None:
-        """One chunk gap of `url`'s stream, called per streamed chunk, so kept cheap: once
-        the server has `min_samples` gaps, one gap in 4 is kept (its ring then spans its
-        last 1024 gaps, plenty for a percentile); the fallback over all servers takes one
-        kept gap in 8."""
+    def gaps_of(self, url: str) -> _Ring:
+        """The ring of `url`'s chunk gaps, which a stream's relay feeds (`gap`)."""
         ring = self._gaps.get(url)
         if ring is None:
             ring = self._gaps[url] = _Ring(self.options.window)
-        ring.seen += 1
-        if ring.seen & 3 != 1 and ring.count >= self.options.min_samples:
-            return
+        return ring
+
+    def gap(self, ring: _Ring, seconds: float) -> None:
+        """One chunk gap of a stream from the server of `ring` (`gaps_of`). Per streamed
+        chunk, so the caller counts `ring.skip` down itself and calls only when it is 0:
+        once the server has `min_samples` gaps, one gap in 4 is kept (its ring then spans
+        its last 1024 gaps, plenty for a percentile); the fallback over all servers takes
+        one kept gap in 8."""
         ring.add(seconds)
         if ring.count & 7 == 1:
             self._gaps_any.add(seconds)
+        if ring.count >= self.options.min_samples:
+            ring.skip = 3
 
     # -- deadlines ----------------------------------------------------------------------------
 

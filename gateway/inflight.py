@@ -104,14 +104,18 @@ class InFlight:
         """Register under every id not taken yet (a client may reuse its own ids; the first
         request in flight keeps them)."""
         table = self._by_key
+        if not tracked.rids:  # most requests: their id alone, no tuple of keys to build
+            table.setdefault(tracked.request_id, tracked)
+            return
         for key in tracked.keys():
             if key not in table:
                 table[key] = tracked
 
     def remove(self, tracked: Tracked) -> None:
-        for key in tracked.keys():
-            if self._by_key.get(key) is tracked:
-                del self._by_key[key]
+        table = self._by_key
+        for key in tracked.keys() if tracked.rids else (tracked.request_id,):
+            if table.get(key) is tracked:
+                del table[key]
 
     def find(self, key: str) -> Tracked | None:
         """The request known by `key`: its request id or own rid, else the upstream rid of one

@@ -22,6 +22,10 @@ from bisect import bisect_left
 
 
 class BufferedCounter:
+    """A counter child's increments since the last flush. The request path adds to
+    `pending` itself (`counter.pending += n`, what `inc` does): about twelve updates per
+    request, and a call each was 3% of the request path's instructions."""
+
     __slots__ = ("child", "pending")
 
     def __init__(self, child) -> None:

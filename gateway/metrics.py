@@ -137,7 +137,7 @@ class Metrics:
     def child(self, worker, metric, *labels: str, url_first: bool = False) -> BufferedCounter:
         """The buffered child of counter `metric` for this worker (and labels), resolved once
         per worker: `labels()` costs a lock and a dict lookup per call."""
-        key = (id(metric), labels)
+        key = (metric, labels)  # metrics hash by identity
         child = worker.metric_children.get(key)
         if child is None:
             values = (worker.url, *labels) if url_first or not labels else (*labels, worker.url)

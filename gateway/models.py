@@ -256,10 +256,11 @@ class Models:
         """The model of a resolved view (a view made inside the gateway is resolved here)."""
         return self.only or self.known.get(view.model) or self.lookup(view.model)[0]
 
-    def policy(self, role: str, target: Target) -> Policy:
-        """The policy that chose `target` (its server's model's); hooks go back to it."""
-        model = self._owner.get(target.server)
-        return (model or self._none).policies[role]
+    def policies_of(self, server: Worker) -> dict[str, Policy]:
+        """The policies of `server`'s model, by role: those that chose it and its partner
+        (`Scheduler.pick` pairs servers of one model); their hooks go back to them."""
+        model = self._owner.get(server)
+        return (model or self._none).policies
 
     # -- for the info routes and status pages ------------------------------------------------
 

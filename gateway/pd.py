@@ -287,28 +287,29 @@ class PDDispatcher:
     # -- the legs ----------------------------------------------------------------------------
 
     async def _open(self, attempt: Attempt, leg: str, worker: Worker) -> UpstreamResponse:
+        """The leg's response, its head read; an error status raised. The caller wraps it
+        and the body's reading in one `translate_errors`."""
         trace = attempt.trace  # tracing.AttemptTrace, or None (tracing off)
-        with translate_errors(leg, worker):
-            payload = attempt.prefill_payload if leg == "prefill" else attempt.payload
-            response = await self.upstream.post(
-                worker.url, attempt.view.path, payload, attempt.request_id,
-                trace.leg_started(leg, worker) if trace is not None else ())
-            if trace is not None:
-                trace.answered(leg, response.status)
-            if response.status >= 400:
-                try:
-                    body = await response.read()
-                finally:
-                    response.abort()
-                raise status_error(leg, worker, response.status, body)
+        payload = attempt.prefill_payload if leg == "prefill" else attempt.payload
+        response = await self.upstream.post(
+            worker.url, attempt.view.path, payload, attempt.request_id,
+            trace.leg_started(leg, worker) if trace is not None else ())
+        if trace is not None:
+            trace.answered(leg, response.status)
+        if response.status >= 400:
+            try:
+                body = await response.read()
+            finally:
+                response.abort()
+            raise status_error(leg, worker, response.status, body)
         return response
 
     async def _prefill_leg(self, attempt: Attempt) -> bytes:
         ok: bool | None = None
         response = None
         try:
-            response = await self._open(attempt, "prefill", attempt.prefill)
             with translate_errors("prefill", attempt.prefill):
+                response = await self._open(attempt, "prefill", attempt.prefill)
                 body = await response.read()
             response = None
             ok = True
@@ -330,9 +331,9 @@ class PDDispatcher:
         its first chunk in `answer.body`; the relay accounts the leg when the stream ends."""
         response = None
         try:
-            response = await self._open(attempt, "decode", attempt.decode)
-            content_type = response.header(b"content-type") or b"application/json"
             with translate_errors("decode", attempt.decode):
+                response = await self._open(attempt, "decode", attempt.decode)
+                content_type = response.header(b"content-type") or b"application/json"
                 if not attempt.view.stream:
                     body = await response.read()
                     if attempt.unsuffix is not None:

@@ -112,8 +112,9 @@ class Proxy:
         view = attempt.view
         tokens = view.prompt_tokens
         target, decode = attempt.prefill_target, attempt.decode
-        chooser = self.scheduler.policy("prefill", target)  # the model's own policies
-        decider = self.scheduler.policy("decode", decode)
+        # the model's own policies, looked up once per attempt: the hooks go back to them
+        policies = attempt.policies = self.scheduler.policies_of(attempt.prefill)
+        chooser, decider = policies["prefill"], policies["decode"]
         predicted = chooser.predicted_hit(target, view) \
             if by_policy else None  # not for a session's or a sample's own choice
         # the prefill's load is what it must compute: a cached prefix costs it little
@@ -123,14 +124,14 @@ class Proxy:
         attempt.prefill.start(prefill_tokens)
         if target is not attempt.prefill:
             target.start(prefill_tokens)
-            m.child(attempt.prefill, m.rank_requests, str(target.rank), url_first=True).inc()
+            m.child(attempt.prefill, m.rank_requests, str(target.rank), url_first=True).pending += 1
         decode.start(tokens)
         chooser.on_dispatch(target, view)  # each policy looked up once per attempt
         decider.on_dispatch(decode, view)
         if predicted:
-            m.child(attempt.prefill, m.predicted_tokens).inc(predicted * tokens)
-        m.child(attempt.prefill, m.decisions, "prefill", chooser.name).inc()
-        m.child(decode, m.decisions, "decode", decider.name).inc()
+            m.child(attempt.prefill, m.predicted_tokens).pending += predicted * tokens
+        m.child(attempt.prefill, m.decisions, "prefill", chooser.name).pending += 1
+        m.child(decode, m.decisions, "decode", decider.name).pending += 1
         if attempt.tracked.usage is not None:
             attempt.tracked.usage.dispatched(attempt)
 
@@ -158,7 +159,7 @@ class Proxy:
             attempt.settle_prefill()
         if target is not worker:  # the prefill's DP rank
             target.finish(tokens)
-        self.scheduler.policy(leg, target).on_complete(target, attempt.view, ok is True)
+        attempt.policies[leg].on_complete(target, attempt.view, ok is True)
         if ok is False:
             self.metrics.child(worker, self.metrics.leg_failures, leg, "error",
                                url_first=True).inc()
@@ -186,8 +187,8 @@ class Proxy:
         matters for time to first token)."""
         prompt, cached = prompt_usage(body)
         if prompt:
-            self.metrics.child(attempt.prefill, self.metrics.prompt_tokens).inc(prompt)
-            self.metrics.child(attempt.prefill, self.metrics.cached_tokens).inc(cached)
+            self.metrics.child(attempt.prefill, self.metrics.prompt_tokens).pending += prompt
+            self.metrics.child(attempt.prefill, self.metrics.cached_tokens).pending += cached
             if attempt.tracked.usage is not None:  # the tenant's share of the same figures
                 attempt.tracked.usage.prefill_reported(prompt, cached)
 

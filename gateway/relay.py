@@ -154,8 +154,9 @@ class StreamRelay:
                                   period=min(model.options.floor, d.timeouts.send, hard) / 2)
         attempt.interrupt = watchdog.upstream  # a rescue now stops the relay's wait
         loop = watchdog.loop
+        gaps = model.gaps_of(url)
         held = b""
-        tail = b""
+        last = b""  # the last events relayed (whole events: [DONE] is in them, or missing)
         unsuffix = attempt.unsuffix
         capture = attempt.capture
         broken: StreamBroken | None = None
@@ -164,6 +165,7 @@ class StreamRelay:
             trace.relay_started()
         try:
             chunk: bytes | None = first
+            now = loop.time()
             while chunk is not None:
                 out = _merge_events(splitter, merger, chunk) if splitter else chunk
                 if unsuffix is not None:
@@ -174,14 +176,15 @@ class StreamRelay:
                     cut = out.rfind(b"\n\n") + 2
                     out, held = (out[:cut], out[cut:]) if cut > 1 else (b"", out)
                 if out:
-                    tail = out[-16:] if len(out) >= 16 else (tail + out)[-16:]
-                    watchdog.since, watchdog.reading = loop.time(), False  # handing out
+                    last = out
+                    watchdog.since, watchdog.reading = now, False  # handing out
                     if capture is not None:
                         capture.add(out)
                     if trace is not None:
                         trace.relayed(out)
                     yield out
-                watchdog.since = started = loop.time()  # waiting for the server again
+                    now = loop.time()
+                watchdog.since = started = now  # waiting for the server again
                 watchdog.reading = True
                 try:  # here, not in a helper coroutine: one coroutine less per chunk
                     chunk = await response.next_chunk()
@@ -194,18 +197,21 @@ class StreamRelay:
                     if error is None:
                         raise
                     raise error from exc
-                d.model.gap(url, loop.time() - started)
+                now = loop.time()
+                if gaps.skip:  # (`LatencyModel.gap` keeps one gap in a few: no call here)
+                    gaps.skip -= 1
+                else:
+                    model.gap(gaps, now - started)
             rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter
                            and splitter.rest().strip() else b"")
             if rest.strip():
-                tail = (tail + rest)[-16:]
-                rest = rest if rest.endswith(b"\n\n") else rest + b"\n\n"
+                rest = last = rest if rest.endswith(b"\n\n") else rest + b"\n\n"
                 if capture is not None:
                     capture.add(rest)
                 if trace is not None:
                     trace.relayed(rest)
                 yield rest
-            if not tail.endswith(DONE):
+            if not last.endswith(DONE):
                 raise UpstreamError(f"decode server {url} ended the stream without [DONE]",
                                     leg="decode", worker_url=url, retryable=True)
             ok = True

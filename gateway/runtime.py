@@ -198,7 +198,7 @@ class Gateway:
         missing extra is a configuration error, never a silent "off"."""
         try:
             from gateway.tracing import Tracing  # noqa: PLC0415 - pd-gateway[tracing]
-            return Tracing(self.config, self.metrics, self.scheduler.policy, self.version)
+            return Tracing(self.config, self.metrics, self.scheduler.policies_of, self.version)
         except ImportError as exc:
             raise ConfigError(f"otlp_endpoint: tracing needs the OpenTelemetry packages "
                               f"(pip install 'pd-gateway[tracing]'): {exc}") from None

@@ -55,9 +55,9 @@ class Scheduler:
         """The default model's policies, by role (what status pages show first)."""
         return self.models.shown().policies
 
-    def policy(self, role: str, target: Target) -> Policy:
-        """The policy that chose `target` (its model's)."""
-        return self.models.policy(role, target)
+    def policies_of(self, server: Worker) -> dict[str, Policy]:
+        """The policies of the server's model, by role (`Models.policies_of`)."""
+        return self.models.policies_of(server)
 
     def workers_changed(self) -> None:
         """Regroup the servers by model and tell each model's policies (and the session
@@ -72,7 +72,8 @@ class Scheduler:
         usable, the ones that can still take a request: healthy, but with an open or busy
         half-open breaker (panic routing, as Envoy does below its panic threshold): a
         suspect server is better than a 503."""
-        self.pool.refresh_breakers(role)
+        now = time.monotonic()
+        self.pool.refresh_breakers(role, now)
         members = (model or self.models.of(view)).servers[role]
         workers = [w for w in members if w.usable]
         if not workers:
@@ -83,7 +84,6 @@ class Scheduler:
             fresh = [w for w in workers if w not in avoid]
             if fresh:
                 workers = fresh
-        now = time.monotonic()
         for suspect in workers:
             if suspect.suspect_until > now:
                 trusted = [w for w in workers if w.suspect_until <= now]

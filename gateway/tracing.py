@@ -101,12 +101,12 @@ def client_carrier(headers: list[tuple[bytes, bytes]]) -> dict[str, str] | None:
 class Tracing:
     """The tracer of one serving process: the entry point of every request's spans."""
 
-    def __init__(self, config, metrics, policy: Callable, version: str) -> None:
+    def __init__(self, config, metrics, policies_of: Callable, version: str) -> None:
         self.export = Export(config.otlp_endpoint, config.otlp_protocol,
                              config.otlp_sample_ratio, config.otlp_service_name, version,
                              metrics)
-        # (role, target) -> the policy that chose it (its model's), for the pick spans
-        self.policy = policy
+        # server -> its model's policies by role (those that chose it), for the pick spans
+        self.policies_of = policies_of
         self.tracer = None
 
     def start(self) -> None:
@@ -163,11 +163,11 @@ class RequestTrace:
         """The scheduler chose a pair (and the dispatcher gave it rooms): a finished span."""
         self.attempts += 1
         if self.recording:
-            policy = self.tracing.policy
+            policies = self.tracing.policies_of(attempt.prefill)
             attributes = {"gateway.retry": retry, "gateway.prefill.server": attempt.prefill.url,
                           "gateway.decode.server": attempt.decode.url,
-                          "gateway.prefill.policy": policy("prefill", attempt.prefill).name,
-                          "gateway.decode.policy": policy("decode", attempt.decode).name}
+                          "gateway.prefill.policy": policies["prefill"].name,
+                          "gateway.decode.policy": policies["decode"].name}
             if attempt.prefill_rank is not None:
                 attributes["gateway.prefill.dp_rank"] = attempt.prefill_rank
             if depth:

@@ -102,8 +102,8 @@ class RequestUsage:
         self.prompt = (self.prompt or 0) + prompt
         self.cached = (self.cached or 0) + cached
         children = self.owner.children(self.tenant, self.model or OTHER)
-        children.cached.inc(cached)
-        children.uncached.inc(max(0, prompt - cached))
+        children.cached.pending += cached
+        children.uncached.pending += max(0, prompt - cached)
 
     def prefill_settled(self) -> None:
         """A prefill leg ended (answered, failed or stopped)."""
@@ -152,13 +152,13 @@ class Usage:
                 else completion_total(tail)
         record.tail = b""
         children = self.children(record.tenant, record.model)
-        children.requests.inc()
+        children.requests.pending += 1
         if status >= 500:
-            children.errors_5xx.inc()
+            children.errors_5xx.pending += 1
         elif status >= 400:
-            children.errors_4xx.inc()
+            children.errors_4xx.pending += 1
         if record.completion:
-            children.completion.inc(record.completion)
+            children.completion.pending += record.completion
         record.ended = True
         if record.open_legs == 0:
             self.log(record)

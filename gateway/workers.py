@@ -159,24 +159,21 @@ class Worker:
     suspect_until: float = 0.0  # a request here timed out without progress: avoid until then
     shared: object = None  # (SharedState, slot, worker id) with --workers: counts summed
     metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
+    # as a scheduling target (like a Rank): the server it belongs to, its own; no DP rank.
+    # Attributes, not properties: every pick reads them
+    server: Worker = field(init=False, repr=False)
+    rank: None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.bootstrap_host = bootstrap_host_of(self.url)
-
-    @property
-    def server(self) -> Worker:
-        """The server a scheduling target belongs to (a Worker is its own)."""
-        return self
-
-    @property
-    def rank(self) -> int | None:
-        return None
+        self.server = self
 
     @property
     def usable(self) -> bool:
         """May the scheduler pick this worker now? (No side effect: the scheduler refreshes
         breakers explicitly before it asks.)"""
-        return self.serving and self.breaker.admits
+        breaker = self.breaker
+        return self.serving and (breaker.state is CLOSED or breaker.admits)
 
     @property
     def serving(self) -> bool:
@@ -369,9 +366,9 @@ class WorkerPool:
     def role(self, role: str) -> list[Worker]:
         return self._by_role[role]
 
-    def refresh_breakers(self, role: str) -> None:
-        """Move breakers whose cooldown elapsed to half-open (the one place this happens)."""
-        now = time.monotonic()
+    def refresh_breakers(self, role: str, now: float) -> None:
+        """Move breakers whose cooldown elapsed to half-open (the one place this happens);
+        `now` is time.monotonic()."""
         for worker in self._by_role[role]:
             breaker = worker.breaker
             if breaker.state is OPEN:  # (runs on every pick: no call otherwise)

@@ -153,7 +153,7 @@ class InferenceEndpoint:
             if counter is None:
                 counter = self._requests[status] = gw.metrics.buffered_counter(
                     gw.metrics.requests.labels(self.endpoint, str(status)))
-            counter.inc()
+            counter.pending += 1
             self._e2e.observe(time.perf_counter() - started)
             if status == 499:
                 self._disconnects.inc()
@@ -209,7 +209,7 @@ class InferenceEndpoint:
             usage.ttft = time.perf_counter() - started
             usage.tail = answer.body  # its completion tokens are read once it is counted
             self._ttft[False].observe(usage.ttft)
-            self._bytes.inc(len(answer.body))
+            self._bytes.pending += len(answer.body)
             return answer.status
         headers.append((b"cache-control", b"no-cache"))
         headers.append((b"x-accel-buffering", b"no"))
@@ -248,7 +248,7 @@ class InferenceEndpoint:
             usage.tail = previous + final  # the final events: completion tokens
         watch.done = True
         await send({"type": "http.response.body", "body": b""})
-        self._bytes.inc(sent)
+        self._bytes.pending += sent
         return answer.status
 
 

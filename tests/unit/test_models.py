@@ -141,8 +141,9 @@ def test_usage_label_of_a_single_model_gateway_is_its_model_whatever_is_asked():
 
 def dispatched(scheduler, prefill, decode, view) -> None:
     """What the proxy tells the policies when it sends a pair (proxy.Proxy._started)."""
-    scheduler.policy("prefill", prefill).on_dispatch(prefill, view)
-    scheduler.policy("decode", decode).on_dispatch(decode, view)
+    policies = scheduler.policies_of(prefill.server)
+    policies["prefill"].on_dispatch(prefill, view)
+    policies["decode"].on_dispatch(decode, view)
 
 
 def test_each_model_has_its_own_policy_instances_and_servers():
@@ -161,7 +162,8 @@ def test_each_model_has_its_own_policy_instances_and_servers():
     assert set(alpha.policies["prefill"].stats()["tree_size_by_worker"]) <= {
         "http://a-p1:1", "http://a-p2:1"}
     # the hooks go back to the policy that chose (the server's model's)
-    assert scheduler.policy("prefill", prefill) is alpha.policies["prefill"]
+    assert scheduler.policies_of(prefill.server) is alpha.policies
+    assert scheduler.policies_of(decode) is alpha.policies
 
 
 def test_per_model_policy_settings_default_to_the_global_ones():
