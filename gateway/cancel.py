@@ -38,8 +38,11 @@ if TYPE_CHECKING:
 class Interrupt:
     __slots__ = ("task", "_reason", "_taken", "_superseded", "_closed")
 
-    def __init__(self, task: asyncio.Task | None = None) -> None:
-        self.task = task if task is not None else asyncio.current_task()
+    def __init__(self, task: asyncio.Task | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """`task`: the one to stop, else the current one (of `loop`, when the caller has it
+        at hand: asking the running loop costs a getpid system call in CPython)."""
+        self.task = task if task is not None else asyncio.current_task(loop)
         self._reason: BaseException | None = None
         self._taken = False
         self._superseded = False

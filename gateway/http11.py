@@ -72,6 +72,9 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: HostPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
+        # made inside its loop; its responses' futures use it (asyncio.get_running_loop()
+        # costs a getpid system call in CPython: twice per request, were it asked per post)
+        self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
         self.closed = False
@@ -379,7 +382,7 @@ class HTTPClient:
         connection = pool.take_idle()  # the usual case, without a coroutine for _acquire
         if connection is None:
             connection = await self._acquire(pool)
-        response = Response(asyncio.get_running_loop())
+        response = Response(connection.loop)
         connection.start(response, request)
         try:
             await response.head

@@ -134,8 +134,8 @@ class PDDispatcher:
 
     async def run(self, attempt: Attempt) -> Answer:
         """Send both legs; return the decode answer or raise the first leg failure."""
-        loop = asyncio.get_running_loop()
-        interrupt = attempt.interrupt = Interrupt()
+        loop = self.timers.loop()  # (cached: asyncio.get_running_loop() is a system call)
+        interrupt = attempt.interrupt = Interrupt(loop=loop)
         attempt.started_at = loop.time()
         attempt.prefill.attempts.add(attempt)
         attempt.decode.attempts.add(attempt)
@@ -213,7 +213,7 @@ class PDDispatcher:
         future = attempt.prefill_future
         if future is not None and not future.done():
             future.set_result((attempt.prefill, attempt.prefill_rank))
-        now = asyncio.get_running_loop().time()
+        now = self.timers.loop().time()
         self.model.first_progress(attempt.prefill.url, attempt.view.prompt_tokens,
                                   now - attempt.started_at)
         if attempt.deadline is not None:

@@ -45,7 +45,7 @@ class Proxy:
         broken stream, `avoid` the servers it should not go to first."""
         avoid = list(avoid)
         last_error: GatewayError | None = None
-        loop = asyncio.get_running_loop()
+        loop = self.dispatcher.timers.loop()
         not_after = loop.time() + self.request_timeout  # each attempt's deadline is capped
         trace = tracked.trace  # tracing.RequestTrace, or None (tracing off)
         if tracked.not_after is not None and tracked.not_after < not_after:

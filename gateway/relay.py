@@ -91,15 +91,16 @@ class StreamWatchdog:
                  "client", "stalled")
 
     def __init__(self, idle, send: float, client: Interrupt | None,
-                 stalled: UpstreamError, period: float | None = None) -> None:
+                 stalled: UpstreamError, period: float | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.idle = idle  # seconds, or a callable giving the current limit (learned)
         self.send = send
         limit = idle() if callable(idle) else idle
         self.period = period if period is not None else min(limit, send) / 2
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop if loop is not None else asyncio.get_running_loop()
         self.since = self.loop.time()
         self.reading = True
-        self.upstream = Interrupt()  # the relay's task, stopped when the server goes silent
+        self.upstream = Interrupt(loop=self.loop)  # the relay's task, stopped when the server goes silent
         self.client = client  # the request's interrupt, fired when the client stops reading
         self.stalled = stalled
         self.handle = self.loop.call_at(self.since + self.period, self._check)
@@ -151,7 +152,8 @@ class StreamRelay:
         tracked = attempt.tracked
         watchdog = StreamWatchdog(idle, d.timeouts.send,
                                   tracked.interrupt if tracked is not None else None, stalled,
-                                  period=min(model.options.floor, d.timeouts.send, hard) / 2)
+                                  period=min(model.options.floor, d.timeouts.send, hard) / 2,
+                                  loop=d.timers.loop())
         attempt.interrupt = watchdog.upstream  # a rescue now stops the relay's wait
         loop = watchdog.loop
         gaps = model.gaps_of(url)

@@ -85,7 +85,7 @@ class InferenceEndpoint:
         started = time.perf_counter()
         request_id = request_id_of(scope)
         status = 500
-        interrupt = Interrupt()
+        interrupt = Interrupt(loop=gw.timers.loop())
         state = {"started": False}
         # tracing.RequestTrace with tracing on (--otlp-endpoint), else None
         trace = gw.tracing.request(scope, request_id) if gw.tracing is not None else None
