@@ -56,6 +56,7 @@ class Attempt:
     dispatched_at: float = 0.0  # time.monotonic() when its counters were taken (proxy)
     not_after: float = float("inf")  # the request's own deadline (loop time), over retries
     progressed: bool = False  # the prefill answered or the decode sent its first byte
+    trailing: bool = False  # progressed by its decode, its prefill's answer still to come
     deadline: object = None  # the cancel.Deadline of the first progress
     pair_verdict: str | None = None  # a failure was blamed on "pair" or "server"
     outcome: dict[str, bool | None] = field(default_factory=dict)
@@ -66,12 +67,29 @@ class Attempt:
         target's `/v1/loads` snapshot forgets it (workers.ServerLoad.settle)."""
         target.load.settle(self.dispatched_at, self.view.prompt_tokens)
 
-    def settle_prefill(self) -> None:
-        """`settle` on the prefill server, and on the DP rank the policy chose there."""
+    def settle_prefill(self, trail: bool = False) -> None:
+        """`settle` on the prefill server, and on the DP rank the policy chose there.
+        `trail`: the prefill leg is still open (its decode answered first), so the server
+        may hold the request until it answers: the snapshots asked until then forget it
+        too (`ServerLoad.trail`), up to `end_trail`."""
         self.settle(self.prefill)
         target = self.prefill_target
+        rank = target if target is not None and target is not self.prefill else None
+        if rank is not None:
+            self.settle(rank)
+        if trail:
+            self.trailing = True
+            self.prefill.load.trail(self.view.prompt_tokens)
+            if rank is not None:
+                rank.load.trail(self.view.prompt_tokens)
+
+    def end_trail(self) -> None:
+        """The prefill leg of a `settle_prefill(trail=True)` ended."""
+        self.trailing = False
+        self.prefill.load.trail(self.view.prompt_tokens, -1)
+        target = self.prefill_target
         if target is not None and target is not self.prefill:
-            self.settle(target)
+            target.load.trail(self.view.prompt_tokens, -1)
 
 
 @dataclass

@@ -209,7 +209,8 @@ class PDDispatcher:
         # request now (a conversation's next turn sent meanwhile found the prefill "busy"),
         # and the other samples of an n > 1 request may follow it now (they waited for that
         # answer and ran one after the other)
-        attempt.settle_prefill()
+        if "prefill" not in attempt.outcome:  # else settled as the leg ended (proxy.leg_done)
+            attempt.settle_prefill(trail=True)
         future = attempt.prefill_future
         if future is not None and not future.done():
             future.set_result((attempt.prefill, attempt.prefill_rank))

@@ -155,7 +155,9 @@ class Proxy:
             self.dispatcher.rescue(worker, "opened its circuit breaker")
         if not prefill:
             attempt.settle(worker)
-        elif not attempt.progressed:  # else settled at first progress (pd.progress)
+        elif attempt.trailing:  # settled at first progress (pd.progress), the server's now
+            attempt.end_trail()
+        elif not attempt.progressed:
             attempt.settle_prefill()
         if target is not worker:  # the prefill's DP rank
             target.finish(tokens)

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from gateway.breaker import CLOSED, HALF_OPEN, OPEN, BreakerState, CircuitBreaker
 from gateway.probe import ServerFacts
+from gateway.server_load import ServerLoad, load_entry
 
 ROLES = ("prefill", "decode")
 
@@ -26,65 +27,6 @@ def bootstrap_host_of(url: str) -> str:
         if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
             return f"[{host}]"
     return host
-
-
-@dataclass
-class ServerLoad:
-    """The latest `/v1/loads` figures of a server (summed over its DP ranks)."""
-
-    running: int = 0
-    waiting: int = 0
-    waiting_uncached_tokens: int = 0
-    used_tokens: int = 0
-    max_total_tokens: int = 0
-    token_usage: float = 0.0
-    max_running_requests: int = 0
-    updated_at: float = 0.0
-    # cumulative, SGLang's Scheduler._record_step_counters: tokens its prefill steps extended
-    # and their busy time; successive snapshots give the server's measured prefill speed
-    prefill_tokens: int = 0
-    prefill_busy_us: int = 0
-    prefill_speed: float = 0.0  # tokens/s, smoothed over snapshots; 0 until measured
-    # requests of this gateway process that were running when the snapshot was taken and
-    # have finished since, and their prompt tokens: the snapshot still counts them
-    settled: int = 0
-    settled_tokens: int = 0
-    # ours running when the next poll was sent (`asked_at`) that ended since (`carry`)
-    asked_at: float = 0.0
-    pending: int = 0
-    pending_tokens: int = 0
-
-    def settle(self, since: float, tokens: int) -> None:
-        """A request of ours dispatched at `since` (time.monotonic()) has finished: if that
-        was before this snapshot, the snapshot still counts it as running and its KV as in
-        use (SGLang's `token_usage` leaves out what its radix cache may evict, which the KV
-        of a finished request becomes). Without this, a conversation's next turn, sent as
-        the previous one ends, found its server "busy" with that very turn in a snapshot up
-        to one poll old, and the cache-aware policy moved it off its cache. The same holds
-        for the answer of a poll sent before it ended and read after (`asked_at`)."""
-        if since < self.updated_at:
-            self.settled += 1
-            self.settled_tokens += tokens
-        if since < self.asked_at:
-            self.pending += 1
-            self.pending_tokens += tokens
-
-    def carry(self, before: ServerLoad) -> None:
-        """This snapshot answers the poll `before` awaited: ours that ended meanwhile."""
-        self.settled, self.settled_tokens = before.pending, before.pending_tokens
-
-    def follow(self, before: ServerLoad) -> None:
-        """Carry the measured prefill speed over from the previous snapshot, updated by
-        what the server prefilled in between (a restart's smaller counters teach nothing),
-        and our requests that ended while this one was on its way (`carry`)."""
-        self.carry(before)
-        tokens = self.prefill_tokens - before.prefill_tokens
-        busy = self.prefill_busy_us - before.prefill_busy_us
-        speed = before.prefill_speed
-        if tokens > 0 and busy > 0:
-            sample = tokens * 1e6 / busy
-            speed = sample if speed == 0.0 else 0.7 * speed + 0.3 * sample
-        self.prefill_speed = speed
 
 
 @dataclass(eq=False)
@@ -210,9 +152,9 @@ class Worker:
         """A `/v1/loads` poll goes out now (returns its time): the snapshots note which of
         our requests end before its answer is read (`ServerLoad.settle`)."""
         asked = time.monotonic()
-        self.load.asked_at = asked
+        self.load.ask(asked)
         for rank in self.ranks:
-            rank.load.asked_at = asked
+            rank.load.ask(asked)
         return asked
 
     def apply_loads(self, data: dict, asked: float | None = None) -> None:
@@ -228,7 +170,7 @@ class Worker:
         for position, entry in enumerate(loads):
             if not isinstance(entry, dict):
                 continue
-            one = _load_entry(entry, now)
+            one = load_entry(entry, now)
             rank = entry.get("dp_rank", position)
             ranked = isinstance(rank, int) and 0 <= rank < len(self.ranks)
             one.follow(self.ranks[rank].load if ranked else self.load)
@@ -317,22 +259,6 @@ class Worker:
                        "running": r.load.running, "waiting": r.load.waiting}
                       for r in self.ranks],
         }
-
-
-def _load_entry(entry: dict, now: float) -> ServerLoad:
-    def number(name: str) -> int:
-        value = entry.get(name)
-        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
-
-    usage = entry.get("token_usage")
-    return ServerLoad(
-        running=number("num_running_reqs"), waiting=number("num_waiting_reqs"),
-        waiting_uncached_tokens=number("num_waiting_uncached_tokens"),
-        used_tokens=number("num_used_tokens"), max_total_tokens=number("max_total_num_tokens"),
-        token_usage=float(usage) if isinstance(usage, (int, float)) else 0.0,
-        max_running_requests=number("max_running_requests"), updated_at=now,
-        prefill_tokens=number("total_prefill_uncached_tokens"),
-        prefill_busy_us=number("total_prefill_busy_us"))
 
 
 class WorkerPool:

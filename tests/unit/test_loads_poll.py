@@ -115,3 +115,42 @@ def test_the_conversation_stays_on_its_rank_across_the_race() -> None:
     assert policy.pick(unsettled.ranks, generate_text(text + "user: and ships?\n")) \
         is unsettled.ranks[1]
     assert rank1.load.running == 0
+
+
+def test_a_request_whose_prefill_answer_trails_is_settled_in_every_poll_until_it_comes() -> None:
+    """The decode answered (pd.progress settles the prefill's snapshot) but the prefill's own
+    answer is still to come (the CPU rig's prefill answers after the decode): SGLang may hold
+    its KV until then, so a poll sent meanwhile shows it, and the answer forgets it. Once
+    the prefill leg has ended, a poll's figures count again as they are."""
+    worker = dp_worker()
+    rank0 = worker.ranks[0]
+    rank0.load.trail(PROMPT)  # progressed before the poll was sent, its prefill still open
+    poll_once(worker)
+    assert scores(worker) == [pytest.approx(0.0, abs=0.05), 0.0]
+    poll_once(worker)  # the next poll too, while it trails
+    assert scores(worker)[0] == pytest.approx(0.0, abs=0.05)
+    rank0.load.trail(PROMPT, -1)  # the prefill answered
+    poll_once(worker)
+    assert scores(worker)[0] == pytest.approx(1 + 32 * 0.1)
+
+
+def test_an_attempt_trails_on_its_server_and_its_rank() -> None:
+    """`Attempt.settle_prefill(trail=True)` (what pd.progress calls when the decode answered
+    first) starts the trail on the server and on its DP rank; `end_trail` (what
+    proxy.leg_done calls as the prefill leg ends) ends it on both."""
+    from gateway.attempt import Attempt
+    from tests.unit.policies.util import generate_text
+
+    worker = dp_worker()
+    rank0 = worker.ranks[0]
+    view = generate_text("hello")
+    attempt = Attempt(view, worker, Worker("http://127.0.0.1:30001", "decode"), 1, "r",
+                      ("r",), b"", "id", prefill_rank=0)
+    attempt.prefill_target = rank0
+    attempt.settle_prefill(trail=True)
+    assert attempt.trailing
+    assert (worker.load.trailing, rank0.load.trailing) == (1, 1)
+    assert rank0.load.trailing_tokens == view.prompt_tokens
+    attempt.end_trail()
+    assert not attempt.trailing
+    assert (worker.load.trailing, rank0.load.trailing, rank0.load.trailing_tokens) == (0, 0, 0)

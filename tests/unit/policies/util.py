@@ -7,7 +7,8 @@ import time
 import orjson
 
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView, parse_request
-from gateway.workers import ServerLoad, Worker
+from gateway.server_load import ServerLoad
+from gateway.workers import Worker
 
 
 def worker(url: str, role: str = "prefill", *, in_flight: int = 0, tokens: int = 0,
