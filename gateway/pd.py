@@ -244,7 +244,8 @@ class PDDispatcher:
             rescue.pair_cohort(attempt)
             rescue.suspect_if_hung(attempt, now, first, self.suspect_seconds)
         elif attempt.view.stream and "prefill" in attempt.outcome:
-            rescue.decode_hung(attempt, self.suspect_seconds)  # KV there, decode silent
+            rescue.decode_hung(attempt, self.suspect_seconds,  # KV there, decode silent
+                               None if self.peers is None else self.peers("decode"))
         late = [leg for leg in ("prefill", "decode") if leg not in attempt.outcome]
         if "decode" in late and p_task.done():
             late = ["decode"]

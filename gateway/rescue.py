@@ -56,9 +56,7 @@ def rescue(worker: Worker, why: str, peers: Iterable[Worker] | None) -> int:
     then is retried as any other. `peers` None (not known) stops them all, as before.
     Each rescue with attempts waiting logs its decision once (info)."""
     waiting = len(worker.attempts)
-    if peers is not None and not any(
-            other is not worker and other.role == worker.role and other.model == worker.model
-            and other.usable for other in peers):
+    if not elsewhere(worker, peers):
         if waiting:
             log.info("%s: %d attempt(s) keep waiting on it (no other usable %s server for "
                      "a retry)", why, waiting, worker.role)
@@ -78,14 +76,25 @@ def suspect_if_hung(attempt: Attempt, now: float, first: float, seconds: float) 
         attempt.prefill.suspect_until = attempt.decode.suspect_until = until
 
 
-def decode_hung(attempt: Attempt, seconds: float) -> None:
+def elsewhere(worker: Worker, peers: Iterable[Worker] | None) -> bool:
+    """Whether the retry of an attempt stopped on `worker` has somewhere to go (`rescue`);
+    `peers` None: not known, assumed so."""
+    return peers is None or any(
+        other is not worker and other.role == worker.role and other.model == worker.model
+        and other.usable for other in peers)
+
+
+def decode_hung(attempt: Attempt, seconds: float,
+                peers: Iterable[Worker] | None = None) -> None:
     """A stream's prefill answered and its decode sent no first chunk within the decode's
-    learned gap deadline: the decode, not the pair, is hung. It becomes a suspect and every
-    attempt waiting on it now is stopped, to be retried elsewhere."""
+    learned gap deadline: the decode, not the pair, is hung. It becomes a suspect, and the
+    other attempts waiting on it now are stopped to be retried elsewhere, when there is an
+    elsewhere (`elsewhere`, as for `rescue`: a lone decode's keep their own deadlines)."""
     decode = attempt.decode
     decode.suspect_until = time.monotonic() + seconds
-    stop_all(decode, f"decode server {decode.url} is suspected hung (a stream got no first "
-             "token after its KV arrived)", but=attempt)
+    if elsewhere(decode, peers):
+        stop_all(decode, f"decode server {decode.url} is suspected hung (a stream got no "
+                 "first token after its KV arrived)", but=attempt)
 
 
 def pair_cohort(attempt: Attempt) -> None:

@@ -106,6 +106,44 @@ def test_each_rescue_logs_its_decision(caplog):
     assert "2 attempt(s) stopped" in lines[1]
 
 
+class Hung(Waiting):
+    """The attempt whose stream got no first chunk after its KV arrived."""
+
+    def __init__(self, decode: Worker) -> None:
+        super().__init__(None)
+        self.decode = decode
+
+
+async def hung_stops(decode: Worker, peers: list[Worker] | None) -> tuple[int, int]:
+    """(stopped, still waiting) of two other attempts on `decode` after `decode_hung`."""
+    from gateway.cancel import Interrupt  # noqa: PLC0415 - needs a running loop's tasks
+
+    tasks = []
+    for _ in range(2):
+        task = asyncio.get_running_loop().create_task(asyncio.Event().wait())
+        decode.attempts.add(Waiting(Interrupt(task)))
+        tasks.append(task)
+    await asyncio.sleep(0)
+    rescue.decode_hung(Hung(decode), 10.0, peers)
+    await asyncio.sleep(0)
+    waiting = sum(not t.done() for t in tasks)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return 2 - waiting, waiting
+
+
+def test_a_hung_decode_stops_the_others_only_where_a_retry_can_go():
+    """`decode_hung` makes the decode a suspect either way; it stops the other attempts on
+    it only when another usable decode can take their retries."""
+    alone = server(D1)
+    assert run(hung_stops(alone, [alone])) == (0, 2)
+    assert alone.suspect_until > 0
+    hung, other = server(D1), server(D2)
+    assert run(hung_stops(hung, [hung, other])) == (2, 0)
+    assert run(hung_stops(server(D1), None)) == (2, 0)  # peers not known: as before
+
+
 # -- through the gateway (runtime wiring, dispatcher, proxy) ---------------------------------
 
 
