@@ -72,9 +72,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: HostPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        # made inside its loop; its responses' futures use it (asyncio.get_running_loop()
-        # costs a getpid system call in CPython: twice per request, were it asked per post)
-        self.loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()  # once, not per post: it costs a getpid
         self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
         self.closed = False
