@@ -67,28 +67,28 @@ class Attempt:
         target's `/v1/loads` snapshot forgets it (workers.ServerLoad.settle)."""
         target.load.settle(self.dispatched_at, self.view.prompt_tokens)
 
+    def prefill_targets(self) -> tuple:
+        """The prefill server, and the DP rank the policy chose there if it chose one."""
+        target = self.prefill_target
+        if target is None or target is self.prefill:
+            return (self.prefill,)
+        return (self.prefill, target)
+
     def settle_prefill(self, trail: bool = False) -> None:
         """`settle` on the prefill server, and on the DP rank the policy chose there.
         `trail`: the prefill leg is still open (its decode answered first), so the server
         may hold the request until it answers: the snapshots asked until then forget it
         too (`ServerLoad.trail`), up to `end_trail`."""
-        self.settle(self.prefill)
-        target = self.prefill_target
-        rank = target if target is not None and target is not self.prefill else None
-        if rank is not None:
-            self.settle(rank)
-        if trail:
-            self.trailing = True
-            self.prefill.load.trail(self.view.prompt_tokens)
-            if rank is not None:
-                rank.load.trail(self.view.prompt_tokens)
+        self.trailing = trail
+        for target in self.prefill_targets():
+            self.settle(target)
+            if trail:
+                target.load.trail(self.view.prompt_tokens)
 
     def end_trail(self) -> None:
         """The prefill leg of a `settle_prefill(trail=True)` ended."""
         self.trailing = False
-        self.prefill.load.trail(self.view.prompt_tokens, -1)
-        target = self.prefill_target
-        if target is not None and target is not self.prefill:
+        for target in self.prefill_targets():
             target.load.trail(self.view.prompt_tokens, -1)
 
 

@@ -113,7 +113,7 @@ class InFlight:
 
     def remove(self, tracked: Tracked) -> None:
         table = self._by_key
-        for key in tracked.keys() if tracked.rids else (tracked.request_id,):
+        for key in tracked.keys():
             if table.get(key) is tracked:
                 del table[key]
 
