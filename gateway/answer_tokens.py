@@ -112,14 +112,17 @@ class StreamTokens:
     """Per-chunk work of the two kinds of stream that need it (see the module docstring).
 
     `feed` returns the chunk to send (without the usage event the client did not ask for);
-    `completion` is the count once the stream's final events went by, else None."""
+    `completion` is the count once the stream's final events went by, else None. A chunk
+    holding neither of `marks` needs no `feed`: the relay tests them itself, so most chunks
+    cost two substring tests and no call."""
 
-    __slots__ = ("forced", "completion", "_finals")
+    __slots__ = ("forced", "completion", "_finals", "marks")
 
     def __init__(self, forced: bool) -> None:
         self.forced = forced
         self.completion: int | None = None
         self._finals = 0
+        self.marks = USAGE_MARKS if forced else FINAL_MARKS
 
     @classmethod
     def of(cls, view: RequestView) -> StreamTokens | None:

@@ -184,8 +184,7 @@ class _Connection(asyncio.Protocol):
                 or not response.keep_alive:
             self.close()
             return
-        self.parser = httptools.HttpResponseParser(self)
-        self.pool.release(self)
+        self.pool.release(self)  # (the parser, reset by llhttp after each message, stays)
 
     def close(self) -> None:
         if not self.closed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import httptools
 
@@ -35,6 +36,8 @@ class _Protocol(asyncio.Protocol):
         self.line_start = True  # the next body byte starts an SSE line
         self.body_size = 0
         self.closed = False
+        self.sent_at = 0.0
+        self.first_event: float | None = None  # seconds from the send to the first event
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -61,6 +64,8 @@ class _Protocol(asyncio.Protocol):
         count = body.count(b"\ndata:")
         if self.line_start and body.startswith(b"data:"):
             count += 1
+        if count and self.first_event is None:
+            self.first_event = time.perf_counter() - self.sent_at
         self.events += count
         self.line_start = body.endswith(b"\n")
 
@@ -86,6 +91,7 @@ class Connection:
         self.host = host
         self.port = port
         self._proto: _Protocol | None = None
+        self.first_event: float | None = None  # of the last answer: seconds to its first event
 
     async def _ensure(self) -> _Protocol:
         if self._proto is None or self._proto.closed:
@@ -101,7 +107,9 @@ class Connection:
         except OSError as exc:
             raise ReplyError(f"connect to {self.host}:{self.port} failed: {exc}") from exc
         proto.events, proto.body_size, proto.line_start = 0, 0, True
+        proto.first_event, self.first_event = None, None
         proto.waiter = asyncio.get_running_loop().create_future()
+        proto.sent_at = time.perf_counter()
         proto.transport.write(raw)
         try:
             status = await proto.waiter
@@ -110,6 +118,7 @@ class Connection:
             raise
         if status != 200:
             raise ReplyError(f"status {status} from {self.host}:{self.port}")
+        self.first_event = proto.first_event
         return proto.events, proto.body_size
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loadtests.client import ReplyError
@@ -57,10 +57,16 @@ class Streamed:
     errors: int
     seconds: float
     cpu: Any  # what the meter's stop() returned
+    first_event_ms: list[float] = field(default_factory=list)  # per stream, sorted
 
     @property
     def events_per_s(self) -> float:
         return self.events / self.seconds
+
+    @property
+    def first_event_p50_ms(self) -> float | None:
+        """Median time from a stream's request to its first event (a stream's TTFT)."""
+        return _percentile(self.first_event_ms, 0.5) if self.first_event_ms else None
 
 
 async def _finish(tasks: list[asyncio.Task]) -> None:
@@ -182,6 +188,7 @@ async def streams(route, concurrency: int, duration: float, meter=None) -> Strea
     meter = meter or NullMeter()
     sessions = [route.session() for _ in range(concurrency)]
     totals = {"streams": 0, "events": 0, "errors": 0}
+    firsts: list[float] = []
     deadline = 0.0
 
     async def worker(session) -> None:
@@ -194,6 +201,9 @@ async def streams(route, concurrency: int, duration: float, meter=None) -> Strea
                 continue
             totals["streams"] += 1
             totals["events"] += events
+            first = getattr(session, "first_event", None)  # (routes that time it)
+            if first is not None:
+                firsts.append(first * 1000)
 
     try:
         # One stream per session first: connections open, caches warm, outside the window.
@@ -207,4 +217,5 @@ async def streams(route, concurrency: int, duration: float, meter=None) -> Strea
     finally:
         for s in sessions:
             s.close()
-    return Streamed(totals["streams"], totals["events"], totals["errors"], seconds, cpu)
+    return Streamed(totals["streams"], totals["events"], totals["errors"], seconds, cpu,
+                    sorted(firsts))

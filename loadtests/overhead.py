@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--proxy-cpu", type=int, default=0)
     p.add_argument("--load-cpu", type=int, default=1)
+    p.add_argument("--server-cpu", type=int,
+                   help="the PD servers' own CPU (default: --load-cpu's); where cores allow, "
+                        "so that servers and load generator are never the bottleneck")
     p.add_argument("--no-pin", action="store_true", help="do not pin anything to a CPU")
     peers.add_arguments(p)
     p.add_argument("--out", type=Path, help="write settings, medians and every run as JSON")
@@ -110,7 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown targets {unknown}; choose from {list(TARGETS)}")
     args.rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if args.no_pin or (os.cpu_count() or 1) < 2:
-        args.proxy_cpu = args.load_cpu = None
+        args.proxy_cpu = args.load_cpu = args.server_cpu = None
+    elif args.server_cpu is None:
+        args.server_cpu = args.load_cpu
     return args
 
 
@@ -196,6 +201,7 @@ class Bench:
                       for rate in a.rates]
             streamed = self.runner.run(loads.streams(stream, a.concurrency, a.duration * 0.8,
                                                      meter))
+            alone = self.runner.run(loads.streams(stream, 1, max(0.5, a.duration * 0.2)))
             noise = whole.stop().other / (time.perf_counter() - t0)
             rss = peak_rss_mb(proc.pid) if proc else None
         usage, s_usage = closed.cpu, streamed.cpu
@@ -209,6 +215,8 @@ class Bench:
             open_loop={f"{o.rate:g}": {"p50_ms": o.p50_ms, "p99_ms": o.p99_ms,
                                        "errors": o.errors} for o in opened},
             events_per_s=streamed.events_per_s, stream_errors=streamed.errors,
+            stream_first_event_ms=streamed.first_event_p50_ms,
+            alone_first_event_ms=alone.first_event_p50_ms,
             stream_cpu_per_1k_events=s_usage.proxy / streamed.events * 1000
             if proc and streamed.events else None,
             stream_proxy_busy=s_usage.proxy / streamed.seconds if proc else None,
@@ -278,7 +286,7 @@ def run_all(args: argparse.Namespace, targets: list[Target], peer_python: Path |
     give_up_retrying = started + args.timeout * 0.6
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner, \
-                cluster(args.backend, args.decodes, args.load_cpu, log_dir) as c:
+                cluster(args.backend, args.decodes, args.server_cpu, log_dir) as c:
             bench = Bench(args, c, log_dir, peer_python, runner)
             for round_no in range(1, args.rounds + 1):
                 for target in targets:
@@ -325,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          else sys.argv[1:])
     text = "\n\n".join([
         f"`{command.strip()}` (backend {args.backend}, 1 prefill + {args.decodes} decode, "
-        f"{args.rounds} rounds, medians; proxy on CPU {args.proxy_cpu}, servers and load "
-        f"generator on CPU {args.load_cpu})",
+        f"{args.rounds} rounds, medians; proxy on CPU {args.proxy_cpu}, servers on CPU "
+        f"{args.server_cpu}, load generator on CPU {args.load_cpu})",
         results_table(summary),
         "Data-path clients (our gateway with each `--upstream-client`), relative to the own "
         "client:\n\n" + clients_table(summary, runs),

@@ -25,6 +25,8 @@ class Run:
     stream_errors: int = 0
     stream_cpu_per_1k_events: float | None = None
     stream_proxy_busy: float | None = None
+    stream_first_event_ms: float | None = None  # p50 from a stream's request to its first event
+    alone_first_event_ms: float | None = None  # the same, one stream at a time (no queueing)
     rss_mb: float | None = None
     cores: dict[str, float] = field(default_factory=dict)  # busy fraction per core, closed loop
     stream_cores: dict[str, float] = field(default_factory=dict)  # the same, streams
@@ -52,7 +54,8 @@ def summarize(runs: list[Run]) -> dict[str, dict]:
         mine = [r for r in runs if r.target == name]
         row = {key: _median([getattr(r, key) for r in mine]) for key in (
             "rps", "cpu_per_1k", "proxy_busy", "backend_busy", "loadgen_busy", "other_busy",
-            "events_per_s", "stream_cpu_per_1k_events", "stream_proxy_busy", "rss_mb")}
+            "events_per_s", "stream_cpu_per_1k_events", "stream_proxy_busy",
+            "stream_first_event_ms", "alone_first_event_ms", "rss_mb")}
         for key in ("cores", "stream_cores"):
             row[key] = {core: _median([r.__dict__[key].get(core) for r in mine])
                         for core in getattr(mine[0], key)}
@@ -96,7 +99,8 @@ def results_table(summary: dict[str, dict]) -> str:
     for rate in rates:
         head.append(f"p50 / p99 ms @{rate}/s")
         head.append(f"added p99 ms @{rate}/s")
-    head += ["SSE events/s (64 streams)", "proxy CPU-s / 1k events", "peak RSS MB", "errors"]
+    head += ["SSE events/s (64 streams)", "proxy CPU-s / 1k events",
+             "stream first event p50 ms (1 / 64 streams)", "peak RSS MB", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in summary.items():
         cpu = row["cpu_per_1k"]
@@ -107,8 +111,10 @@ def results_table(summary: dict[str, dict]) -> str:
             point = row["open_loop"][rate]
             cells.append(f"{fmt(point['p50_ms'], 2)} / {fmt(point['p99_ms'], 2)}")
             cells.append(fmt(point["added_p99_ms"], 2))
-        cells += [fmt(row["events_per_s"]), fmt(row["stream_cpu_per_1k_events"], 3),
-                  fmt(row["rss_mb"], 0), str(row["errors"])]
+        cells += [fmt(row["events_per_s"]), fmt(row["stream_cpu_per_1k_events"], 4),
+                  f"{fmt(row.get('alone_first_event_ms'), 2)} / "
+                  f"{fmt(row.get('stream_first_event_ms'), 2)}", fmt(row["rss_mb"], 0),
+                  str(row["errors"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -125,7 +131,7 @@ def ratios_table(summary: dict[str, dict]) -> str:
     if not ours or not peers:
         return "(ratios need one of our targets and one peer)"
     head = ["ours vs peer", "req/s", "req per CPU-s", "CPU-s / 1k req", "SSE events/s",
-            "peak RSS"]
+            "CPU-s / 1k events", "stream first event", "peak RSS"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for us in ours:
         for peer in peers:
@@ -134,13 +140,17 @@ def ratios_table(summary: dict[str, dict]) -> str:
                      fmt(_ratio(b["cpu_per_1k"], a["cpu_per_1k"]), 2, "x"),
                      fmt(_ratio(a["cpu_per_1k"], b["cpu_per_1k"]), 2, "x"),
                      fmt(_ratio(a["events_per_s"], b["events_per_s"]), 2, "x"),
+                     fmt(_ratio(a["stream_cpu_per_1k_events"], b["stream_cpu_per_1k_events"]),
+                         2, "x"),
+                     fmt(_ratio(a.get("stream_first_event_ms"), b.get("stream_first_event_ms")),
+                         2, "x"),
                      fmt(_ratio(a["rss_mb"], b["rss_mb"]), 2, "x")]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def goals(summary: dict[str, dict], ours: str = "gateway") -> list[tuple[str, str, bool | None]]:
-    """The issue's four targets for one of our targets: (goal, measured, met)."""
+    """The issues' targets for one of our targets: (goal, measured, met)."""
     us = summary.get(ours)
     if us is None:
         return []
@@ -159,6 +169,20 @@ def goals(summary: dict[str, dict], ours: str = "gateway") -> list[tuple[str, st
     ratio = _ratio(us["events_per_s"], router["events_per_s"]) if router else None
     out.append(("streaming throughput within 10% of the Rust router's",
                 f"{fmt(ratio, 2)}x the router's", None if ratio is None else ratio >= 0.9))
+    # issue 14's one-core goals, both from this one run
+    ratio = _ratio(us["cpu_per_1k"], router["cpu_per_1k"]) if router else None
+    out.append(("CPU-seconds per 1000 requests at most 1.25x the Rust router's",
+                f"{fmt(ratio, 2)}x the router's", None if ratio is None else ratio <= 1.25))
+    ratio = _ratio(us["stream_cpu_per_1k_events"],
+                   router["stream_cpu_per_1k_events"]) if router else None
+    out.append(("CPU-seconds per 1000 streamed events at most 1.1x the Rust router's",
+                f"{fmt(ratio, 2)}x the router's", None if ratio is None else ratio <= 1.1))
+    for key, load in (("alone_first_event_ms", "one stream at a time"),
+                      ("stream_first_event_ms", "64 streams")):
+        mine, theirs = us.get(key), router and router.get(key)
+        out.append((f"stream first event (p50, {load}) no later than the Rust router's",
+                    f"{fmt(mine, 2)} vs {fmt(theirs, 2)} ms",
+                    None if mine is None or theirs is None else mine <= theirs))
     return out
 
 

@@ -61,9 +61,11 @@ class ProxySession:
     def __init__(self, route: ViaProxy) -> None:
         self.raw = route.raw
         self.conn = Connection(HOST, route.port)
+        self.first_event: float | None = None  # of the last stream: seconds to its first event
 
     async def call(self) -> int:
         events, _ = await self.conn.send(self.raw)
+        self.first_event = self.conn.first_event
         return events
 
     def close(self) -> None:
@@ -90,6 +92,7 @@ class LegsSession:
         self.route = route
         self.prefill = Connection(HOST, route.prefill_port)
         self.decodes = [Connection(HOST, port) for port in route.decode_ports]
+        self.first_event: float | None = None  # of the last stream: seconds to its first event
 
     async def call(self) -> int:
         route = self.route
@@ -98,6 +101,7 @@ class LegsSession:
         events, _ = await both_legs(
             self.prefill.send(post(HOST, self.prefill.port, route.path, body)),
             decode.send(post(HOST, decode.port, route.path, body)))
+        self.first_event = decode.first_event
         return events
 
     def close(self) -> None:

@@ -219,14 +219,14 @@ class InferenceEndpoint:
         sent = 0
         last = 0.0
         meter = usage.meter = StreamTokens.of(view)  # None for most: read at the end only
-        feed = meter.feed if meter is not None else None
+        marks = meter.marks if meter is not None else None
         previous = final = b""
         direct = watch.scope.get(CHUNKS)  # one write per chunk under our server protocol
         try:
             async for chunk in answer.stream:
-                if feed is not None:  # the usage event the client did not ask for is cut
-                    chunk = feed(chunk)
-                    if not chunk:
+                if marks is not None and (marks[0] in chunk or marks[1] in chunk):
+                    chunk = meter.feed(chunk)  # the usage event the client did not ask for
+                    if not chunk:              # is cut; a batch's final events are counted
                         continue
                 if direct is None or not direct(chunk):
                     await send({"type": "http.response.body", "body": chunk,

@@ -194,6 +194,37 @@ def test_interim_responses_are_skipped(kind):
     run(go())
 
 
+def test_one_connection_answers_of_every_framing_in_turn(kind):
+    """The connection's parser is kept from one answer to the next (llhttp resets itself after
+    each message): chunked, interim + length, length, chunked with a trailer, each read whole
+    with its own headers only, all on one connection."""
+    replies = (
+        CHUNKED.replace(b"\r\n\r\n", b"\r\nX-First: 1\r\n\r\n") + b"3\r\none\r\n0\r\n\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\n" + response(b"two", extra=b"X-Second: 2\r\n"),
+        response(b"three"),
+        CHUNKED + b"4\r\nfour\r\n0\r\nX-Trailer: t\r\n\r\n",
+        response(b"five"),
+    )
+
+    async def go():
+        async with Server(answering(*replies)) as server:
+            up = await open_client(kind)
+            try:
+                seen = []
+                for _ in replies:
+                    r = await up.post(server.url, "/generate", b"{}", "r")
+                    seen.append((r.status, r.header(b"x-first"), r.header(b"x-second"),
+                                 await r.read()))
+            finally:
+                await up.close()
+        assert seen == [(200, b"1", None, b"one"), (200, None, b"2", b"two"),
+                        (200, None, None, b"three"), (200, None, None, b"four"),
+                        (200, None, None, b"five")]
+        assert len(server.conns) == 1
+
+    run(go())
+
+
 @pytest.mark.parametrize("head", [
     b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n",
     b"HTTP/1.0 200 OK\r\n\r\n",
