@@ -86,9 +86,14 @@ class HealthChecker:
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self.client.get(worker.url + self.endpoint)
-            return response.status_code == 200
-        except (httpx.HTTPError, TimeoutError):
+        except httpx.ConnectError:  # refused: nothing listens (stalled servers still accept)
+            worker.refused = True
             return False
+        except (httpx.HTTPError, TimeoutError):
+            worker.refused = False
+            return False
+        worker.refused = False
+        return response.status_code == 200
 
     def record(self, worker: Worker, ok: bool, since: float = 0.0) -> None:
         """Apply hysteresis to one check result (a recent request success counts as ok)."""

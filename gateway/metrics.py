@@ -196,7 +196,8 @@ class SchedulerCollector(Collector):
             quarantined.add_metric([prefill, decode], 1)
         panics = CounterMetricFamily(
             "gateway_panic_picks", "Servers picked with no fully usable one of their role "
-            "(their breakers open or half-open)", labels=["role"])
+            "(their breakers open or half-open, or all marked down by health checks)",
+            labels=["role"])
         for role, count in self.scheduler.panics.items():
             panics.add_metric([role], count)
         yield from (quarantined, panics)

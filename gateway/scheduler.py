@@ -69,15 +69,20 @@ class Scheduler:
     def candidates(self, role: str, view: RequestView, avoid: Collection[Worker],
                    model: Model | None = None) -> list[Worker]:
         """Usable workers of `role` of the request's model (not just failed); with none
-        usable, the ones that can still take a request: healthy, but with an open or busy
-        half-open breaker (panic routing, as Envoy does below its panic threshold): a
-        suspect server is better than a 503."""
+        usable, the ones that can still take a request (panic routing, as Envoy does below
+        its panic threshold, where health is ignored): healthy ones with an open or busy
+        half-open breaker, else the ones its health checks marked down that still accept
+        connections (`Worker.in_pool`): a suspect or silent server is better than a 503.
+        Seen with real SGLang: the only decode stalled 10 s, /health included, was marked
+        down, and every request of those seconds got 503 though the server answered again a
+        second later. A request sent to a stalled server waits within its own deadlines
+        (gateway/pd.py); one whose server refuses connections is not sent (503 at once)."""
         now = time.monotonic()
         self.pool.refresh_breakers(role, now)
         members = (model or self.models.of(view)).servers[role]
         workers = [w for w in members if w.usable]
         if not workers:
-            workers = [w for w in members if w.serving]
+            workers = [w for w in members if w.serving] or [w for w in members if w.in_pool]
             if workers:
                 self.panics[role] += 1
         if avoid:

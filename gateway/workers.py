@@ -90,6 +90,7 @@ class Worker:
     bootstrap_host: str = ""
     verified: bool = False  # role and bootstrap port confirmed by /server_info
     misconfigured: str | None = None  # why the server can never be used (role mismatch)
+    refused: bool = False  # its last health check was refused a connection: nothing listens
     last_success: float = 0.0  # monotonic time of the last successful request
     kv_events: dict | None = None  # the server's KV event publisher (/server_info kv_events)
     load_balance_method: str = "follow_bootstrap_room"  # how the server picks a DP rank
@@ -122,6 +123,15 @@ class Worker:
         """Healthy, verified, not draining, not misconfigured: in rotation but for the breaker."""
         return (self.healthy and self.verified and not self.draining
                 and self.misconfigured is None)
+
+    @property
+    def in_pool(self) -> bool:
+        """Verified, not draining, not misconfigured and listening, whatever else its health
+        checks say: what panic routing may still pick when no server of its role is `serving`
+        (gateway/scheduler.py). A server that refuses connections runs nothing: a request
+        sent there would only make its prefill work for nothing."""
+        return (self.verified and not self.draining and self.misconfigured is None
+                and not self.refused)
 
     @property
     def usable_now(self) -> bool:
@@ -239,6 +249,7 @@ class Worker:
             "healthy": self.healthy,
             "verified": self.verified,
             "misconfigured": self.misconfigured,
+            "refused": self.refused,
             "draining": self.draining,
             "breaker": self.breaker.state.value,
             "suspect": self.suspect_until > time.monotonic(),
