@@ -83,17 +83,16 @@ class HealthChecker:
                 return False
             worker.apply_facts(facts)
             self.pool.notify()
+        refused = False
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self.client.get(worker.url + self.endpoint)
-        except httpx.ConnectError:  # refused: nothing listens (stalled servers still accept)
-            worker.refused = True
-            return False
-        except (httpx.HTTPError, TimeoutError):
-            worker.refused = False
-            return False
-        worker.refused = False
-        return response.status_code == 200
+            ok = response.status_code == 200
+        except (httpx.HTTPError, TimeoutError) as exc:
+            # refused: nothing listens there (a stalled server still accepts connections)
+            refused, ok = isinstance(exc, httpx.ConnectError), False
+        worker.refused = refused
+        return ok
 
     def record(self, worker: Worker, ok: bool, since: float = 0.0) -> None:
         """Apply hysteresis to one check result (a recent request success counts as ok)."""
