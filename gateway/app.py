@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.auth import ADMIN, INFERENCE, PUBLIC, Role
-from gateway.config import GatewayConfig
+from gateway.admission.auth import ADMIN, INFERENCE, PUBLIC, Role
+from gateway.config.settings import GatewayConfig
 from gateway.request import ENDPOINT_PATHS
 from gateway.routes import admin, dashboard, info, models, operations
 from gateway.routes.errors import HANDLERS

@@ -11,9 +11,14 @@ import sys
 import uvicorn
 
 from gateway.app import build_app
-from gateway.config import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILURE, ConfigError, load_config
-from gateway.server_protocol import ServerLimits, guarded_protocol
-from gateway.supervisor import Supervisor, worker_count
+from gateway.config.settings import (
+    EXIT_CONFIG_ERROR,
+    EXIT_STARTUP_FAILURE,
+    ConfigError,
+    load_config,
+)
+from gateway.processes.supervisor import Supervisor, worker_count
+from gateway.routes.server_protocol import ServerLimits, guarded_protocol
 
 KEY_FLAGS = ("--api-keys", "--api-key", "--admin-api-keys")
 FD_RESERVE = 128  # descriptors kept for logs, probes, KV-event sockets and the like

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 
 from backends.launcher import Launcher, ServerHandle, ServerState, default_topology, load_topology
-from gateway.config import GatewayConfig
-from gateway.workers import Worker, WorkerPool
+from gateway.config.settings import GatewayConfig
+from gateway.servers.pool import Worker, WorkerPool
 
 log = logging.getLogger("gateway.launch")
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import orjson
 
+from gateway.dispatch.inflight import client_rids
 from gateway.errors import BadRequest
-from gateway.inflight import client_rids
 
 GENERATE = "generate"
 CHAT = "chat"
@@ -49,9 +49,9 @@ class RequestView:
     logprob_merge: bool  # prefill holds prompt logprobs that the answer must carry
     rids: tuple[str, ...] | None = None  # the client's own rid(s), validated
     # exact prompt tokens per prompt (token-id prompts, or counted by the tokenizer:
-    # gateway/prompt_tokens.py); None: `prompt_tokens` is an estimate
+    # gateway/tokens/prompt_tokens.py); None: `prompt_tokens` is an estimate
     lengths: tuple[int, ...] | None = None
-    # set by the endpoint from the tenancy headers (gateway/tenancy.py) right after parsing:
+    # set by the endpoint from the tenancy headers (gateway/admission/tenancy.py) right after parsing:
     priority: int = 1  # class index: 0 interactive, 1 standard, 2 batch (config_tenants.py)
     session: bytes | None = None  # the session header's id, for session affinity
 

@@ -15,39 +15,39 @@ from collections import deque
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.aborts import Aborts
-from gateway.access_log import AccessLog
-from gateway.admission import Admission
-from gateway.affinity import SessionAffinity
-from gateway.aiohttp_upstream import AiohttpUpstream
-from gateway.auth import Auth
-from gateway.bootstrap import RoomAllocator
-from gateway.breaker import CircuitBreaker
-from gateway.config import ConfigError, GatewayConfig
-from gateway.context import ContextCheck
-from gateway.deadlines import DeadlineOptions, LatencyModel
+from gateway.admission.auth import Auth
+from gateway.admission.key_limits import KeyLimits
+from gateway.admission.slots import Admission
+from gateway.admission.tenancy import Tenancy
+from gateway.config.models import build_policies, configured_names, wants_token_ids
+from gateway.config.settings import ConfigError, GatewayConfig
 from gateway.discovery import KubernetesDiscovery
+from gateway.dispatch.aborts import Aborts
+from gateway.dispatch.bootstrap_rooms import RoomAllocator
+from gateway.dispatch.inflight import InFlight, Tracked, new_id
+from gateway.dispatch.parallel_samples import Samples
+from gateway.dispatch.pd import PDDispatcher, Timeouts
+from gateway.dispatch.proxy import Proxy
 from gateway.errors import BadRequest, GatewayError
-from gateway.health import HealthChecker
-from gateway.inflight import InFlight, Tracked, new_id
-from gateway.key_limits import KeyLimits
-from gateway.latency_history import LatencyHistory
-from gateway.metrics import Metrics
-from gateway.model_settings import build_policies, configured_names, wants_token_ids
-from gateway.models import Models, describe
-from gateway.pd import PDDispatcher, Timeouts
-from gateway.probe import RoleMismatch, probe
-from gateway.prompt_tokens import PromptTokens
-from gateway.proxy import Proxy
-from gateway.samples import Samples
-from gateway.scheduler import Scheduler
-from gateway.siblings import Siblings
-from gateway.tenancy import Tenancy
+from gateway.health.checker import HealthChecker
+from gateway.health.deadlines import DeadlineOptions, LatencyModel
+from gateway.observability.access_log import AccessLog
+from gateway.observability.latency_history import LatencyHistory
+from gateway.observability.metrics import Metrics
+from gateway.observability.usage import Usage
+from gateway.processes.siblings import Siblings
+from gateway.routes.info_cache import TtlCache
+from gateway.scheduling.affinity import SessionAffinity
+from gateway.scheduling.models import Models, describe
+from gateway.scheduling.scheduler import Scheduler
+from gateway.servers.breaker import CircuitBreaker
+from gateway.servers.pool import Worker, WorkerPool
+from gateway.servers.probe import RoleMismatch, probe
 from gateway.timers import Timers
-from gateway.ttlcache import TtlCache
-from gateway.upstream import FastUpstream, HttpxUpstream, build_client, ssl_context
-from gateway.usage import Usage
-from gateway.workers import Worker, WorkerPool
+from gateway.tokens.context_check import ContextCheck
+from gateway.tokens.prompt_tokens import PromptTokens
+from gateway.upstream.aiohttp_client import AiohttpUpstream
+from gateway.upstream.client import FastUpstream, HttpxUpstream, build_client, ssl_context
 
 log = logging.getLogger("gateway")
 
@@ -194,10 +194,10 @@ class Gateway:
         return Tracked(request_id=f"probe-{new_id()}", owner="gateway")
 
     def _tracing(self):
-        """The process's tracer (gateway/tracing.py), imported only when tracing is on; a
+        """The process's tracer (gateway/observability/tracing.py), imported only when tracing is on; a
         missing extra is a configuration error, never a silent "off"."""
         try:
-            from gateway.tracing import Tracing  # noqa: PLC0415 - pd-gateway[tracing]
+            from gateway.observability.tracing import Tracing  # noqa: PLC0415 - pd-gateway[tracing]
             return Tracing(self.config, self.metrics, self.scheduler.policies_of, self.version)
         except ImportError as exc:
             raise ConfigError(f"otlp_endpoint: tracing needs the OpenTelemetry packages "

@@ -4,7 +4,7 @@
     python -m loadtests.input_ids_cost --requests 300 --words 600
 
 With the served model's tokenizer loaded, the gateway knows each prompt's ids
-(gateway/prompt_tokens.py) and could send them to SGLang as `input_ids`, sparing the server's
+(gateway/tokens/prompt_tokens.py) and could send them to SGLang as `input_ids`, sparing the server's
 TokenizerManager its encode. This starts one plain SGLang server of the CPU rig
 (/opt/sglang-rig, the tiny model: backends/sglang_cpu/make_tiny_model.py), sends the same
 prompts as text and as ids (one new token each, one at a time, each prompt unique so the radix
@@ -29,7 +29,7 @@ import httpx
 import yaml
 
 from backends.launcher import BackgroundLauncher, topology_from_dict
-from gateway.tokenizer import load_tokenizer
+from gateway.tokens.tokenizer import load_tokenizer
 from loadtests.procstat import cpu_by_process
 
 REPO = Path(__file__).resolve().parent.parent

@@ -31,8 +31,8 @@ import time
 import orjson
 
 from gateway.app import build_app
-from gateway.config import load_config
-from gateway.server_protocol import CHUNKS, DEPARTURE, WHOLE, Departure
+from gateway.config.settings import load_config
+from gateway.routes.server_protocol import CHUNKS, DEPARTURE, WHOLE, Departure
 
 SERVERS = ["--prefill", "http://127.0.0.1:1", "9", "--decode", "http://127.0.0.1:2",
            "--decode", "http://127.0.0.1:3", "--skip-probe", "--health-interval", "600",

@@ -24,10 +24,10 @@ import orjson
 import uvicorn
 
 from gateway.cli import tune_gc
-from gateway.http11 import HTTPClient
 from gateway.routes.asgi import read_body
-from gateway.server_protocol import WHOLE, ServerLimits, guarded_protocol
+from gateway.routes.server_protocol import WHOLE, ServerLimits, guarded_protocol
 from gateway.timers import Timers
+from gateway.upstream.http11 import HTTPClient
 
 HEADERS = [(b"content-type", b"application/json")]
 

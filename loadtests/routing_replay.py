@@ -16,7 +16,7 @@ a substitute for the benchmark, whose figures it follows within a few points.
 Per seed: the hit rate with 1 rank and with `--ranks` ranks per server, their ratio (the
 issue's "vs 1 rank"), and the requests each rank served. With `--workers N`: the hit rate of
 one policy instance against N (each turn to a random one, as the kernel spreads connections
-over `--workers` processes), sharing the prefix table of gateway/policies/shared_prefixes.py
+over `--workers` processes), sharing the prefix table of gateway/prefix/shared.py
 unless `--unshared`, and the gap in points.
 """
 
@@ -34,10 +34,10 @@ import orjson
 from backends.sim.radix import RadixCache
 from backends.sim.tokenizer import encode, render_chat
 from gateway.policies import REGISTRY, create_policy
-from gateway.policies.shared_prefixes import WORDS, SharedPrefixes
-from gateway.probe import ServerFacts
+from gateway.prefix.shared import WORDS, SharedPrefixes
 from gateway.request import CHAT, parse_request
-from gateway.workers import Worker
+from gateway.servers.pool import Worker
+from gateway.servers.probe import ServerFacts
 from loadtests.routing_workloads import ChatShape, chat_plan, words
 
 START = 1000.0  # virtual monotonic time of the run's start

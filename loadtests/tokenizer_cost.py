@@ -1,9 +1,9 @@
-"""What gateway/tokenizer.py costs per request: encode and chat-render times for 100, 1k and
+"""What gateway/tokens/tokenizer.py costs per request: encode and chat-render times for 100, 1k and
 8k-token prompts, the thread-pool hop, and how long inline work stalls the event loop.
 
     python -m loadtests.tokenizer_cost MODEL_DIR   # e.g. the CPU rig's tiny model
 
-Times are medians of repeated runs on this machine; the numbers in gateway/tokenizer.py's
+Times are medians of repeated runs on this machine; the numbers in gateway/tokens/tokenizer.py's
 docstring come from it. Not a test: nothing asserts a duration.
 """
 
@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from gateway.tokenizer import load_tokenizer
+from gateway.tokens.tokenizer import load_tokenizer
 
 WORDS = ("the quick brown fox jumps over the lazy dog prefill decode cache token request "
          "server gateway model route batch stream latency hello world tell me a story").split()

@@ -1,11 +1,11 @@
-"""Do the gateway's text token ids (gateway/tokenizer.py) equal SGLang's for a model directory?
+"""Do the gateway's text token ids (gateway/tokens/tokenizer.py) equal SGLang's for a model directory?
 
 Run with a python that has SGLang (the CPU rig's, or a GPU server's image), from the repo root:
 
     /opt/sglang-rig/venv/bin/python backends/sglang_cpu/tokenizer_parity.py MODEL_DIR [...]
 
 For each directory it loads the tokenizer with SGLang's own `get_tokenizer` (transformers 5
-and SGLang's post-load fixes) and with `gateway.tokenizer.load_tokenizer`, encodes a corpus
+and SGLang's post-load fixes) and with `gateway.tokens.tokenizer.load_tokenizer`, encodes a corpus
 (ASCII, unicode, whitespace runs, the model's special tokens) both ways, as
 `TokenizerManager._tokenize_texts` does (`tokenizer(texts)`), and reports the texts whose ids
 differ; the exit status is 1 if any do. This is how to check a tokenizer the gateway calls
@@ -46,7 +46,7 @@ def sglang_ids(paths: list[str], texts: list[str]) -> dict:
 
 def compare(path: str) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from gateway.tokenizer import load_tokenizer  # noqa: PLC0415
+    from gateway.tokens.tokenizer import load_tokenizer  # noqa: PLC0415
 
     gateway = load_tokenizer(path)
     if gateway is None:

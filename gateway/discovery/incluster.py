@@ -2,7 +2,7 @@
 
 `in_cluster_settings(environ)` turns them into config settings (`k8s_api_server`,
 `k8s_token_file`, `k8s_ca_file`, `namespace`). It takes the environment as an argument so
-that `gateway/config.py` stays the one module that reads `os.environ`.
+that `gateway/config/settings.py` stays the one module that reads `os.environ`.
 """
 
 from __future__ import annotations

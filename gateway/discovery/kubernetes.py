@@ -43,8 +43,8 @@ from gateway.discovery.watch import PodWatch
 if TYPE_CHECKING:
     import httpx
 
-    from gateway.config import GatewayConfig
-    from gateway.workers import Worker
+    from gateway.config.settings import GatewayConfig
+    from gateway.servers.pool import Worker
 
 log = logging.getLogger("gateway.discovery")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gateway.request import RequestView
-from gateway.workers import Worker
+from gateway.servers.pool import Worker
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Policy:
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     # True: give this policy the prompt's token ids whenever the served model's tokenizer is
-    # loaded (gateway/prompt_tokens.py); tokenizing costs about a microsecond a token, so it
+    # loaded (gateway/tokens/prompt_tokens.py); tokenizing costs about a microsecond a token, so it
     # happens only for policies that match token ids exactly
     wants_token_ids: ClassVar[bool] = False
 

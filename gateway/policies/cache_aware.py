@@ -57,8 +57,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.policies.base import Policy
-from gateway.policies.capacity import Capacity
-from gateway.policies.load import (
+from gateway.prefix.capacity import Capacity
+from gateway.prefix.placement import Ring, anchor_of
+from gateway.prefix.shared import SharedPrefixes, merged
+from gateway.prefix.tree import CHARS_PER_TOKEN, Key, Match, PrefixTree
+from gateway.request import RequestView
+from gateway.scheduling.load import (
     LoadOptions,
     cheapest,
     imbalanced,
@@ -67,11 +71,7 @@ from gateway.policies.load import (
     spread,
     with_uncached,
 )
-from gateway.policies.placement import Ring, anchor_of
-from gateway.policies.prefix_tree import CHARS_PER_TOKEN, Key, Match, PrefixTree
-from gateway.policies.shared_prefixes import SharedPrefixes, merged
-from gateway.request import RequestView
-from gateway.workers import Worker
+from gateway.servers.pool import Worker
 
 # Matches within this fraction of the best one count as equal (coincidental overlap).
 TIE_BAND = 0.05

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.policies.base import Policy
-from gateway.policies.load import LoadOptions, load_scores, rotating_argmin
 from gateway.request import RequestView
-from gateway.workers import Worker
+from gateway.scheduling.load import LoadOptions, load_scores, rotating_argmin
+from gateway.servers.pool import Worker
 
 
 @dataclass(frozen=True)

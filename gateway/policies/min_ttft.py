@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.policies.base import Policy
-from gateway.policies.load import all_fresh, rotating_argmin
-from gateway.policies.prefix_tree import PrefixTree
+from gateway.prefix.tree import PrefixTree
 from gateway.request import RequestView
-from gateway.workers import Worker
+from gateway.scheduling.load import all_fresh, rotating_argmin
+from gateway.servers.pool import Worker
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.policies.base import Policy
-from gateway.policies.load import LoadOptions, load_scores
 from gateway.request import RequestView
-from gateway.workers import Worker
+from gateway.scheduling.load import LoadOptions, load_scores
+from gateway.servers.pool import Worker
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ Workers that resolve to the same endpoint are not followed: their events could n
 apart. `replay_port` (0: none) is the ROUTER replay base on the same host.
 
 Token ids come from the request (`input_ids`, token prompts) or from the gateway's one
-tokenizer (`gateway/prompt_tokens.py`), which fills `RequestView.routing_tokens` for a policy
+tokenizer (`gateway/tokens/prompt_tokens.py`), which fills `RequestView.routing_tokens` for a policy
 that `wants_token_ids` (chat rendered with the model's chat template, as the server does).
 Without them (no tokenizer loaded), the approximate tree answers.
 """
@@ -32,10 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
-from gateway.policies.kv_events import EventSource, KvEventSubscriber
-from gateway.policies.kv_index import KvIndex, salt_seed
+from gateway.prefix.kv_events import EventSource, KvEventSubscriber
+from gateway.prefix.kv_index import KvIndex, salt_seed
 from gateway.request import RequestView
-from gateway.workers import Worker
+from gateway.servers.pool import Worker
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from gateway.policies.base import Policy
 from gateway.request import RequestView
-from gateway.workers import Worker
+from gateway.servers.pool import Worker
 
 
 class RoundRobinPolicy(Policy):

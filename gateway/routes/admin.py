@@ -1,4 +1,4 @@
-"""Admin API (admin role, see gateway/auth.py): servers with state and load; add, remove and
+"""Admin API (admin role, see gateway/admission/auth.py): servers with state and load; add, remove and
 drain servers at runtime; the policies' figures.
 
     GET    /admin/servers                      every server with health, breaker, load
@@ -8,7 +8,7 @@ drain servers at runtime; the policies' figures.
     POST   /admin/servers/undrain {url}
     GET    /admin/policies                     each role's policy, options and own figures
     GET    /admin/usage                        requests, errors and tokens per tenant and
-                                               model since start (gateway/usage.py)
+                                               model since start (gateway/observability/usage.py)
 
 A server is added only once its `/server_info` answers a JSON object whose
 `disaggregation_mode` is the role it is added as, so an unreachable or foreign URL (any HTTP
@@ -27,11 +27,11 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.config_servers import ConfigError, validate_url
+from gateway.config.servers import ConfigError, validate_url
 from gateway.errors import BadRequest, GatewayError, NotFound
-from gateway.probe import fetch_server_info
 from gateway.routes.asgi import read_json
-from gateway.workers import ROLES
+from gateway.servers.pool import ROLES
+from gateway.servers.probe import fetch_server_info
 
 MAX_DRAIN_WAIT = 3600.0
 # scheme, then a DNS name, an IPv4 address or a bracketed IPv6 address, then an optional port

@@ -3,7 +3,7 @@
     GET /dashboard        one self-contained HTML page (gateway/static/dashboard.html)
     GET /dashboard/data   servers, per-role counts, request totals, cache figures,
                           recent errors and TTFT / inter-token latency percentiles per 10 s
-                          over the last minutes (gateway/latency_history.py), as JSON; admin
+                          over the last minutes (gateway/observability/latency_history.py), as JSON; admin
                           role (it shows server URLs), like /admin
 
 The page polls /dashboard/data every 2 s and derives rates from successive totals; the
@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.workers import ROLES
+from gateway.servers.pool import ROLES
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 PAGE = STATIC / "dashboard.html"

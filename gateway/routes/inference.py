@@ -1,7 +1,7 @@
 """The inference endpoints as pure ASGI apps: the request path, kept short.
 
-auth -> tenancy headers (tenant, priority class, deadline, session: gateway/tenancy.py) ->
-read body -> parse once -> the request's model (gateway/models.py: 404 for an unknown one) ->
+auth -> tenancy headers (tenant, priority class, deadline, session: gateway/admission/tenancy.py) ->
+read body -> parse once -> the request's model (gateway/scheduling/models.py: 404 for an unknown one) ->
 count prompt tokens (exact with the model's tokenizer) -> per-key token limit -> context check
 -> in-flight table -> admission slot (fair queue) -> serve (one PD request, or n
 single-sample ones for n > 1) -> answer. The disconnect watch is armed before the admission
@@ -22,18 +22,18 @@ import time
 
 from starlette.types import Receive, Scope, Send
 
-from gateway.answer_tokens import StreamTokens
-from gateway.attempt import Answer
-from gateway.auth import INFERENCE
+from gateway.admission.auth import INFERENCE
+from gateway.admission.tenancy import Ticket
 from gateway.cancel import Interrupt
+from gateway.dispatch.attempt import Answer
+from gateway.dispatch.inflight import Tracked, new_id, safe_id
+from gateway.dispatch.relay import SlowClient
 from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
-from gateway.inflight import Tracked, new_id, safe_id
-from gateway.relay import SlowClient
+from gateway.observability.answer_tokens import StreamTokens
 from gateway.request import parse_request
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
-from gateway.server_protocol import CHUNKS, DEPARTURE, STALLED, WHOLE
+from gateway.routes.server_protocol import CHUNKS, DEPARTURE, STALLED, WHOLE
 from gateway.sse import DONE, frame
-from gateway.tenancy import Ticket
 
 log = logging.getLogger("gateway.inference")
 

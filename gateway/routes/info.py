@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.errors import GatewayError, ServiceUnavailable
 from gateway.redact import redact
 from gateway.request import parse_request
-from gateway.upstream import upstream_message
+from gateway.upstream.client import upstream_message
 
 HEALTH_PROBE = b'{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}'
 

@@ -24,9 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ModelNotFound
-from gateway.models import Model
 from gateway.redact import redact
 from gateway.routes.info import get_from_any
+from gateway.scheduling.models import Model
 
 LIST = "/v1/models"
 

@@ -2,7 +2,7 @@
 
 * `/v1/tokenize`, `/v1/detokenize` (and the unversioned aliases): relayed to one usable server
   of the model (every server of a model has the same tokenizer), body and answer as is.
-* `/abort_request`: through the in-flight table (`gateway/inflight.py`): a caller aborts
+* `/abort_request`: through the in-flight table (`gateway/dispatch/inflight.py`): a caller aborts
   its own requests by the id it was given (`x-request-id` or `meta_info.id`) or its own
   `rid`; an admin may abort any, or all (`abort_all`). Only `{"rid": ...}` or
   `{"abort_all": true}` ever reaches a server.
@@ -27,8 +27,8 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
 from gateway.routes.asgi import read_json, read_json_raw
-from gateway.upstream import upstream_message
-from gateway.workers import ROLES
+from gateway.servers.pool import ROLES
+from gateway.upstream.client import upstream_message
 
 
 async def relay(request: Request) -> Response:

@@ -15,7 +15,7 @@ import sys
 import zipfile
 from dataclasses import dataclass
 
-from gateway.config import GatewayConfig
+from gateway.config.settings import GatewayConfig
 from tests.deploy.manifests import container, find, render
 from tests.procs import ROOT
 

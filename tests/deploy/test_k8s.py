@@ -11,7 +11,7 @@ import re
 import pytest
 import yaml
 
-from gateway.config import GatewayConfig, load_config, replica_id_from_pod_name
+from gateway.config.settings import GatewayConfig, load_config, replica_id_from_pod_name
 from tests.deploy.manifests import (
     KUBERNETES_VERSION,
     TREES,
@@ -124,7 +124,7 @@ def test_config_file_keys_are_gateway_settings():
         assert keys <= fields
 
 
-@pytest.mark.skipif(not WIRED, reason="discovery settings are not in gateway/config.py yet "
+@pytest.mark.skipif(not WIRED, reason="discovery settings are not in gateway/config/settings.py yet "
                     "(the wiring patch adds --prefill-selector and friends)")
 def test_container_args_parse_with_the_gateway_cli(tmp_path):
     docs = render(EXAMPLE)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 from gateway.discovery.kubeapi import KubeAPI
 from gateway.discovery.kubernetes import KubernetesDiscovery
-from gateway.workers import Worker
+from gateway.servers.pool import Worker
 from tests.discovery.fakekube import FakeKube
 
 SELECTORS = {"prefill": "app=sglang,role=prefill", "decode": "app=sglang,role=decode"}

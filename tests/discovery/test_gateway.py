@@ -1,7 +1,7 @@
 """The real gateway process discovering simulated SGLang servers through the fake API.
 
 The "pods" the fake API reports have podIP 127.0.0.1 and the sims' ports in the
-`sglang.ai/port` annotation. Skipped until gateway/config.py has the discovery settings.
+`sglang.ai/port` annotation. Skipped until gateway/config/settings.py has the discovery settings.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import time
 import httpx
 import pytest
 
-from gateway.config import GatewayConfig
+from gateway.config.settings import GatewayConfig
 from tests.discovery.fakekube import ThreadedFakeKube, make_pod
 from tests.integration.conftest import sim
 from tests.procs import HOST, free_port, python, running
 
 WIRED = "prefill_selector" in {f.name for f in dataclasses.fields(GatewayConfig)}
 pytestmark = pytest.mark.skipif(
-    not WIRED, reason="discovery is not wired into gateway/config.py and gateway/runtime.py "
+    not WIRED, reason="discovery is not wired into gateway/config/settings.py and gateway/runtime.py "
     "yet (no --prefill-selector)")
 NAMESPACE = "inference"
 BODY = {"text": "hello discovery", "sampling_params": {"max_new_tokens": 4}}

@@ -1,7 +1,7 @@
 """Parallel sampling (n > 1) through the gateway, against real SGLang 0.5.23 PD servers on CPU.
 
 SGLang cannot serve n > 1 in PD mode (one room for n + 1 requests, docs/FIDELITY.md); the
-gateway sends n single-sample PD requests and merges them (gateway/samples.py). Every answer
+gateway sends n single-sample PD requests and merges them (gateway/dispatch/parallel_samples.py). Every answer
 here is compared with what the plain (`--disaggregation-mode null`) server answers to the same
 request: greedy samples are equal, so texts, order (prompt-major: item `i*n + j` is sample j of
 prompt i), indices and usage (prompt tokens once per prompt) must match exactly.

@@ -1,4 +1,4 @@
-"""The gateway's token ids (gateway/tokenizer.py) equal those real SGLang 0.5.23 computes.
+"""The gateway's token ids (gateway/tokens/tokenizer.py) equal those real SGLang 0.5.23 computes.
 
 Against the session's plain server (the tiny model) and a second plain server of a variant
 model (a tool-calling chat template, a BOS-adding post-processor, added tokens), each id list
@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.tokenizer import (
+from gateway.tokens.tokenizer import (
     GatewayTokenizer,
     RejectedRequest,
     load_tokenizer,

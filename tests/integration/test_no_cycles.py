@@ -83,7 +83,7 @@ def test_requests_leave_no_cycles(probed, path, body):
 def test_the_probe_sees_the_cycle_it_is_for(tmp_path, monkeypatch):
     """The probe is not blind: the cycle this test was written for (a request's record and
     its attempt pointing at each other) is reported by type."""
-    from gateway.inflight import Tracked
+    from gateway.dispatch.inflight import Tracked
     from tests.integration import gc_probe
 
     out = tmp_path / "garbage.json"
@@ -96,5 +96,5 @@ def test_the_probe_sees_the_cycle_it_is_for(tmp_path, monkeypatch):
     finally:
         gc_probe._report()
     found = json.loads(out.read_text())
-    assert found["gateway"] == {"gateway.inflight.Tracked": 2}
+    assert found["gateway"] == {"gateway.dispatch.inflight.Tracked": 2}
     assert found["all"] >= 2

@@ -1,5 +1,5 @@
 """Exact prompt tokens in the request path: the gateway finds the served model's tokenizer
-from the servers' `/model_info` and counts chat prompts with it (gateway/prompt_tokens.py).
+from the servers' `/model_info` and counts chat prompts with it (gateway/tokens/prompt_tokens.py).
 
 The prompts are CJK text: the tiny byte-level BPE has no merges for it, so each character
 costs 3 tokens, while the characters/4 estimate (and the simulator's 4-bytes-per-token
@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from backends.tiny_tokenizer import train, write_model
-from gateway.policies.prefix_tree import CHARS_PER_TOKEN
-from gateway.tokenizer import load_tokenizer
+from gateway.prefix.tree import CHARS_PER_TOKEN
+from gateway.tokens.tokenizer import load_tokenizer
 from tests.integration.conftest import sim_cluster
 
 KEY = {"authorization": "Bearer key-a"}

@@ -47,7 +47,7 @@ def worker_pids(pid: int) -> list[int]:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"gateway.worker_main" in cmdline:
+        if b"gateway.processes.worker_main" in cmdline:
             found.append(child)
     return found
 
@@ -109,7 +109,7 @@ def test_metrics_are_summed_over_workers(cluster):
     for _ in range(30):
         with httpx.Client(timeout=20) as client:
             assert generate(gateway, client).status_code == 200
-    # each worker publishes its buffered figures every second (gateway/metric_buffer.py)
+    # each worker publishes its buffered figures every second (gateway/observability/metric_buffer.py)
     deadline = time.monotonic() + 5.0
     while (seen := total_requests(gateway) - before) < 30 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -334,7 +334,7 @@ def test_workers_keep_a_conversation_on_the_server_of_its_last_turn(tmp_path):
     """Turn 1 goes to the one prefill left undrained, not where the ring would place the
     conversation; turn 2, sent on new connections to whichever worker, follows it there: the
     workers that did not route turn 1 find it in the shared prefix table
-    (gateway/policies/shared_prefixes.py) instead of placing the conversation afresh."""
+    (gateway/prefix/shared.py) instead of placing the conversation afresh."""
     with contextlib.ExitStack() as stack:
         prefills, decode = three_prefills_one_decode(stack, tmp_path)
         gateways = []

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from gateway.metrics import Metrics
-from gateway.workers import WorkerPool
+from gateway.observability.metrics import Metrics
+from gateway.servers.pool import WorkerPool
 from tests.observability.conftest import require_binaries
 from tests.observability.dashboards import (
     PROMETHEUS_CONFIG,

@@ -18,7 +18,7 @@ from tests.reliability.rig import FAST_DETECTION, wait_until
 
 BREAKER_FAILURES = 3
 COOLDOWN = 2.0
-PROBES = 3  # requests a half-open breaker admits at once (gateway/breaker.py)
+PROBES = 3  # requests a half-open breaker admits at once (gateway/servers/breaker.py)
 GATEWAY_ARGS = (*FAST_DETECTION, "--breaker-failures", str(BREAKER_FAILURES),
                 "--breaker-cooldown", str(COOLDOWN))
 

@@ -1,6 +1,6 @@
 """The only decode of a deployment is marked down while requests are in flight on it, then
 comes back: a rescue has nowhere to send their retries, so it leaves them waiting
-(gateway/rescue.py `rescue`), and they complete with 200 instead of a wall of 503 "no usable
+(gateway/dispatch/rescue.py `rescue`), and they complete with 200 instead of a wall of 503 "no usable
 decode server" (seen with real SGLang: its only decode stalled 10 s, /health included).
 
 Two faults: its /health fails while it keeps generating (the `health_fail` knob), and the
@@ -79,7 +79,7 @@ def test_only_decode_frozen_then_thawed_finishes_its_requests(make_rig, timing):
 @pytest.mark.parametrize("fault", ["health_fail", "freeze"])
 def test_new_requests_while_the_only_decode_is_marked_down(make_rig, timing, fault, flags):
     """Requests that arrive after the only decode was marked down go to it anyway (panic
-    routing past health, gateway/scheduler.py) instead of 503 "no usable decode server": with
+    routing past health, gateway/scheduling/scheduler.py) instead of 503 "no usable decode server": with
     /health failing they are served at once; with the process stopped they wait for it and
     finish once it is thawed. With fast detection flags and with the defaults (down after
     two failed checks 2 s apart)."""

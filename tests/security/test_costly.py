@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from gateway.config import GatewayConfig
+from gateway.config.settings import GatewayConfig
 from tests.security.conftest import bearer
 from tests.security.honest import Honest
 

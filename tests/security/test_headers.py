@@ -15,7 +15,7 @@ import re
 import orjson
 import pytest
 
-from gateway.config import GatewayConfig
+from gateway.config.settings import GatewayConfig
 from tests.security.conftest import UNICODE_KEY
 from tests.security.honest import Honest, exchange, status_of
 

@@ -90,7 +90,7 @@ def test_duplicate_credentials_are_ambiguous_and_refused(keyed):
             for method, path in (("POST", "/generate"), ("GET", "/admin/servers")):
                 r = call(keyed, method, path, headers)
                 assert r.status_code == 401, (headers, path, r.text)
-        # one of each header is not ambiguous: Bearer wins (documented in gateway/auth.py)
+        # one of each header is not ambiguous: Bearer wins (documented in gateway/admission/auth.py)
         r = call(keyed, "POST", "/generate", [("authorization", good), ("x-api-key", "x")])
         assert r.status_code == 200, r.text
 

@@ -15,11 +15,11 @@ import hmac
 import httpx
 import pytest
 
-from gateway import auth
+from gateway.admission import auth
 from gateway.app import ROUTES, Role, build_app
 from gateway.cli import keys_on_command_line
-from gateway.config import ConfigError, load_config
-from gateway.config_servers import validate_url
+from gateway.config.servers import validate_url
+from gateway.config.settings import ConfigError, load_config
 from gateway.redact import redact
 from tests.unit.fakes import FakeCluster, FakeServer
 

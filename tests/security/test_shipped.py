@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from gateway.app import build_app
-from gateway.config import load_config
+from gateway.config.settings import load_config
 from tests.procs import ROOT
 from tests.security.conftest import UNICODE_KEY, bearer
 from tests.security.foreign import Foreign

@@ -16,9 +16,9 @@ import time
 import orjson
 
 from gateway.cancel import Interrupt
-from gateway.config import GatewayConfig
+from gateway.config.settings import GatewayConfig
+from gateway.dispatch.relay import StreamWatchdog
 from gateway.errors import UpstreamError
-from gateway.relay import StreamWatchdog
 from tests.security.honest import Honest, connect
 from tests.security.rig import wait_for
 

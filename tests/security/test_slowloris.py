@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.server_protocol import ServerLimits
+from gateway.config.settings import GatewayConfig
+from gateway.routes.server_protocol import ServerLimits
 from tests.security.honest import Honest, Stream, closed_within, connect, exchange, status_of
 from tests.security.rig import start_gateway, wait_for
 

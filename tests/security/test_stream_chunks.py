@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.server_protocol import Chunks
+from gateway.routes.server_protocol import Chunks
 from tests.security.honest import connect
 from tests.security.test_whole_answers import Answers, Cycle, check, request
 

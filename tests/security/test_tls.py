@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.config import ConfigError, load_config
+from gateway.config.settings import ConfigError, load_config
 from tests.security.certs import Authority, client_context
 from tests.security.honest import Honest, exchange
 from tests.security.rig import start_gateway

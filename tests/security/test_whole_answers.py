@@ -15,7 +15,7 @@ import socket
 import httptools
 import orjson
 
-from gateway.server_protocol import Whole
+from gateway.routes.server_protocol import Whole
 from tests.security.honest import connect, read_until_closed
 
 BODY = b'{"text": "one write", "sampling_params": {"max_new_tokens": 2}}'

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.app import build_app
-from gateway.config import load_config
+from gateway.config.settings import load_config
 
 
 @dataclass

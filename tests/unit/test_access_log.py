@@ -8,8 +8,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.access_log import AccessLog
-from gateway.usage import RequestUsage
+from gateway.observability.access_log import AccessLog
+from gateway.observability.usage import RequestUsage
 
 
 def record(i: int) -> RequestUsage:

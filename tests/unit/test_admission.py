@@ -8,13 +8,13 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import Admission
-from gateway.config_tenants import BATCH, INTERACTIVE, STANDARD, TenantSettings
+from gateway.admission.slots import Admission
+from gateway.admission.tenancy import Tenant
+from gateway.config.tenants import BATCH, INTERACTIVE, STANDARD, TenantSettings
 from gateway.errors import GatewayTimeout, ServiceUnavailable, TooManyRequests
-from gateway.metrics import Metrics
-from gateway.shared_state import SharedState
-from gateway.tenancy import Tenant
-from gateway.workers import WorkerPool
+from gateway.observability.metrics import Metrics
+from gateway.processes.shared_state import SharedState
+from gateway.servers.pool import WorkerPool
 
 
 def metrics():

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from gateway.affinity import SessionAffinity
-from gateway.workers import Worker
+from gateway.scheduling.affinity import SessionAffinity
+from gateway.servers.pool import Worker
 
 URLS = [f"http://10.0.0.{i}:30000" for i in range(1, 5)]
 

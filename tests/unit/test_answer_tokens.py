@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.answer_tokens import (
+from gateway.observability.answer_tokens import (
     StreamTokens,
     ask_for_usage,
     completion_final,

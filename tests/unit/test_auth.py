@@ -3,12 +3,12 @@
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.auth import Auth, Role, presented_key
-from gateway.config import ConfigError, load_config
+from gateway.admission.auth import Auth, Role, presented_key
+from gateway.admission.key_limits import KeyLimits
+from gateway.config.settings import ConfigError, load_config
 from gateway.errors import Forbidden, TooManyRequests, Unauthorized
-from gateway.key_limits import KeyLimits
-from gateway.metrics import Metrics
-from gateway.workers import WorkerPool
+from gateway.observability.metrics import Metrics
+from gateway.servers.pool import WorkerPool
 
 REMOTE = ("203.0.113.9", 5000)
 LOCAL = ("127.0.0.1", 5000)

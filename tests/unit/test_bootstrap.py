@@ -1,6 +1,6 @@
 """Rooms: unique in a process, across replicas, across restarts, never reused on retry."""
 
-from gateway.bootstrap import COUNTER_BITS, RoomAllocator, replica_of
+from gateway.dispatch.bootstrap_rooms import COUNTER_BITS, RoomAllocator, replica_of
 
 
 def test_rooms_unique_over_100k_and_in_range():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.config import ConfigError, load_config, replica_id_from_pod_name
+from gateway.config.settings import ConfigError, load_config, replica_id_from_pod_name
 
 BASE = ["--prefill", "http://p1:30000", "--decode", "http://d1:30001"]
 

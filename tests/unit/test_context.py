@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from backends.tiny_tokenizer import train, write_model
-from gateway.tokenizer import load_tokenizer
+from gateway.tokens.tokenizer import load_tokenizer
 from tests.unit.fakes import FakeCluster, FakeServer
 from tests.unit.fakes import served_client as gateway
 

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.probe import balance_method_of, dp_ranks_of
+from gateway.servers.probe import balance_method_of, dp_ranks_of
 from tests.unit.fakes import FakeCluster, FakeServer
 from tests.unit.fakes import run as fakes_run
 from tests.unit.fakes import served_gateway as gateway
@@ -106,8 +106,8 @@ def test_cache_aware_keeps_a_conversation_on_its_rank():
 
 
 def test_per_rank_loads_are_read_from_v1_loads():
-    from gateway.probe import ServerFacts
-    from gateway.workers import Worker
+    from gateway.servers.pool import Worker
+    from gateway.servers.probe import ServerFacts
 
     worker = Worker(P1, "prefill")
     worker.apply_facts(ServerFacts("prefill", 8998, "m", 2))

@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.fair_queue import FairQueue
+from gateway.admission.fair_queue import FairQueue
 
 SEEDS = range(12)
 

@@ -1,4 +1,4 @@
-"""The stream-gap ring of gateway/deadlines.py as the relay feeds it: every gap until the
+"""The stream-gap ring of gateway/health/deadlines.py as the relay feeds it: every gap until the
 server has `min_samples`, then one in four (`_Ring.skip`, counted down by the caller), and
 the learned gap deadline follows what was kept."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.deadlines import DeadlineOptions, LatencyModel
+from gateway.health.deadlines import DeadlineOptions, LatencyModel
 
 
 def feed(model: LatencyModel, url: str, gaps: list[float]) -> None:
-    """What gateway/relay.py does after each chunk."""
+    """What gateway/dispatch/relay.py does after each chunk."""
     ring = model.gaps_of(url)
     for seconds in gaps:
         if ring.skip:

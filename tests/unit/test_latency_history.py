@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.latency_history import LatencyHistory, quantile, window_point
+from gateway.observability.latency_history import LatencyHistory, quantile, window_point
 
 BOUNDS = [0.01, 0.1, 1.0, float("inf")]
 

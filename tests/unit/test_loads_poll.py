@@ -16,11 +16,11 @@ import time
 import httpx
 import pytest
 
-from gateway.health import HealthChecker
+from gateway.health.checker import HealthChecker
 from gateway.policies import create_policy
-from gateway.policies.load import LoadOptions, load_scores
-from gateway.probe import ServerFacts
-from gateway.workers import Worker, WorkerPool
+from gateway.scheduling.load import LoadOptions, load_scores
+from gateway.servers.pool import Worker, WorkerPool
+from gateway.servers.probe import ServerFacts
 from tests.unit.policies.util import generate_text
 
 URL = "http://127.0.0.1:30000"
@@ -138,7 +138,7 @@ def test_an_attempt_trails_on_its_server_and_its_rank() -> None:
     """`Attempt.settle_prefill(trail=True)` (what pd.progress calls when the decode answered
     first) starts the trail on the server and on its DP rank; `end_trail` (what
     proxy.leg_done calls as the prefill leg ends) ends it on both."""
-    from gateway.attempt import Attempt
+    from gateway.dispatch.attempt import Attempt
     from tests.unit.policies.util import generate_text
 
     worker = dp_worker()

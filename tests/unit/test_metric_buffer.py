@@ -1,4 +1,4 @@
-"""Buffered metrics publish exactly what direct updates would (gateway/metric_buffer.py)."""
+"""Buffered metrics publish exactly what direct updates would (gateway/observability/metric_buffer.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.metric_buffer import MetricBuffer
-from gateway.metrics import ITL_BUCKETS, LATENCY_BUCKETS
+from gateway.observability.metric_buffer import MetricBuffer
+from gateway.observability.metrics import ITL_BUCKETS, LATENCY_BUCKETS
 
 
 def _pair(buckets):

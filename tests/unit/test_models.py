@@ -1,17 +1,17 @@
-"""Several models (gateway/models.py): grouping servers by model, resolving a request's model,
+"""Several models (gateway/scheduling/models.py): grouping servers by model, resolving a request's model,
 per-model policies and state, the open (one model) mode. No sockets."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.config import ConfigError, load_config
+from gateway.config.models import build_policies, configured_names
+from gateway.config.settings import ConfigError, load_config
 from gateway.errors import BadRequest, ModelNotFound
-from gateway.model_settings import build_policies, configured_names
-from gateway.models import Models
 from gateway.request import parse_request
-from gateway.scheduler import Scheduler
-from gateway.workers import Worker, WorkerPool
+from gateway.scheduling.models import Models
+from gateway.scheduling.scheduler import Scheduler
+from gateway.servers.pool import Worker, WorkerPool
 
 SERVERS = ["--prefill", "http://p:1", "--decode", "http://d:1"]
 
@@ -252,7 +252,7 @@ def test_a_model_with_servers_of_one_role_is_warned_about_once(caplog):
     pool.add(server("http://p:1", "prefill", "org/llama"))
     pool.add(server("http://d:1", "decode", "llama"))
     cfg = config()
-    with caplog.at_level("WARNING", logger="gateway.models"):
+    with caplog.at_level("WARNING", logger="gateway.scheduling.models"):
         models = Models(pool, lambda name: build_policies(cfg, name))
         models.regroup()
     warned = [r.getMessage() for r in caplog.records]

@@ -6,7 +6,7 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.pairs import PairHealth
+from gateway.health.pairs import PairHealth
 from tests.unit.fakes import FakeCluster, FakeServer, make_app
 
 P1, P2 = "http://127.0.0.1:30000", "http://127.0.0.1:30002"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.prefill_tails import PrefillTails
+from gateway.dispatch.prefill_tails import PrefillTails
 from gateway.timers import Timers
 
 

@@ -1,6 +1,6 @@
 """A rescue (a server marked down, or its breaker opened) stops the attempts waiting on the
 server only when another usable server of its role and model can take their retries; the
-only server of its role keeps them (gateway/rescue.py `rescue`)."""
+only server of its role keeps them (gateway/dispatch/rescue.py `rescue`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from gateway import rescue
-from gateway.workers import Worker
+from gateway.dispatch import rescue
+from gateway.servers.pool import Worker
 from tests.unit.fakes import FakeCluster, FakeServer, run, served_gateway
 
 P1 = "http://127.0.0.1:30000"
@@ -97,10 +97,10 @@ def test_peers_not_known_stop_all_as_before():
 def test_each_rescue_logs_its_decision(caplog):
     victim, other = server(D1), server(D2)
     mark_down(victim)
-    with caplog.at_level(logging.INFO, logger="gateway.rescue"):
+    with caplog.at_level(logging.INFO, logger="gateway.dispatch.rescue"):
         run(rescued(victim, [victim]))
         run(rescued(victim, [victim, other]))
-    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.rescue"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.dispatch.rescue"]
     assert len(lines) == 2, lines
     assert "2 attempt(s) keep waiting" in lines[0] and "no other usable decode" in lines[0]
     assert "2 attempt(s) stopped" in lines[1]

@@ -13,17 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.policies import create_policy
-from gateway.policies.prefix_tree import Match
-from gateway.policies.shared_prefixes import (
+from gateway.prefix.shared import (
     BLOCK,
     SCAN,
     WORDS,
     SharedPrefixes,
     merged,
 )
+from gateway.prefix.tree import Match
+from gateway.processes.shared_state import SharedState
 from gateway.request import CHAT, RequestView, parse_request
-from gateway.shared_state import SharedState
-from gateway.workers import Worker
+from gateway.servers.pool import Worker
 
 A, B, C = "http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"
 

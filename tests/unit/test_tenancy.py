@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from gateway.config import ConfigError, load_config
-from gateway.config_tenants import (
+from gateway.admission.tenancy import Tenancy
+from gateway.config.settings import ConfigError, load_config
+from gateway.config.tenants import (
     BATCH,
     INTERACTIVE,
     KEEP,
@@ -18,7 +19,6 @@ from gateway.config_tenants import (
     set_priority,
 )
 from gateway.errors import BadRequest
-from gateway.tenancy import Tenancy
 
 BASE = ["--prefill", "http://p:1", "--decode", "http://d:2"]
 TENANTS = {

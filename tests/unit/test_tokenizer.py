@@ -1,4 +1,4 @@
-"""gateway/tokenizer.py with a tokenizer built here (the CPU rig's recipe: a byte-level BPE
+"""gateway/tokens/tokenizer.py with a tokenizer built here (the CPU rig's recipe: a byte-level BPE
 trained in memory) and chat templates written here. Equality with real SGLang is proven in
 tests/e2e_sglang/test_tokenizer.py; these tests pin the rendering rules and the API."""
 
@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from backends.tiny_tokenizer import BOS, EOS, PLAIN, train, write_model
-from gateway.chat_template import ChatTemplate
-from gateway.config import ConfigError, load_config
-from gateway.tokenizer import (
+from gateway.config.settings import ConfigError, load_config
+from gateway.tokens.chat_template import ChatTemplate
+from gateway.tokens.tokenizer import (
     INLINE_CHARS,
     RejectedRequest,
     TokenizerLoadError,

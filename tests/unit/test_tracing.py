@@ -23,9 +23,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 )
 from prometheus_client import CollectorRegistry, Counter  # noqa: E402
 
-from gateway.config import ConfigError  # noqa: E402
-from gateway.tracing import client_carrier  # noqa: E402
-from gateway.tracing_export import DropMetrics  # noqa: E402
+from gateway.config.settings import ConfigError  # noqa: E402
+from gateway.observability.tracing import client_carrier  # noqa: E402
+from gateway.observability.tracing_export import DropMetrics  # noqa: E402
 from tests.unit.fakes import FakeCluster, FakeServer, make_app  # noqa: E402
 
 P1, P2 = "http://127.0.0.1:30000", "http://127.0.0.1:30002"
@@ -254,18 +254,18 @@ def test_dropped_spans_are_counted():
 
 
 def test_tracing_without_its_packages_is_a_configuration_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "gateway.tracing", None)  # import fails
+    monkeypatch.setitem(sys.modules, "gateway.observability.tracing", None)  # import fails
     cluster = FakeCluster({P1: FakeServer("prefill"), D1: FakeServer("decode")})
     with pytest.raises(ConfigError, match=r"pd-gateway\[tracing\]"):
         make_app(cluster, *TRACING)
 
 
 def test_tracing_off_loads_nothing_of_it():
-    code = ("import sys; from gateway.app import build_app; from gateway.config import "
+    code = ("import sys; from gateway.app import build_app; from gateway.config.settings import "
             "load_config; app = build_app(load_config(['--prefill', 'http://a:1', '--decode', "
             "'http://b:2'], environ={})); assert app.state.gateway.tracing is None; "
             "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry', "
-            "'gateway.tracing'))))")
+            "'gateway.observability.tracing'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "[]"

@@ -17,9 +17,9 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.aiohttp_upstream import AiohttpUpstream
-from gateway.upstream import FastUpstream, translate_errors
-from gateway.workers import Worker
+from gateway.servers.pool import Worker
+from gateway.upstream.aiohttp_client import AiohttpUpstream
+from gateway.upstream.client import FastUpstream, translate_errors
 
 CLIENTS = ("fast", "aiohttp")
 WAIT = 5.0  # bound of every wait on the other side

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.app import build_app
-from gateway.config import ConfigError, load_config
+from gateway.config.settings import ConfigError, load_config
 from gateway.runtime import Gateway
 from tests.upstream.raw import RawServer, response, run
 

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from gateway.http11 import ConnectFailed
-from gateway.http11_pool import HostPool
+from gateway.upstream.http11 import ConnectFailed
+from gateway.upstream.http11_pool import HostPool
 from tests.upstream.raw import run
 
 

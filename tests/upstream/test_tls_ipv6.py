@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from gateway.errors import UpstreamError
-from gateway.upstream import ssl_context
+from gateway.upstream.client import ssl_context
 from tests.upstream.raw import WAIT, answering, call, open_client, response, run
 from tests.upstream.raw import RawServer as Server
 

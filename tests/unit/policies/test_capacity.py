@@ -10,7 +10,7 @@ import pytest
 
 from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
 from gateway.policies.prefix_cache import PrefixCacheOptions, PrefixCachePolicy
-from gateway.policies.prefix_tree import CHARS_PER_TOKEN
+from gateway.prefix.tree import CHARS_PER_TOKEN
 from tests.unit.policies.util import chat, generate_ids, worker
 
 SYSTEM = ("system", "You are the support assistant of a large shop. " * 30)  # ~1,400 chars

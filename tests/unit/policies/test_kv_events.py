@@ -11,8 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.policies.kv_events import END_SEQ, EventSource, KvEventSubscriber
-from gateway.policies.kv_index import KvIndex
+from gateway.prefix.kv_events import END_SEQ, EventSource, KvEventSubscriber
+from gateway.prefix.kv_index import KvIndex
 
 URL = "http://127.0.0.1:30000"
 KEY = (URL, 0)

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from gateway.policies.kv_index import KvIndex, block_hashes, salt_seed
+from gateway.prefix.kv_index import KvIndex, block_hashes, salt_seed
 
 A = ("http://a:30000", 0)
 A1 = ("http://a:30000", 1)

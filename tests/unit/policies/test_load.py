@@ -7,7 +7,7 @@ import time
 import pytest
 
 from gateway.policies import create_policy
-from gateway.policies.load import (
+from gateway.scheduling.load import (
     LoadOptions,
     all_fresh,
     cheapest,

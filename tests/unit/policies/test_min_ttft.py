@@ -157,7 +157,7 @@ def test_prefill_speed_is_measured_from_the_servers_counters() -> None:
 def test_a_dp_server_speed_is_its_ranks_together() -> None:
     w = worker("a")
     w.dp_size = 2
-    from gateway.workers import Rank  # noqa: PLC0415 - only this test builds ranks
+    from gateway.servers.pool import Rank  # noqa: PLC0415 - only this test builds ranks
     w.ranks = [Rank(w, 0), Rank(w, 1)]
     w.apply_loads({"loads": [_loads(0, 0, 0), _loads(0, 0, 1)]})
     w.apply_loads({"loads": [_loads(10_000, 1_000_000, 0), _loads(30_000, 1_000_000, 1)]})

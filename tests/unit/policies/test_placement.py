@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.policies.placement import Ring, anchor_of
+from gateway.prefix.placement import Ring, anchor_of
 from tests.unit.policies.util import chat, worker
 
 URLS = [f"http://10.0.2.{i}:30000" for i in range(1, 6)]

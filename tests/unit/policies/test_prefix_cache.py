@@ -9,8 +9,8 @@ import time
 import pytest
 
 from gateway.policies.base import build_options
-from gateway.policies.kv_index import block_hashes
 from gateway.policies.prefix_cache import PrefixCacheOptions, PrefixCachePolicy, parse_tcp
+from gateway.prefix.kv_index import block_hashes
 from tests.unit.policies.util import chat, completion, generate_ids, generate_text, worker
 
 PROMPT = list(range(1000, 1064))  # 16 blocks of 4
@@ -143,7 +143,7 @@ def test_ipv6_worker_host_is_bracketed() -> None:
 
 
 def test_its_own_tokenizer_option_is_gone() -> None:
-    """One tokenizer per gateway (gateway/prompt_tokens.py): the policy takes no path."""
+    """One tokenizer per gateway (gateway/tokens/prompt_tokens.py): the policy takes no path."""
     with pytest.raises(ValueError, match="unknown option 'tokenizer_path'"):
         build_options(PrefixCachePolicy, {"tokenizer_path": "/models/x/tokenizer.json"})
 
@@ -197,8 +197,8 @@ def test_candidates_not_announced_are_followed() -> None:
 
 
 def test_each_dp_rank_matches_on_its_own_cache() -> None:
-    from gateway.probe import ServerFacts
-    from gateway.scheduler import targets
+    from gateway.scheduling.scheduler import targets
+    from gateway.servers.probe import ServerFacts
 
     p = policy()
     server = worker(A)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.policies.prefix_tree import CHARS_PER_TOKEN, PrefixTree
+from gateway.prefix.tree import CHARS_PER_TOKEN, PrefixTree
 
 
 def check_invariants(tree: PrefixTree) -> None:

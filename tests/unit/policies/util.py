@@ -7,8 +7,8 @@ import time
 import orjson
 
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView, parse_request
-from gateway.server_load import ServerLoad
-from gateway.workers import Worker
+from gateway.servers.load import ServerLoad
+from gateway.servers.pool import Worker
 
 
 def worker(url: str, role: str = "prefill", *, in_flight: int = 0, tokens: int = 0,

@@ -1,0 +1,1 @@
+"""Admission: who is calling (auth, tenancy), per-key limits, concurrency slots and the fair queue."""

@@ -1,0 +1,84 @@
+"""Per-API-key limits: requests per second and prompt tokens per minute, as token buckets.
+
+Two buckets per inference key, refilled continuously:
+* requests: `--rate-limit` per second, up to `--rate-burst` at once (taken when the key is
+  checked, before the body is read);
+* prompt tokens: `--rate-limit-tokens` per minute, up to one minute's worth at once (taken
+  once the prompt is counted: exactly with the served model's tokenizer or for token-id
+  prompts, else the characters/4 estimate). A request larger than a whole minute's worth
+  could never pass: it is refused with 429 at once rather than queued forever. Completion
+  tokens are not charged: they are bounded per request by its own max_tokens, and known only
+  at the end.
+
+With `--workers N` the buckets live in the shared block (gateway/processes/shared_state.py), so the
+limits hold for the gateway as a whole; `take` below is the one refill-and-take rule both
+places use.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from gateway.errors import TooManyRequests
+
+REQUESTS, TOKENS = 0, 1  # the two buckets of a key
+
+
+def take(tokens: float, last: float, now: float, rate: float, burst: float,
+         cost: float) -> tuple[float, float, float]:
+    """(tokens left, refill time, seconds to wait: 0.0 if `cost` was taken).
+
+    A bucket never used (`last` 0) starts full."""
+    tokens = burst if last == 0.0 else min(burst, tokens + (now - last) * rate)
+    if tokens < cost:
+        return tokens, now, (cost - tokens) / rate
+    return tokens - cost, now, 0.0
+
+
+class KeyLimits:
+    def __init__(self, keys: int, rate: float = 0.0, burst: int = 1,
+                 tokens_per_minute: float = 0.0, metrics=None, shared=None,
+                 clock=time.monotonic) -> None:
+        self.rate = rate
+        self.burst = float(max(burst, 1))
+        self.tokens_per_minute = tokens_per_minute
+        self._metrics = metrics
+        self._shared = shared  # SharedState with --workers
+        self._clock = clock
+        self._local = [[[0.0, 0.0], [0.0, 0.0]] for _ in range(keys)]
+
+    def take_request(self, key: int) -> None:
+        """One request of inference key number `key`, or 429 with Retry-After."""
+        if self.rate > 0:
+            self._take(key, REQUESTS, self.rate, self.burst, 1.0,
+                       f"rate limit of {self.rate:g} requests/s for this API key exceeded")
+
+    def take_tokens(self, key: int | None, count: int) -> None:
+        """`count` prompt tokens of key number `key` (None: no key, no limit), or 429."""
+        if self.tokens_per_minute <= 0 or key is None:
+            return
+        tpm = self.tokens_per_minute
+        if count > tpm:
+            self._refused()
+            raise TooManyRequests(
+                f"the prompt's {count} tokens exceed this API key's limit of {tpm:g} prompt "
+                "tokens per minute; send a shorter prompt")
+        self._take(key, TOKENS, tpm / 60.0, tpm, float(count),
+                   f"limit of {tpm:g} prompt tokens per minute for this API key exceeded")
+
+    def _take(self, key: int, kind: int, rate: float, burst: float, cost: float,
+              message: str) -> None:
+        now = self._clock()
+        if self._shared is not None:
+            wait = self._shared.take_from_bucket(key, kind, rate, burst, cost, now)
+        else:
+            bucket = self._local[key][kind]
+            bucket[0], bucket[1], wait = take(bucket[0], bucket[1], now, rate, burst, cost)
+        if wait:
+            self._refused()
+            raise TooManyRequests(message, headers={"retry-after": str(max(1, math.ceil(wait)))})
+
+    def _refused(self) -> None:
+        if self._metrics is not None:
+            self._metrics.rejections.labels("rate_limit").inc()

@@ -1,0 +1,1 @@
+"""The one frozen configuration: flags, file, environment, rules, server lists, tenants, models."""

@@ -1,0 +1,1 @@
+"""Dispatch: the attempt loop, one PD attempt's two legs, stream relay and failover, n > 1, rooms."""

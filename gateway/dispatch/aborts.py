@@ -1,0 +1,56 @@
+"""Aborting a request in flight on the servers that run it (for `POST /abort_request`).
+
+For each attempt of the request now running, `{"rid": <upstream rid>}` goes to its prefill and
+its decode server, so SGLang ends the generation the way it ends any aborted one (the client
+gets SGLang's own answer with `finish_reason` `abort`). A client-chosen rid is forwarded only
+when it is not a prefix of another request's rid in flight (SGLang's scheduler aborts by
+prefix); otherwise, and for a request not dispatched yet, the gateway stops the request itself
+(`Interrupt`), which closes its upstream connections, and the client gets a 400 "aborted".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import orjson
+
+from gateway.dispatch.inflight import InFlight, Tracked
+from gateway.errors import BadRequest
+
+
+class Aborted(BadRequest):
+    """The request was aborted by `/abort_request` before SGLang could end it itself."""
+
+    error_type = "request_aborted"
+
+
+class Aborts:
+    def __init__(self, inflight: InFlight, control, timeout: float) -> None:
+        self.inflight = inflight
+        self.control = control  # Upstream for the best-effort POSTs
+        self.timeout = timeout
+
+    async def abort(self, tracked: Tracked) -> list[dict]:
+        tracked.aborted = True
+        attempts = list(tracked.attempts)
+        forwardable = attempts and all(
+            self.inflight.prefix_safe(rid, tracked) for a in attempts for rid in a.rid_list)
+        if not forwardable:
+            stopped = tracked.interrupt is not None and tracked.interrupt.fire(
+                Aborted(f"request {tracked.request_id} was aborted"))
+            return [{"action": "stopped by the gateway", "ok": bool(stopped)}]
+        posts = [(worker, rid) for attempt in attempts
+                 for worker in (attempt.prefill, attempt.decode) for rid in attempt.rid_list]
+        return list(await asyncio.gather(*(self._post(w, rid) for w, rid in posts)))
+
+    async def _post(self, worker, rid: str) -> dict:
+        result = {"url": worker.url, "role": worker.role, "rid": rid, "ok": False}
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.timeout):
+                response = await self.control.post(worker.url, "/abort_request",
+                                                   orjson.dumps({"rid": rid}), "abort")
+                await response.read()
+                result["ok"] = response.status < 300
+                result["status"] = response.status
+        return result

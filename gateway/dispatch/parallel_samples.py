@@ -1,0 +1,267 @@
+"""Parallel sampling (n > 1) as n single-sample PD requests, merged into one SGLang answer.
+
+SGLang cannot serve n > 1 in PD mode: `GenerateReqInput._normalize_bootstrap_params` repeats
+the room list n times and `TokenizerManager._handle_batch_request` sends a warm-up prefill and
+then all n samples with prompt i's room, so one room serves n + 1 requests, which the PD
+handshake cannot pair (the request hangs on 0.5.23). The gateway therefore sends n requests with
+n = 1, each with its own rooms, and merges their answers into exactly what one server returns
+for n > 1 (docs/FIDELITY.md):
+
+* order: prompt-major, item i * n + j is sample j of prompt i (`_handle_batch_request`);
+  native lists and streamed `index`, OpenAI `choices[].index` follow it;
+* usage: prompt (and cached) tokens once per prompt, from sample 0; completion tokens summed
+  (`UsageProcessor.calculate_response_usage`);
+* placement: like SGLang's warm-up, sample 0 goes first; when its prefill has finished, the
+  other samples follow on the same prefill server (and DP rank), where the prompt is now
+  cached. Each sample picks its decode server with the decode policy, so samples spread over
+  decode servers as independent requests would.
+
+Failures: each sample retries on another pair by itself (before anything streamed); a sample
+that still fails fails the whole request and stops the others. Streams start when every sample
+has its first chunk, so a failure before that is a clean error answer; later, an error event
+and one `[DONE]` end the merged stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import orjson
+
+from gateway.dispatch.pd import Answer
+from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
+from gateway.sse import DONE, EventSplitter, event_data, frame
+
+QUEUE_DEPTH = 8  # chunks a sample may be ahead of the client (backpressure beyond that)
+
+
+def single_sample(view: RequestView) -> RequestView:
+    """The view of one sample: the same request with n = 1 and no client rid (SGLang gives
+    every sample its own rid; the client's rid stays the handle for /abort_request)."""
+    body = dict(view.body)
+    body.pop("rid", None)
+    if view.endpoint == GENERATE:
+        params = body.get("sampling_params")
+        if isinstance(params, list):
+            body["sampling_params"] = [{**p, "n": 1} for p in params]
+        else:
+            body["sampling_params"] = {**(params or {}), "n": 1}
+    else:
+        body["n"] = 1
+    return dataclasses.replace(view, body=body, n=1, rids=None)
+
+
+class Samples:
+    def __init__(self, proxy) -> None:
+        self.proxy = proxy
+
+    async def handle(self, view: RequestView, tracked) -> Answer:
+        sample = single_sample(view)
+        n = view.n
+        placement = Placement()
+        tasks = [asyncio.get_running_loop().create_task(
+            self.proxy.handle(sample, tracked, placement=placement))]
+        try:
+            await placement.wait_first(tasks[0])
+            tasks += [asyncio.get_running_loop().create_task(
+                self.proxy.handle(sample, tracked, placement=placement)) for _ in range(n - 1)]
+            answers = await _all_or_nothing(tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await _close_all(tasks)
+            raise
+        if not view.stream:
+            bodies = [orjson.loads(a.body) for a in answers]
+            merged = merge_bodies(view, bodies)
+            return Answer(answers[0].status, answers[0].content_type, orjson.dumps(merged))
+        stream = MergedStream(view, answers, tracked)
+        return Answer(200, answers[0].content_type, stream=stream.events(), close=stream.close)
+
+
+FOLLOW_WAIT = 0.5  # seconds the other samples wait for sample 0's prefill to answer
+
+
+class Placement:
+    """Where sample 0's prompt got cached, so the other samples can follow it there."""
+
+    def __init__(self) -> None:
+        self.prefill_done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._claimed = False
+        self._first: tuple | None = None  # sample 0's (prefill worker, DP rank) as picked
+
+    def started(self, attempt) -> None:
+        """Called for every attempt of every sample; the very first one reports its prefill."""
+        if not self._claimed:
+            self._claimed = True
+            attempt.prefill_future = self.prefill_done
+            self._first = (attempt.prefill, attempt.prefill_rank)
+
+    @property
+    def prefer(self):
+        """(prefill worker, DP rank) that cached the prompt, or None (not yet, or it failed)."""
+        done = self.prefill_done
+        return done.result() if done.done() and not done.cancelled() else None
+
+    async def wait_first(self, first: asyncio.Task) -> None:
+        """Until sample 0's first prefill has finished (or sample 0 itself ended), at most
+        FOLLOW_WAIT: a prefill's HTTP answer may come long after it computed (after the
+        decode's, on the CPU rig), and the samples then ran one after the other. Past the
+        bound the others follow sample 0 to the prefill and rank it was sent to."""
+        await asyncio.wait([first, self.prefill_done], timeout=FOLLOW_WAIT,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not self.prefill_done.done() and not first.done() and self._first is not None:
+            self.prefill_done.set_result(self._first)
+        if not self.prefill_done.done():
+            self.prefill_done.cancel()
+
+
+async def _all_or_nothing(tasks: list[asyncio.Task]) -> list[Answer]:
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        if task.exception() is not None:
+            raise task.exception()
+    return [task.result() for task in tasks]
+
+
+async def _close_all(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        with contextlib.suppress(BaseException):
+            answer = await task
+            if answer.close is not None:
+                await answer.close()
+
+
+# -- merging whole answers --------------------------------------------------------------------
+
+def merge_bodies(view: RequestView, bodies: list) -> object:
+    n = view.n
+    if view.endpoint == GENERATE:
+        per_sample = [b if isinstance(b, list) else [b] for b in bodies]
+        prompts = len(per_sample[0])
+        return [per_sample[j][i] for i in range(prompts) for j in range(n)]
+    merged = dict(bodies[0])
+    choices = []
+    for j, body in enumerate(bodies):
+        for choice in body.get("choices") or []:
+            choices.append({**choice, "index": choice.get("index", 0) * n + j})
+    merged["choices"] = sorted(choices, key=lambda c: c["index"])
+    usage = merge_usage([b.get("usage") for b in bodies])
+    if usage is not None:
+        merged["usage"] = usage
+    return merged
+
+
+def merge_usage(usages: list) -> dict | None:
+    """Prompt (and cached) tokens once, from sample 0; completion tokens summed."""
+    if not usages or not isinstance(usages[0], dict):
+        return None
+    merged = dict(usages[0])
+    completion = sum(int((u or {}).get("completion_tokens") or 0) for u in usages)
+    merged["completion_tokens"] = completion
+    merged["total_tokens"] = int(merged.get("prompt_tokens") or 0) + completion
+    reasoning = sum(int((u or {}).get("reasoning_tokens") or 0) for u in usages)
+    if reasoning:
+        merged["reasoning_tokens"] = reasoning
+    return merged
+
+
+# -- merging streams ----------------------------------------------------------------------------
+
+class MergedStream:
+    """The n sample streams interleaved as their chunks arrive, re-indexed, one [DONE].
+
+    One pump task per sample reads its relay (the relay's deadlines belong to the task that
+    reads it) into a small queue; the client's sender drains the queue, so a slow client
+    holds the pumps back and their send deadline applies."""
+
+    def __init__(self, view: RequestView, answers: list[Answer], tracked) -> None:
+        self.view = view
+        self.answers = answers
+        self.queue: asyncio.Queue = asyncio.Queue(QUEUE_DEPTH)
+        self.pumps: list[asyncio.Task] = []
+        self.usages: dict[int, dict] = {}
+        self._splitters: dict[int, EventSplitter] = {}
+
+    async def events(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        self.pumps = [loop.create_task(self._pump(j, a.stream)) for j, a in enumerate(self.answers)]
+        running = len(self.pumps)
+        while running:
+            j, data = await self.queue.get()
+            if data is None:
+                running -= 1
+                continue
+            out, failed = self._rewrite(j, data)
+            if out:
+                yield out
+            if failed:
+                yield DONE
+                return
+        if self.usages:
+            yield frame(self._usage_chunk())
+        yield DONE
+
+    async def _pump(self, j: int, stream: AsyncIterator[bytes]) -> None:
+        try:
+            async for chunk in stream:
+                await self.queue.put((j, chunk))
+        finally:
+            await self.queue.put((j, None))
+
+    def _rewrite(self, j: int, data: bytes) -> tuple[bytes, bool]:
+        """Re-index the complete events of one sample's chunk; (bytes, an error was seen)."""
+        splitter = self._splitters.setdefault(j, EventSplitter())
+        out = []
+        failed = False
+        for event in splitter.feed(data):
+            payload = event_data(event)
+            if payload is None:
+                continue
+            if payload == b"[DONE]":
+                continue
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                out.append(event + b"\n\n")
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if "error" in obj:
+                failed = True
+                out.append(frame(obj))
+                break
+            if self._is_usage_chunk(obj):
+                self.usages[j] = obj
+                continue
+            out.append(frame(self._reindex(j, obj)))
+        return b"".join(out), failed
+
+    def _is_usage_chunk(self, obj: dict) -> bool:
+        return self.view.endpoint in (CHAT, COMPLETIONS) and obj.get("usage") is not None \
+            and not obj.get("choices")
+
+    def _reindex(self, j: int, obj: dict) -> dict:
+        n = self.view.n
+        if self.view.endpoint == GENERATE:
+            obj["index"] = int(obj.get("index") or 0) * n + j
+        else:
+            for choice in obj.get("choices") or []:
+                choice["index"] = int(choice.get("index") or 0) * n + j
+        return obj
+
+    def _usage_chunk(self) -> dict:
+        first = self.usages.get(0) or next(iter(self.usages.values()))
+        usages = [self.usages.get(j, {}).get("usage") for j in range(len(self.answers))]
+        return {**first, "usage": merge_usage(usages) or first.get("usage")}
+
+    async def close(self) -> None:
+        for pump in self.pumps:
+            pump.cancel()
+        await asyncio.gather(*self.pumps, return_exceptions=True)
+        for answer in self.answers:
+            if answer.close is not None:
+                await answer.close()

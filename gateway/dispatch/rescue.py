@@ -1,0 +1,113 @@
+"""Stopping attempts that wait on a server the gateway knows or suspects is bad.
+
+A request must not wait for a server that cannot answer: when the health checks mark a server
+down or its breaker opens, the attempts waiting on it are stopped (`rescue`, by `stop_all`)
+and retried on another pair at once, provided its role has another usable server for the
+retry; the only server of its role keeps its attempts, each bounded by its own deadlines. A
+hang is also suspected from the traffic itself (gateway/dispatch/pd.py): an attempt that made no
+progress within its learned deadline stops its cohort on the same pair (`pair_cohort`) and
+makes both servers suspects (`suspect_if_hung`), which new requests avoid while others can
+serve; a stream whose KV arrived but whose decode sent nothing marks that decode hung
+(`decode_hung`, which stops its other attempts whatever else is usable: its caller does not
+see the pool). Each stop fires the attempt's `Interrupt` with a retryable error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from gateway.dispatch.attempt import Attempt
+from gateway.errors import UpstreamError
+from gateway.servers.pool import Worker
+
+log = logging.getLogger("gateway.dispatch.rescue")
+
+
+def _stop(attempt: Attempt, error: UpstreamError) -> bool:
+    return attempt.interrupt is not None and attempt.interrupt.fire(error)
+
+
+def stop_all(worker: Worker, why: str, but: Attempt | None = None) -> int:
+    """Stop every attempt waiting on `worker`; returns how many."""
+    stopped = 0
+    for attempt in list(worker.attempts):
+        if attempt is not but and _stop(attempt, UpstreamError(
+                why, leg=worker.role, worker_url=worker.url, retryable=True, status=502,
+                reason="rescued")):
+            stopped += 1
+    return stopped
+
+
+def rescue(worker: Worker, why: str, peers: Iterable[Worker] | None) -> int:
+    """`worker` was marked down or opened its breaker: stop the attempts waiting on it, so
+    they are retried at once, only when a retry has somewhere to go; returns how many stopped.
+
+    Somewhere to go: another server of the same role and model in `peers` (the pool's servers
+    of that role) that is `usable`, as the scheduler's first choice is. Without one, a retry
+    finds no usable server and answers 503, or (panic routing) goes back to this very server
+    with new rooms, after aborting the work it had done; while the server may just be slow
+    (seen with real SGLang: the only decode stalled 10 s, /health included, was marked down,
+    and came back a second after its attempts had been stopped and answered 503). So its
+    attempts keep waiting, each bounded by its own deadlines (first progress, response
+    timeout, the request's total timeout; gateway/dispatch/pd.py): a server that comes back finishes
+    them, a dead one fails them by its connection errors or those deadlines, and a failure
+    then is retried as any other. `peers` None (not known) stops them all, as before.
+    Each rescue with attempts waiting logs its decision once (info)."""
+    waiting = len(worker.attempts)
+    if not elsewhere(worker, peers):
+        if waiting:
+            log.info("%s: %d attempt(s) keep waiting on it (no other usable %s server for "
+                     "a retry)", why, waiting, worker.role)
+        return 0
+    stopped = stop_all(worker, why)
+    if waiting:
+        log.info("%s: %d attempt(s) stopped, to be retried elsewhere", why, stopped)
+    return stopped
+
+
+def suspect_if_hung(attempt: Attempt, now: float, first: float, seconds: float) -> None:
+    """An attempt that failed without progress after waiting its learned deadline (or about as
+    long: a prefill's bootstrap timeout, its decode never came) looks like a hang: both servers
+    become suspects, and new requests avoid them for `seconds`."""
+    if not attempt.progressed and now - attempt.started_at >= 0.9 * first:
+        until = time.monotonic() + seconds
+        attempt.prefill.suspect_until = attempt.decode.suspect_until = until
+
+
+def elsewhere(worker: Worker, peers: Iterable[Worker] | None) -> bool:
+    """Whether the retry of an attempt stopped on `worker` has somewhere to go (`rescue`);
+    `peers` None: not known, assumed so."""
+    return peers is None or any(
+        other is not worker and other.role == worker.role and other.model == worker.model
+        and other.usable for other in peers)
+
+
+def decode_hung(attempt: Attempt, seconds: float,
+                peers: Iterable[Worker] | None = None) -> None:
+    """A stream's prefill answered and its decode sent no first chunk within the decode's
+    learned gap deadline: the decode, not the pair, is hung. It becomes a suspect, and the
+    other attempts waiting on it now are stopped to be retried elsewhere, when there is an
+    elsewhere (`elsewhere`, as for `rescue`: a lone decode's keep their own deadlines)."""
+    decode = attempt.decode
+    decode.suspect_until = time.monotonic() + seconds
+    if elsewhere(decode, peers):
+        stop_all(decode, f"decode server {decode.url} is suspected hung (a stream got no "
+                 "first token after its KV arrived)", but=attempt)
+
+
+def pair_cohort(attempt: Attempt) -> None:
+    """An attempt made no progress within its learned deadline: the attempts on the same pair
+    that have waited about as long are stopped now too (they are in the same situation), rather
+    than each waiting out its own deadline on a pair likely hung. Attempts of other pairs are
+    left alone: which of the two servers hangs is unknown."""
+    cutoff = attempt.started_at + 1.0
+    decode = attempt.decode
+    for other in list(attempt.prefill.attempts):
+        if (other is not attempt and other.decode is decode and not other.progressed
+                and other.started_at <= cutoff):
+            _stop(other, UpstreamError(
+                f"the pair of prefill {attempt.prefill.url} and decode {decode.url} is "
+                "suspected hung (a request waiting as long timed out)", leg="both",
+                worker_url=attempt.prefill.url, retryable=True, status=504, reason="rescued"))

@@ -1,0 +1,1 @@
+"""Health of servers and pairs: the background checker, pair health, learned deadlines."""

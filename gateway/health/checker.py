@@ -1,0 +1,126 @@
+"""Background health checks with hysteresis, and the `/v1/loads` poller.
+
+A server is marked down after `failures` consecutive failed checks and up again after
+`successes` good ones. SGLang's own `/health` runs a one-token generation and can take
+seconds under load, so a request that succeeded on the server since the last check also
+counts as a good check: slow is not dead. An unverified server (unreachable at startup) is
+probed for its role and bootstrap port before it is ever marked up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import httpx
+
+from gateway.servers.pool import Worker, WorkerPool
+from gateway.servers.probe import RoleMismatch, probe
+
+log = logging.getLogger("gateway.health.checker")
+
+
+class HealthChecker:
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, *, endpoint: str,
+                 interval: float, timeout: float, failures: int, successes: int,
+                 loads_interval: float, on_down=None) -> None:
+        self.pool = pool
+        self.client = client
+        self.endpoint = endpoint
+        self.interval = interval
+        self.timeout = timeout
+        self.failures = failures
+        self.successes = successes
+        self.loads_interval = loads_interval
+        self.on_down = on_down  # called with a worker just marked down (rescue its requests)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._streak: dict[str, int] = {}
+        self._loads_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        for worker in self.pool:
+            self.watch(worker)
+        if self.loads_interval > 0:
+            self._loads_task = asyncio.get_running_loop().create_task(self._poll_loads())
+
+    def watch(self, worker: Worker) -> None:
+        if worker.url not in self._tasks:
+            self._tasks[worker.url] = asyncio.get_running_loop().create_task(self._loop(worker))
+
+    def unwatch(self, url: str) -> None:
+        task = self._tasks.pop(url, None)
+        if task is not None:
+            task.cancel()
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values()) + ([self._loads_task] if self._loads_task else [])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def _loop(self, worker: Worker) -> None:
+        previous = 0.0
+        while True:
+            started = time.monotonic()
+            ok = await self.check(worker)
+            # a request success counts for one check: the first one begun after it
+            self.record(worker, ok, since=previous)
+            previous = started
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def check(self, worker: Worker) -> bool:
+        if not worker.verified:
+            try:
+                facts = await probe(self.client, worker.url, worker.role, self.timeout)
+            except RoleMismatch as exc:
+                log.error("%s", exc)
+                worker.misconfigured = str(exc)
+                return False
+            except ConnectionError:
+                return False
+            worker.apply_facts(facts)
+            self.pool.notify()
+        refused = False
+        try:
+            async with asyncio.timeout(self.timeout):
+                response = await self.client.get(worker.url + self.endpoint)
+            ok = response.status_code == 200
+        except (httpx.HTTPError, TimeoutError) as exc:
+            # refused: nothing listens there (a stalled server still accepts connections)
+            refused, ok = isinstance(exc, httpx.ConnectError), False
+        worker.refused = refused
+        return ok
+
+    def record(self, worker: Worker, ok: bool, since: float = 0.0) -> None:
+        """Apply hysteresis to one check result (a recent request success counts as ok)."""
+        if not ok and worker.last_success > since and worker.last_success > 0:
+            ok = True
+        streak = self._streak.get(worker.url, 0)
+        streak = (max(streak, 0) + 1) if ok else (min(streak, 0) - 1)
+        self._streak[worker.url] = streak
+        if worker.healthy and streak <= -self.failures:
+            worker.healthy = False
+            log.warning("%s server %s marked DOWN", worker.role, worker.url)
+            if self.on_down is not None:
+                self.on_down(worker)
+        elif not worker.healthy and streak >= self.successes and worker.verified:
+            worker.healthy = True
+            worker.breaker.reset()
+            log.warning("%s server %s marked UP", worker.role, worker.url)
+
+    async def _poll_loads(self) -> None:
+        while True:
+            await asyncio.sleep(self.loads_interval)
+            await asyncio.gather(*(self._load_of(w) for w in self.pool if w.healthy),
+                                 return_exceptions=True)
+
+    async def _load_of(self, worker: Worker) -> None:
+        with contextlib.suppress(httpx.HTTPError, TimeoutError, ValueError):
+            asked = worker.ask_loads()
+            async with asyncio.timeout(self.timeout):
+                response = await self.client.get(worker.url + "/v1/loads")
+            if response.status_code == 200:
+                worker.apply_loads(response.json(), asked)

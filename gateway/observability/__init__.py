@@ -1,0 +1,1 @@
+"""Metrics, usage accounting, the access log, latency history and tracing."""

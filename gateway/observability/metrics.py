@@ -1,0 +1,247 @@
+"""Every Prometheus metric of the gateway, defined in one place on an injected registry.
+
+Names start with `gateway_`; labels are bounded (endpoint, status class, worker URL, role,
+policy, reason), never request ids. Per-worker state (health, breaker, in-flight) is read from
+the pool at scrape time by a collector, so the request path does not update gauges for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.observability.metric_buffer import BufferedCounter, BufferedHistogram, MetricBuffer
+from gateway.servers.pool import WorkerPool, breaker_state_code
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry, pool: WorkerPool,
+                 multiprocess: bool = False) -> None:
+        """`registry` is what /metrics shows. With `--workers` (`multiprocess`) every worker
+        process writes its counters and histograms to prometheus_client's multiprocess files
+        (PROMETHEUS_MULTIPROC_DIR, set by the supervisor) and a scrape of any worker sums all
+        of them; the gauges read at scrape time (pool, scheduler) are the answering worker's
+        view, with in-flight figures summed over the workers."""
+        self.registry = registry
+        own = registry
+        if multiprocess:
+            from prometheus_client import multiprocess as mp  # noqa: PLC0415 - workers only
+
+            mp.MultiProcessCollector(registry)
+            own = None  # the values live in the multiprocess files
+        self.requests = Counter(
+            "gateway_requests", "Requests answered, by endpoint and HTTP status",
+            ["endpoint", "status"], registry=own)
+        self.e2e = Histogram(
+            "gateway_request_duration_seconds", "End-to-end request latency at the gateway",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=own)
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "Time from request arrival to the first byte of the answer body",
+            ["endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=own)
+        self.itl = Histogram(
+            "gateway_inter_token_latency_seconds", "Gap between streamed chunks",
+            ["endpoint"], buckets=ITL_BUCKETS, registry=own)
+        self.queue_time = Histogram(
+            "gateway_queue_time_seconds", "Time spent waiting for an admission slot",
+            buckets=LATENCY_BUCKETS, registry=own)
+        self.retries = Counter(
+            "gateway_retries", "Attempts retried on another pair, by failed leg and reason",
+            ["leg", "reason"], registry=own)
+        self.leg_failures = Counter(
+            "gateway_upstream_failures", "Failed legs by worker, role and reason",
+            ["worker", "role", "reason"], registry=own)
+        self.rejections = Counter(
+            "gateway_admission_rejections", "Requests refused before dispatch, by reason",
+            ["reason"], registry=own)
+        self.decisions = Counter(
+            "gateway_routing_decisions", "Workers chosen, by role, policy and worker",
+            ["role", "policy", "worker"], registry=own)
+        self.pair_failures = Counter(
+            "gateway_pair_failures", "Failures blamed on one (prefill, decode) pair, not on "
+            "its servers", ["prefill", "decode"], registry=own)
+        self.rank_requests = Counter(
+            "gateway_dp_rank_requests", "Prefill legs steered to each DP rank of a server",
+            ["worker", "rank"], registry=own)
+        self.prompt_tokens = Counter(
+            "gateway_prompt_tokens", "Prompt tokens reported by prefill servers",
+            ["worker"], registry=own)
+        self.cached_tokens = Counter(
+            "gateway_cached_tokens", "Prompt tokens served from a prefill server's prefix cache",
+            ["worker"], registry=own)
+        self.predicted_tokens = Counter(
+            "gateway_predicted_cached_tokens",
+            "Prompt tokens the router expected to be cached on the chosen prefill",
+            ["worker"], registry=own)
+        self.stream_bytes = Counter(
+            "gateway_streamed_bytes", "Response body bytes sent to clients",
+            ["endpoint"], registry=own)
+        self.failovers = Counter(
+            "gateway_stream_failovers", "Streams whose decode failed mid-stream, by outcome "
+            "(continued on another pair, failed, not_resumable)", ["endpoint", "outcome"],
+            registry=own)
+        self.slow_clients = Counter(
+            "gateway_slow_clients", "Streams ended because the client stopped reading",
+            ["endpoint"], registry=own)
+        self.disconnects = Counter(
+            "gateway_client_disconnects", "Clients that went away before the answer ended",
+            ["endpoint"], registry=own)
+        self.trace_spans_dropped = Counter(
+            "gateway_trace_spans_dropped", "Trace spans not exported (tracing on), by reason: "
+            "queue_full, export_failed", ["reason"], registry=own)
+        # Usage accounting per tenant and model (gateway/observability/usage.py): tenants come from the
+        # key file, models from the servers; anything else is "other"
+        self.tenant_requests = Counter(
+            "gateway_tenant_requests", "Inference requests answered, per tenant and model",
+            ["tenant", "model"], registry=own)
+        self.tenant_errors = Counter(
+            "gateway_tenant_errors", "Inference requests answered with an error status (4xx, "
+            "including 499 for a client that left, or 5xx), per tenant and model",
+            ["tenant", "model", "status_class"], registry=own)
+        self.tenant_tokens = Counter(
+            "gateway_tenant_tokens", "Tokens per tenant and model: prompt tokens the prefill "
+            "servers report as cached or computed (uncached), and completion tokens the "
+            "answers report", ["tenant", "model", "kind"], registry=own)
+        self.access_log_dropped = Counter(
+            "gateway_access_log_dropped", "Access log lines dropped because the writer could "
+            "not keep up (or the file could not be written)", registry=own)
+        self.admission_outcomes = Counter(
+            "gateway_admission_requests", "Inference requests by tenant, priority class and "
+            "admission outcome (admitted, queued, queue_full, shed, queue_timeout, deadline, "
+            "left); tenants come from the configuration", ["tenant", "priority", "outcome"],
+            registry=own)
+        self.tenant_queue_time = Histogram(
+            "gateway_tenant_queue_time_seconds", "Time queued requests waited for a slot, by "
+            "tenant and priority class", ["tenant", "priority"], buckets=LATENCY_BUCKETS,
+            registry=own)
+        self.session_picks = Counter(
+            "gateway_session_picks", "Prefill choices for requests with a session id: kept "
+            "(its remembered server), placed (a new session, hashed onto the servers), moved "
+            "(its server was unusable or overloaded)", ["outcome"], registry=own)
+        registry.register(PoolCollector(pool))
+        self.buffer = MetricBuffer()  # the per-request updates (gateway/observability/metric_buffer.py)
+
+    def buffered_counter(self, child) -> BufferedCounter:
+        return self.buffer.counter(child)
+
+    def buffered_histogram(self, child) -> BufferedHistogram:
+        return self.buffer.histogram(child)
+
+    def child(self, worker, metric, *labels: str, url_first: bool = False) -> BufferedCounter:
+        """The buffered child of counter `metric` for this worker (and labels), resolved once
+        per worker: `labels()` costs a lock and a dict lookup per call."""
+        key = (metric, labels)  # metrics hash by identity
+        child = worker.metric_children.get(key)
+        if child is None:
+            values = (worker.url, *labels) if url_first or not labels else (*labels, worker.url)
+            child = worker.metric_children[key] = self.buffer.counter(metric.labels(*values))
+        return child
+
+    def flush(self) -> None:
+        """Publish what the request path buffered (before any read of the registry)."""
+        self.buffer.flush()
+
+    async def run_flusher(self, interval: float = 1.0) -> None:
+        """Publish every `interval` seconds (so other workers' scrapes see this one)."""
+        while True:
+            await asyncio.sleep(interval)
+            self.flush()
+
+    def watch_scheduler(self, scheduler) -> None:
+        """Gauges of the scheduler's own state (quarantined pairs, panic picks)."""
+        self.registry.register(SchedulerCollector(scheduler))
+
+
+    def watch_admission(self, admission) -> None:
+        """Gauges of the admission queue (read at scrape time: this process's queue)."""
+        self.registry.register(AdmissionCollector(admission))
+
+
+class AdmissionCollector(Collector):
+    """Requests holding a slot and waiting per tenant and class, read at scrape time."""
+
+    def __init__(self, admission) -> None:
+        self.admission = admission
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        active = GaugeMetricFamily("gateway_admission_active",
+                                   "Requests holding an admission slot in this process")
+        active.add_metric([], self.admission.active)
+        waiting = GaugeMetricFamily(
+            "gateway_admission_waiting", "Requests waiting for a slot in this process, by "
+            "tenant and priority class", labels=["tenant", "priority"])
+        for (tenant, priority), count in sorted(self.admission.waiting().items()):
+            waiting.add_metric([tenant, priority], count)
+        yield from (active, waiting)
+
+
+class SchedulerCollector(Collector):
+    """Quarantined pairs and panic-mode picks, read from the scheduler at scrape time."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        quarantined = GaugeMetricFamily(
+            "gateway_pair_quarantined", "1 while a (prefill, decode) pair is quarantined",
+            labels=["prefill", "decode"])
+        for prefill, decode in self.scheduler.pairs.quarantined():
+            quarantined.add_metric([prefill, decode], 1)
+        panics = CounterMetricFamily(
+            "gateway_panic_picks", "Servers picked with no fully usable one of their role "
+            "(their breakers open or half-open, or all marked down by health checks)",
+            labels=["role"])
+        for role, count in self.scheduler.panics.items():
+            panics.add_metric([role], count)
+        yield from (quarantined, panics)
+
+
+class PoolCollector(Collector):
+    """Per-worker gauges read from the pool at scrape time."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["worker", "role"]
+        in_flight = GaugeMetricFamily("gateway_worker_in_flight_requests",
+                                      "Requests in flight per worker", labels=labels)
+        tokens = GaugeMetricFamily("gateway_worker_in_flight_tokens",
+                                   "Prompt tokens in flight per worker", labels=labels)
+        healthy = GaugeMetricFamily("gateway_worker_healthy",
+                                    "1 when health checks pass", labels=labels)
+        usable = GaugeMetricFamily("gateway_worker_usable",
+                                   "1 when the worker takes new requests", labels=labels)
+        breaker = GaugeMetricFamily("gateway_worker_breaker_state",
+                                    "Circuit breaker: 0 closed, 1 half-open, 2 open",
+                                    labels=labels)
+        queue = GaugeMetricFamily("gateway_worker_queued_requests",
+                                  "Waiting requests reported by the server's /v1/loads",
+                                  labels=labels)
+        usage = GaugeMetricFamily("gateway_worker_token_usage",
+                                  "KV cache token usage reported by the server", labels=labels)
+        usable_count = GaugeMetricFamily("gateway_usable_workers",
+                                         "Usable workers per role", labels=["role"])
+        counts = {"prefill": 0, "decode": 0}
+        for w in self.pool:
+            key = [w.url, w.role]
+            requests, prompt_tokens = w.totals()
+            in_flight.add_metric(key, requests)
+            tokens.add_metric(key, prompt_tokens)
+            healthy.add_metric(key, 1 if w.healthy else 0)
+            is_usable = w.usable_now
+            usable.add_metric(key, 1 if is_usable else 0)
+            counts[w.role] += 1 if is_usable else 0
+            breaker.add_metric(key, breaker_state_code(w.breaker.state))
+            queue.add_metric(key, w.load.waiting)
+            usage.add_metric(key, w.load.token_usage)
+        for role, count in counts.items():
+            usable_count.add_metric([role], count)
+        yield from (in_flight, tokens, healthy, usable, breaker, queue, usage, usable_count)

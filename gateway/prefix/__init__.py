@@ -1,0 +1,1 @@
+"""Prefix-cache knowledge: the approximate prefix tree, the exact KV-event index, placement."""

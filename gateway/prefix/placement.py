@@ -1,0 +1,113 @@
+"""Where a prompt goes when no routing history says, and which of several holders of its
+prefix goes first: consistent hashing with bounded loads (a helper, not a policy).
+
+Every worker process (`--workers`) and every gateway replica computes the same order from the
+same inputs, without talking to each other: the prompt's anchor (its stable beginning: the
+first `ANCHOR` tokens, or `ANCHOR * CHARS_PER_TOKEN` characters of text, so a long system
+prompt or document is its own anchor and every conversation on it shares it) is hashed onto a
+ring of the servers (or DP ranks), and the first one clockwise whose load is at most
+`1 + epsilon` times the average takes it (Mirrokni et al., "Consistent Hashing with Bounded
+Loads"). So a conversation's turns meet the server holding its prefix even when they reach
+different workers or replicas, a hot prefix spills to the next servers on the ring instead of
+swamping one, and it comes back to the first as the load drops.
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from array import array
+from collections.abc import Sequence
+
+from gateway.prefix.tree import CHARS_PER_TOKEN
+
+ANCHOR = 512  # tokens of a prompt that identify it (text: 4 characters a token)
+VNODES = 64  # ring points per server: an even share for each
+
+
+def _hash(data: bytes) -> int:
+    return (zlib.crc32(data) << 32) | zlib.adler32(data)
+
+
+def anchor_of(key: str | tuple[int, ...]) -> bytes:
+    """The stable beginning of a routing key, as bytes to hash: the same for every turn of a
+    conversation and for every prompt on the same long system prompt or document.
+
+    A rendered chat (`request.render_messages`) is cut at the end of its first user message
+    when that comes first: what follows changes from turn to turn."""
+    if isinstance(key, str):
+        cut = ANCHOR * CHARS_PER_TOKEN
+        user = key.find("<|user|>", 0, cut)
+        if user >= 0:
+            end = key.find("\n<|", user + 8, cut)
+            if end > 0:
+                cut = end
+        return key[:cut].encode()
+    try:
+        return array("I", key[:ANCHOR]).tobytes()
+    except OverflowError:
+        return array("q", key[:ANCHOR]).tobytes()
+
+
+class Ring:
+    """The ring of the current targets (servers or DP ranks), by their `url` keys."""
+
+    def __init__(self) -> None:
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def rebuild(self, keys: Sequence[str]) -> None:
+        pairs = sorted((_hash(f"{key}#{v}".encode()), key) for key in keys for v in range(VNODES))
+        self._points = [p for p, _ in pairs]
+        self._owners = [k for _, k in pairs]
+
+    def walk(self, anchor: bytes) -> list[str]:
+        """Every target once, clockwise from the anchor's point."""
+        if not self._points:
+            return []
+        start = bisect.bisect(self._points, _hash(anchor)) % len(self._points)
+        seen: dict[str, None] = {}
+        owners = self._owners
+        for i in range(len(owners)):
+            seen.setdefault(owners[(start + i) % len(owners)])
+            if len(seen) * VNODES >= len(owners):
+                break
+        return list(seen)
+
+    def first(self, anchor: bytes, candidates: Sequence, loads: Sequence[float],
+              epsilon: float, among: Sequence[bool]) -> int | None:
+        """Index of the first candidate of `among` on the ring from the anchor whose load is
+        within the bound of `place`; None if every one of them is over it."""
+        bound = _bound(loads, epsilon)
+        index = {c.url: i for i, c in enumerate(candidates)}
+        for url in self.walk(anchor):
+            i = index.get(url)
+            if i is not None and among[i] and loads[i] <= bound:
+                return i
+        return None
+
+    def place(self, anchor: bytes, candidates: Sequence, loads: Sequence[float],
+              epsilon: float, room: Sequence[bool] | None = None) -> int | None:
+        """Index of the candidate to take: the first on the ring from the anchor whose load
+        is at most (1 + epsilon) x the average (+1, so an idle fleet is never full), among
+        those with `room` in their cache first, when given."""
+        index = {c.url: i for i, c in enumerate(candidates)}
+        bound = _bound(loads, epsilon)
+        first = fallback = None
+        for url in self.walk(anchor):
+            i = index.get(url)
+            if i is None:
+                continue
+            if first is None:
+                first = i
+            if loads[i] <= bound:
+                if room is None or room[i]:
+                    return i
+                if fallback is None:
+                    fallback = i
+        return first if fallback is None else fallback
+
+
+def _bound(loads: Sequence[float], epsilon: float) -> float:
+    """(1 + epsilon) x the average load, +1 so that an idle fleet is never full."""
+    return (1.0 + epsilon) * (sum(loads) / len(loads)) + 1.0

@@ -1,0 +1,1 @@
+"""`--workers N`: the supervisor, the control channel between worker processes, shared state."""

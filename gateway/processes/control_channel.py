@@ -1,0 +1,180 @@
+"""The control channel between a gateway's worker processes (`--workers N`), through the
+supervisor: one socket pair per worker, one JSON object per line.
+
+What crosses it is rare and small: admin changes (a server added, removed, drained), which
+every worker must apply, and questions only another worker can answer (which worker holds the
+request an `/abort_request` names). Per-request figures go through shared memory instead
+(gateway/processes/shared_state.py).
+
+    worker -> supervisor   {"all": msg}                    deliver msg to every other worker
+                           {"ask": n, "msg": msg}          ask every other worker
+                           {"reply": n, "to": w, "result"} answer a question
+                           {"ready": true}                 serving
+    supervisor -> worker   {"msg": msg} | {"ask": n, "from": w, "msg": msg}
+                           {"answers": n, "results": [...]}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+import orjson
+
+log = logging.getLogger("gateway.processes.control_channel")
+
+Handler = Callable[[dict], Awaitable[object]]
+ASK_TIMEOUT = 3.0
+
+
+class Control:
+    """A worker's end of the channel."""
+
+    def __init__(self, sock: socket.socket, worker_id: int, workers: int) -> None:
+        self.sock = sock
+        self.worker_id = worker_id
+        self.workers = workers
+        self.handlers: dict[str, Handler] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._numbers = itertools.count(1)
+
+    def on(self, kind: str, handler: Handler) -> None:
+        """Run `handler(msg)` for messages of `kind` from other workers; what it returns
+        answers a question."""
+        self.handlers[kind] = handler
+
+    async def start(self) -> None:
+        reader, self._writer = await asyncio.open_connection(sock=self.sock)
+        self._task = asyncio.get_running_loop().create_task(self._read(reader))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._writer is not None:
+            self._writer.close()
+
+    def _send(self, obj: dict) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(orjson.dumps(obj) + b"\n")
+
+    def ready(self) -> None:
+        self._send({"ready": True})
+
+    def tell_all(self, msg: dict) -> None:
+        """Deliver `msg` to every other worker (fire and forget)."""
+        self._send({"all": msg})
+
+    async def ask(self, msg: dict) -> list:
+        """Ask every other worker; their answers (those that answered in time)."""
+        if self.workers <= 1:
+            return []
+        number = next(self._numbers)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[number] = future
+        self._send({"ask": number, "msg": msg})
+        try:
+            async with asyncio.timeout(ASK_TIMEOUT):
+                return await future
+        except TimeoutError:
+            return []
+        finally:
+            self._pending.pop(number, None)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while line := await reader.readline():
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if "answers" in obj:
+                future = self._pending.get(obj["answers"])
+                if future is not None and not future.done():
+                    future.set_result(obj.get("results") or [])
+            elif "msg" in obj:
+                asyncio.get_running_loop().create_task(self._handle(obj))
+
+    async def _handle(self, obj: dict) -> None:
+        msg = obj["msg"]
+        handler = self.handlers.get(msg.get("kind"))
+        result = None
+        if handler is not None:
+            try:
+                result = await handler(msg)
+            except Exception:  # a bad message must not end the channel
+                log.exception("control message %s failed", msg.get("kind"))
+        if "ask" in obj:
+            self._send({"reply": obj["ask"], "to": obj["from"], "result": result})
+
+
+class Hub:
+    """The supervisor's side: relays between the workers' channels."""
+
+    def __init__(self) -> None:
+        self.writers: dict[int, asyncio.StreamWriter] = {}
+        self.ready: set[int] = set()
+        self._asks: dict[tuple[int, int], dict] = {}
+        self.on_ready: Callable[[int], None] = lambda worker: None
+
+    async def attach(self, worker: int, sock: socket.socket) -> None:
+        reader, writer = await asyncio.open_connection(sock=sock)
+        self.writers[worker] = writer
+        asyncio.get_running_loop().create_task(self._read(worker, reader))
+
+    def detach(self, worker: int) -> None:
+        writer = self.writers.pop(worker, None)
+        self.ready.discard(worker)
+        if writer is not None:
+            writer.close()
+        for key, ask in list(self._asks.items()):  # a dead worker answers nothing
+            if worker in ask["waiting"]:
+                ask["waiting"].discard(worker)
+                self._finish(key)
+
+    def _write(self, worker: int, obj: dict) -> None:
+        writer = self.writers.get(worker)
+        if writer is not None and not writer.is_closing():
+            writer.write(orjson.dumps(obj) + b"\n")
+
+    async def _read(self, worker: int, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(ConnectionError):
+            while line := await reader.readline():
+                try:
+                    obj = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                self._route(worker, obj)
+
+    def _route(self, worker: int, obj: dict) -> None:
+        others = [w for w in self.writers if w != worker]
+        if obj.get("ready"):
+            self.ready.add(worker)
+            self.on_ready(worker)
+        elif "all" in obj:
+            for other in others:
+                self._write(other, {"msg": obj["all"]})
+        elif "ask" in obj:
+            key = (worker, obj["ask"])
+            self._asks[key] = {"waiting": set(others), "results": []}
+            for other in others:
+                self._write(other, {"ask": obj["ask"], "from": worker, "msg": obj["msg"]})
+            self._finish(key)
+        elif "reply" in obj:
+            key = (obj["to"], obj["reply"])
+            ask = self._asks.get(key)
+            if ask is not None and worker in ask["waiting"]:
+                ask["waiting"].discard(worker)
+                ask["results"].append(obj.get("result"))
+                self._finish(key)
+
+    def _finish(self, key: tuple[int, int]) -> None:
+        ask = self._asks.get(key)
+        if ask is not None and not ask["waiting"]:
+            del self._asks[key]
+            self._write(key[0], {"answers": key[1], "results": ask["results"]})

@@ -1,0 +1,195 @@
+"""State the worker processes of one gateway share (`--workers N`), in one shared-memory block.
+
+Why shared memory: the figures are read on every request (in-flight counts for the load-aware
+policies, the concurrency limit, per-key rate limits), so a round trip to another process per
+request would cost more than the request. Each worker writes only its own column of a counter
+(its own count, as an absolute value: no read-modify-write race between processes), and
+readers sum the columns; an aligned 8-byte store is atomic on the machines we run on.
+Decisions that must be exact across workers (admission slots, token buckets, claiming a
+server's slot) take a file lock (`fcntl.flock`), a few microseconds, only when that feature is
+configured.
+
+Layout (8-byte words): a header; per worker: active requests; per server slot: the URL's hash,
+then in-flight requests and in-flight prompt tokens per worker; per API key: two token
+buckets (requests, prompt tokens: gateway/admission/key_limits.py), each (tokens, last refill time) as
+doubles; per worker: its most urgent waiter's class and wait start (gateway/admission/slots.py);
+then the table of where each process sent its prompts (gateway/prefix/shared.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import zlib
+from collections.abc import Iterator
+from multiprocessing import resource_tracker, shared_memory
+
+from gateway.admission.key_limits import take
+from gateway.prefix.shared import WORDS as PREFIX_WORDS
+from gateway.prefix.shared import SharedPrefixes
+
+SERVER_SLOTS = 1024
+OTHERS_TTL = 0.005  # seconds the other workers' in-flight sums are reused
+MAGIC = 0x70646777  # "pdgw"
+
+
+def url_hash(url: str) -> int:
+    """A non-zero 63-bit hash of a server URL (0 marks an empty slot)."""
+    value = (zlib.crc32(url.encode()) << 31) ^ zlib.adler32(url.encode())
+    return (value & ((1 << 63) - 1)) or 1
+
+
+class SharedState:
+    """One gateway's shared block, attached by every worker (created by the supervisor)."""
+
+    def __init__(self, name: str, workers: int, keys: int, lock_path: str,
+                 create: bool = False) -> None:
+        self.workers = workers
+        self.keys = keys
+        self.lock_path = lock_path
+        self._active = 1
+        self._hashes = self._active + workers
+        self._in_flight = self._hashes + SERVER_SLOTS
+        self._tokens = self._in_flight + SERVER_SLOTS * workers
+        self._buckets = self._tokens + SERVER_SLOTS * workers
+        self._waiting = self._buckets + 4 * max(keys, 1)
+        self._prefixes = self._waiting + 2 * workers
+        words = self._prefixes + PREFIX_WORDS
+        if create:
+            self.shm = shared_memory.SharedMemory(name=name, create=True, size=8 * words)
+            self.shm.buf[: 8 * words] = bytes(8 * words)
+        else:
+            self.shm = shared_memory.SharedMemory(name=name)
+            # Python 3.11 registers an attached block with the resource tracker, which
+            # unlinks it when this worker exits (taking it from the others): the supervisor
+            # owns it, so the worker lets go of that registration.
+            resource_tracker.unregister(self.shm._name, "shared_memory")
+        self.words = self.shm.buf.cast("q")
+        self.floats = self.shm.buf.cast("d")
+        if create:
+            self.words[0] = MAGIC
+            for worker in range(workers):
+                self.words[self._waiting + 2 * worker] = -1  # nobody waits yet
+        elif self.words[0] != MAGIC:
+            raise RuntimeError(f"shared block {name} is not a gateway's")
+        self.prefixes = SharedPrefixes(self.words[self._prefixes:self._prefixes + PREFIX_WORDS])
+        self._slots: dict[str, int] = {}
+        self._others: dict[int, tuple[float, int, int]] = {}  # slot -> (when, requests, tokens)
+        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    # -- servers -----------------------------------------------------------------------------
+
+    def slot(self, url: str) -> int:
+        """The server's slot, the same in every worker (claimed under the lock once)."""
+        slot = self._slots.get(url)
+        if slot is not None:
+            return slot
+        wanted = url_hash(url)
+        start = wanted % SERVER_SLOTS
+        with self.locked():
+            for step in range(SERVER_SLOTS):
+                index = (start + step) % SERVER_SLOTS
+                held = self.words[self._hashes + index]
+                if held == wanted or held == 0:
+                    self.words[self._hashes + index] = wanted
+                    self._slots[url] = index
+                    return index
+        raise RuntimeError(f"no free server slot for {url} ({SERVER_SLOTS} in use)")
+
+    def publish(self, worker: int, slot: int, in_flight: int, tokens: int) -> None:
+        """This worker's own in-flight figures for the server in `slot`."""
+        base = slot * self.workers + worker
+        self.words[self._in_flight + base] = in_flight
+        self.words[self._tokens + base] = tokens
+
+    def totals(self, slot: int) -> tuple[int, int]:
+        """In-flight requests and prompt tokens of a server, summed over workers."""
+        start = slot * self.workers
+        words = self.words
+        flight = self._in_flight + start
+        tokens = self._tokens + start
+        return (sum(words[flight:flight + self.workers]),
+                sum(words[tokens:tokens + self.workers]))
+
+    def others(self, slot: int, worker: int, now: float) -> tuple[int, int]:
+        """`totals` less this worker's own column, at most `OTHERS_TTL` old: the policies
+        ask for every candidate on every request, and the other workers' share of a
+        server's load is not worth a fresh sum each time (the caller adds its own count,
+        which is exact)."""
+        cached = self._others.get(slot)
+        if cached is not None and now - cached[0] < OTHERS_TTL:
+            return cached[1], cached[2]
+        base = slot * self.workers + worker
+        requests, tokens = self.totals(slot)
+        requests -= self.words[self._in_flight + base]
+        tokens -= self.words[self._tokens + base]
+        self._others[slot] = (now, requests, tokens)
+        return requests, tokens
+
+    def try_admit(self, worker: int, limit: int) -> bool:
+        """Take one of the gateway-wide `limit` slots for this worker, if one is free."""
+        with self.locked():
+            active = self.words[self._active:self._active + self.workers]
+            if sum(active) >= limit:
+                return False
+            self.words[self._active + worker] += 1
+            return True
+
+    def release(self, worker: int) -> None:
+        with self.locked():
+            self.words[self._active + worker] -= 1
+
+    def active(self) -> int:
+        return sum(self.words[self._active:self._active + self.workers])
+
+    def publish_waiting(self, worker: int, klass: int | None, since: float) -> None:
+        """This worker's most urgent waiter: its class (None: nobody waits here) and since
+        when it waits (gateway/admission/slots.py)."""
+        at = self._waiting + 2 * worker
+        self.floats[at + 1] = since
+        self.words[at] = -1 if klass is None else klass
+
+    def waits_longer_elsewhere(self, worker: int, klass: int, since: float) -> bool:
+        """Whether another worker has a waiter ahead of (klass, since): of a more urgent
+        class, or of the same class waiting since earlier. No lock: each worker writes only
+        its own two words, and a torn read only delays a slot by one poll."""
+        words, floats = self.words, self.floats
+        for other in range(self.workers):
+            at = self._waiting + 2 * other
+            theirs = words[at]
+            if other != worker and theirs >= 0 and (
+                    theirs < klass or (theirs == klass and floats[at + 1] < since)):
+                return True
+        return False
+
+    # -- per-key token buckets ----------------------------------------------------------------
+
+    def take_from_bucket(self, key: int, kind: int, rate: float, burst: float, cost: float,
+                         now: float) -> float:
+        """Take `cost` from bucket `kind` of key number `key`, gateway-wide: 0.0 if taken,
+        else the seconds until it would be there (key_limits.take is the rule)."""
+        at = self._buckets + 4 * key + 2 * kind
+        with self.locked():
+            tokens, last, wait = take(self.floats[at], self.floats[at + 1], now, rate, burst,
+                                      cost)
+            self.floats[at], self.floats[at + 1] = tokens, last
+            return wait
+
+    def close(self, unlink: bool = False) -> None:
+        self.prefixes.words.release()
+        self.words.release()
+        self.floats.release()
+        self.shm.close()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
+        os.close(self._lock_fd)

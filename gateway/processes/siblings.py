@@ -1,0 +1,60 @@
+"""What one worker of `--workers N` does for the others, over the control channel.
+
+* Admin changes (a server added, removed, drained, undrained) are applied by the worker that
+  got the admin call and then by every other worker, so the workers keep one server set.
+* `/abort_request` names a request that may run in another worker: a worker that does not
+  hold it asks the others, and the one that holds it (and finds the caller its owner) aborts it.
+
+Without workers (`control` None) every call here does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("gateway.processes.siblings")
+
+
+class Siblings:
+    def __init__(self, gateway, control) -> None:
+        self.gw = gateway
+        self.control = control
+        if control is not None:
+            control.on("admin", self._apply)
+            control.on("abort", self._abort)
+
+    def admin_change(self, op: str, url: str, **extra) -> None:
+        """Tell the other workers what this one just did to its server set."""
+        if self.control is not None:
+            self.control.tell_all({"kind": "admin", "op": op, "url": url, **extra})
+
+    async def _apply(self, msg: dict) -> None:
+        gw, op, url = self.gw, msg.get("op"), msg.get("url")
+        worker = gw.pool.get(url)
+        if op == "add" and worker is None:
+            try:
+                await gw.register(url, msg["role"], msg.get("bootstrap_port"),
+                                  model=msg.get("model"))
+            except Exception as exc:  # noqa: BLE001 - it was accepted by a sibling
+                log.warning("could not add %s as the other workers did: %s", url, exc)
+        elif op == "remove" and worker is not None:
+            gw.unregister(url)
+        elif op in ("drain", "undrain") and worker is not None:
+            worker.draining = op == "drain"
+
+    async def abort(self, rid: str, owner: str, admin: bool) -> dict | None:
+        """Abort `rid` in whichever other worker holds it; its answer, or None."""
+        if self.control is None:
+            return None
+        for answer in await self.control.ask({"kind": "abort", "rid": rid, "owner": owner,
+                                              "admin": admin}):
+            if isinstance(answer, dict) and answer.get("found"):
+                return answer
+        return None
+
+    async def _abort(self, msg: dict) -> dict:
+        tracked = self.gw.inflight.find(msg["rid"])
+        if tracked is None or (tracked.owner != msg["owner"] and not msg.get("admin")):
+            return {"found": False}
+        results = await self.gw.aborts.abort(tracked)
+        return {"found": True, "request_id": tracked.request_id, "results": results}

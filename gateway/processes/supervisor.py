@@ -1,0 +1,179 @@
+"""`--workers N`: N serving processes on one port, supervised (docs/WORKERS.md).
+
+The supervisor binds the listening socket once and starts N worker processes
+(`python -m gateway.processes.worker_main`), each a whole gateway serving that socket (with
+`--workers-socket reuseport` each worker binds its own SO_REUSEPORT socket instead). It owns
+what the workers share: the shared-memory block (gateway/processes/shared_state.py), the directory of
+prometheus_client's multiprocess metrics, and the hub of the control channel
+(gateway/processes/control_channel.py), and with `--launch` the local cluster (started once, before the workers,
+which are given its servers as `--prefill`/`--decode`). A worker that exits unexpectedly is
+started again (backoff 1 s doubling to 30 s, reset after a minute of service); SIGTERM or
+SIGINT stops every worker gracefully (each finishes its requests within --shutdown-grace),
+then the cluster, then the supervisor cleans up and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from gateway.config.settings import GatewayConfig
+from gateway.processes.control_channel import Hub
+from gateway.processes.shared_state import SharedState
+
+RESTART_BACKOFF = (1.0, 30.0)
+
+
+def worker_count(setting: int | str) -> int:
+    """`auto`: the cores this process may run on."""
+    if setting == "auto":  # at most 32: the worker id has 5 bits in every room
+        return max(1, min(32, len(os.sched_getaffinity(0))))
+    return int(setting)
+
+
+def listen_socket(config: GatewayConfig, reuse_port: bool = False) -> socket.socket:
+    host = config.host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, config.port))
+    sock.listen(2048)
+    return sock
+
+
+class Supervisor:
+    def __init__(self, config: GatewayConfig, argv: list[str]) -> None:
+        self.config = config
+        self.argv = argv
+        self.count = worker_count(config.workers)
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.backoff: dict[int, float] = {}
+        self.spawned: dict[int, float] = {}
+        self.hub = Hub()
+        self.stopping = False
+        self.started_at = time.monotonic()
+
+    def run(self) -> int:
+        c = self.config
+        workdir = tempfile.mkdtemp(prefix="pd-gateway-")
+        metrics_dir = os.path.join(workdir, "metrics")
+        os.mkdir(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers
+        name = f"pdgw-{os.getpid()}"
+        keys = len(c.api_keys)
+        self.shared = SharedState(name, self.count, keys, os.path.join(workdir, "lock"),
+                                  create=True)
+        self.sock = None if c.workers_socket == "reuseport" else listen_socket(c)
+        try:
+            return asyncio.run(self._main(name, workdir))
+        finally:
+            if self.sock is not None:
+                self.sock.close()
+            self.shared.close(unlink=True)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    async def _launch(self):
+        """With --launch: start the cluster here, once; the workers serve its servers."""
+        from backends.launcher import (  # noqa: PLC0415 - only with --launch
+            Launcher,
+            default_topology,
+            load_topology,
+        )
+
+        c = self.config
+        topology = (load_topology(c.launch_config) if c.launch_config
+                    else default_topology(c.backend, c.num_prefill, c.num_decode))
+        launcher = Launcher(topology, handle_signals=False)
+        await launcher.start()
+        extra = ["--no-launch"]
+        for server in launcher.servers:
+            if server.role == "prefill":
+                extra += ["--prefill", server.url, str(server.bootstrap_port or "none")]
+            else:
+                extra += ["--decode", server.url]
+        self.argv = [*self.argv, *extra]
+        return launcher
+
+    async def _main(self, name: str, workdir: str) -> int:
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, done.set)
+        launcher = await self._launch() if self.config.launch else None
+        announced = False
+
+        def on_ready(worker: int) -> None:
+            nonlocal announced
+            if not announced and len(self.hub.ready) == self.count:
+                announced = True
+                print(f"gateway: {self.count} workers serving "
+                      f"http{'s' if self.config.ssl_certfile else ''}://{self.config.host}:"
+                      f"{self.config.port} ({self.config.workers_socket} socket)",
+                      file=sys.stderr, flush=True)
+
+        self.hub.on_ready = on_ready
+        for worker in range(self.count):
+            await self._spawn(worker, name, workdir)
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.25)
+            for worker, proc in list(self.procs.items()):
+                if proc.poll() is not None and not done.is_set():
+                    await self._restart(worker, name, workdir, proc.returncode)
+        await self._stop_all()
+        if launcher is not None:
+            await launcher.stop()
+        return 0
+
+    async def _spawn(self, worker: int, name: str, workdir: str) -> None:
+        ours, theirs = socket.socketpair()
+        fds = [theirs.fileno()]
+        argv = [sys.executable, "-m", "gateway.processes.worker_main", "--worker-id", str(worker),
+                "--workers", str(self.count), "--control-fd", str(theirs.fileno()),
+                "--shared", name, "--workdir", workdir]
+        if self.sock is not None:
+            fds.append(self.sock.fileno())
+            argv += ["--listen-fd", str(self.sock.fileno())]
+        self.procs[worker] = subprocess.Popen(argv + ["--", *self.argv], pass_fds=fds)
+        self.spawned[worker] = time.monotonic()
+        theirs.close()
+        await self.hub.attach(worker, ours)
+
+    async def _restart(self, worker: int, name: str, workdir: str, code: int) -> None:
+        self.hub.detach(worker)
+        if time.monotonic() - self.spawned.get(worker, 0.0) > 60:
+            self.backoff.pop(worker, None)  # it had served a while: not a crash loop
+        delay = self.backoff.get(worker, RESTART_BACKOFF[0])
+        print(f"gateway: worker {worker} exited with {code}; restarting in {delay:g}s",
+              file=sys.stderr, flush=True)
+        self.backoff[worker] = min(RESTART_BACKOFF[1], delay * 2)
+        del self.procs[worker]
+        await asyncio.sleep(delay)
+        if not self.stopping:
+            await self._spawn(worker, name, workdir)
+
+    async def _stop_all(self) -> None:
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.shutdown_grace + 10
+        while any(p.poll() is None for p in self.procs.values()):
+            if time.monotonic() > deadline:
+                for proc in self.procs.values():
+                    if proc.poll() is None:
+                        proc.kill()
+                break
+            await asyncio.sleep(0.05)
+        for worker in list(self.hub.writers):
+            self.hub.detach(worker)

@@ -1,0 +1,1 @@
+"""Scheduling: candidate servers of the request's model -> a (prefill, decode) pair."""

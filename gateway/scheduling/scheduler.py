@@ -1,0 +1,138 @@
+"""Pair selection: filter usable workers, then ask the prefill and decode policies.
+
+A pair is chosen only when BOTH roles have a usable worker, so one leg is never sent alone.
+On a retry the workers that just failed are avoided while others remain.
+
+Pairs: a (prefill, decode) pair quarantined for failing on its own (gateway/health/pairs.py) is not
+chosen while the prefill has another usable partner.
+
+DP ranks: a prefill server with several DP ranks is offered to the prefill policy as its
+ranks (`workers.Rank`), each with its own load and its own prefix state, so a cache-aware
+choice picks the rank that holds the prefix, and a load-aware one spreads over all ranks
+(rooms stepping by one over alternating servers left half the ranks idle). The dispatcher
+then steers the request to that rank. Decode ranks are left to the decode server: its own
+DataParallelController balances them (round robin by default) with figures the gateway
+only sees late, and what the decode caches is what the prefill sends it.
+
+Models: the candidates of both roles are the servers of the request's model only
+(`gateway/scheduling/models.py`), and each model's own policies choose among them, so a prefill of one
+model is never paired with a decode of another and no policy state mixes models.
+
+Sessions: a request with a session id (`--session-header`) takes its prefill target from
+`affinity.SessionAffinity` instead of the prefill policy (which still hears of the dispatch);
+`by_policy` says whether a pick's prefill was the policy's own choice. The affinity ring
+holds every prefill target; it places a session among the candidates only, so one ring serves
+every model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+
+from gateway.errors import ServiceUnavailable
+from gateway.health.pairs import PairHealth
+from gateway.policies import Policy
+from gateway.request import RequestView
+from gateway.scheduling.affinity import SessionAffinity
+from gateway.scheduling.models import Model, Models, Target, targets
+from gateway.servers.pool import Worker, WorkerPool
+
+
+class Scheduler:
+    def __init__(self, pool: WorkerPool, models: Models, pairs: PairHealth | None = None,
+                 affinity: SessionAffinity | None = None) -> None:
+        self.pool = pool
+        self.models = models
+        self.affinity = affinity
+        self.pairs = pairs or PairHealth()
+        self.panics = {"prefill": 0, "decode": 0}  # picks made in panic mode, per role
+        pool.on_change(self.workers_changed)
+        self.workers_changed()
+
+    @property
+    def policies(self) -> dict[str, Policy]:
+        """The default model's policies, by role (what status pages show first)."""
+        return self.models.shown().policies
+
+    def policies_of(self, server: Worker) -> dict[str, Policy]:
+        """The policies of the server's model, by role (`Models.policies_of`)."""
+        return self.models.policies_of(server)
+
+    def workers_changed(self) -> None:
+        """Regroup the servers by model and tell each model's policies (and the session
+        ring) its servers (membership or probed details changed)."""
+        self.models.regroup()
+        if self.affinity is not None:
+            self.affinity.on_workers_changed(targets(self.pool.role("prefill")))
+
+    def candidates(self, role: str, view: RequestView, avoid: Collection[Worker],
+                   model: Model | None = None) -> list[Worker]:
+        """Usable workers of `role` of the request's model (not just failed); with none
+        usable, the ones that can still take a request (panic routing, as Envoy does below
+        its panic threshold, where health is ignored): healthy ones with an open or busy
+        half-open breaker, else the ones its health checks marked down that still accept
+        connections (`Worker.in_pool`): a suspect or silent server is better than a 503.
+        Seen with real SGLang: the only decode stalled 10 s, /health included, was marked
+        down, and every request of those seconds got 503 though the server answered again a
+        second later. A request sent to a stalled server waits within its own deadlines
+        (gateway/dispatch/pd.py); one whose server refuses connections is not sent (503 at once)."""
+        now = time.monotonic()
+        self.pool.refresh_breakers(role, now)
+        members = (model or self.models.of(view)).servers[role]
+        workers = [w for w in members if w.usable]
+        if not workers:
+            workers = [w for w in members if w.serving] or [w for w in members if w.in_pool]
+            if workers:
+                self.panics[role] += 1
+        if avoid:
+            fresh = [w for w in workers if w not in avoid]
+            if fresh:
+                workers = fresh
+        for suspect in workers:
+            if suspect.suspect_until > now:
+                trusted = [w for w in workers if w.suspect_until <= now]
+                if trusted:  # a suspected hang: keep new requests off it while others serve
+                    workers = trusted
+                break
+        return workers
+
+    def pick(self, view: RequestView, avoid: Collection[Worker] = (),
+             prefer: tuple[Worker, int | None] | None = None) -> tuple[Target, Worker]:
+        """A (prefill target, decode) pair; the target is a server or one of its DP ranks.
+        `prefer` names a prefill (and rank) to take while it is a candidate (the samples
+        of one request follow the first to its cached prompt)."""
+        model = self.models.of(view)
+        prefills = self.candidates("prefill", view, avoid, model)
+        decodes = self.candidates("decode", view, avoid, model)
+        if not prefills or not decodes:
+            missing = " and ".join(
+                role for role, found in (("prefill", prefills), ("decode", decodes)) if not found
+            )
+            of_model = "" if self.models.open else f" of model {model.name!r}"
+            raise ServiceUnavailable(
+                f"no usable {missing} server{of_model} (all down, draining or circuit-open)",
+                headers={"retry-after": "1"},
+            )
+        if prefer is not None and prefer[0] in prefills:
+            worker, rank = prefer
+            prefill = worker.ranks[rank] if rank is not None and rank < len(worker.ranks) \
+                else worker
+        elif view.session is not None and self.affinity is not None:
+            prefill = self.affinity.pick(view.session, targets(prefills))
+        else:
+            prefill = model.policies["prefill"].pick(targets(prefills), view)
+        server = prefill.server.url
+        partners = [d for d in decodes if not self.pairs.blocked(server, d.url)]
+        decode = model.policies["decode"].pick(partners or decodes, view)
+        self.pairs.probe(server, decode.url)  # a quarantined pair past its cooldown: a probe
+        return prefill, decode
+
+    def by_policy(self, view: RequestView, prefill: Target,
+                  prefer: tuple[Worker, int | None] | None) -> bool:
+        """Was `prefill`, as `pick(view, ..., prefer)` returned it, the prefill policy's own
+        choice (not the preferred server of a sample, nor a session's)?"""
+        if prefer is not None and prefill.server is prefer[0]:
+            return False  # `pick` takes a preferred server whenever it is a candidate
+        return view.session is None or self.affinity is None
+

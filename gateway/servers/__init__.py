@@ -1,0 +1,1 @@
+"""The backend servers: their record and pool, DP ranks, breakers, probes and reported load."""

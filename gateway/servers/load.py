@@ -1,0 +1,115 @@
+"""The `/v1/loads` figures of one server or DP rank, and what this gateway knows that they
+do not: its own requests that the snapshot still counts though they are done.
+
+A snapshot counts a request of ours that is done if the server still held it when it was
+asked for. Three cases, each settled (taken off the snapshot's figures; the load score
+subtracts `settled` and `settled_tokens`, gateway/scheduling/load.py):
+
+* running when the snapshot was taken, done since (`settle`, on the current snapshot);
+* running when the next poll was sent, done while it was on its way (`pending`, carried into
+  its answer: `carry`);
+* done as far as the gateway goes (its decode answered) while its prefill's own answer is
+  still to come (the CPU rig's prefill answers after the decode; `trail`): the server may
+  hold its KV until then, so every snapshot asked meanwhile counts it (`asked_trailing`).
+
+Without them a conversation's next turn, sent as the previous one ends, found the previous
+turn's server "busy" with that very turn, and the cache-aware policy moved it off its cache
+(tests/e2e_sglang/test_dp.py, tests/unit/test_loads_poll.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerLoad:
+    """The latest `/v1/loads` figures of a server (summed over its DP ranks)."""
+
+    running: int = 0
+    waiting: int = 0
+    waiting_uncached_tokens: int = 0
+    used_tokens: int = 0
+    max_total_tokens: int = 0
+    token_usage: float = 0.0
+    max_running_requests: int = 0
+    updated_at: float = 0.0
+    # cumulative, SGLang's Scheduler._record_step_counters: tokens its prefill steps extended
+    # and their busy time; successive snapshots give the server's measured prefill speed
+    prefill_tokens: int = 0
+    prefill_busy_us: int = 0
+    prefill_speed: float = 0.0  # tokens/s, smoothed over snapshots; 0 until measured
+    # requests of this gateway process that were running when the snapshot was taken and
+    # have finished since, and their prompt tokens: the snapshot still counts them
+    settled: int = 0
+    settled_tokens: int = 0
+    # ours running when the next poll was sent (`asked_at`) that ended since (`carry`)
+    asked_at: float = 0.0
+    pending: int = 0
+    pending_tokens: int = 0
+    # ours done but for their prefill's answer (`trail`), now and when the poll was sent
+    trailing: int = 0
+    trailing_tokens: int = 0
+    asked_trailing: int = 0
+    asked_trailing_tokens: int = 0
+
+    def settle(self, since: float, tokens: int) -> None:
+        """A request of ours dispatched at `since` (time.monotonic()) has finished: if that
+        was before this snapshot, the snapshot still counts it as running and its KV as in
+        use (SGLang's `token_usage` leaves out what its radix cache may evict, which the KV
+        of a finished request becomes); so does the answer of a poll sent before it ended
+        and read after (`asked_at`)."""
+        if since < self.updated_at:
+            self.settled += 1
+            self.settled_tokens += tokens
+        if since < self.asked_at:
+            self.pending += 1
+            self.pending_tokens += tokens
+
+    def trail(self, tokens: int, sign: int = 1) -> None:
+        """A settled request of ours whose prefill has not answered yet (sign 1), or whose
+        prefill leg has now ended (-1)."""
+        self.trailing = max(0, self.trailing + sign)  # (ranks remade meanwhile: from 0)
+        self.trailing_tokens = max(0, self.trailing_tokens + sign * tokens)
+
+    def ask(self, asked: float) -> None:
+        """A poll goes out at `asked`: note what its answer will still count."""
+        self.asked_at = asked
+        self.asked_trailing, self.asked_trailing_tokens = self.trailing, self.trailing_tokens
+
+    def carry(self, before: ServerLoad) -> None:
+        """This snapshot answers the poll `before` awaited: ours that ended meanwhile, and
+        those that were trailing when it was sent, are settled in it."""
+        self.settled = before.pending + before.asked_trailing
+        self.settled_tokens = before.pending_tokens + before.asked_trailing_tokens
+        self.trailing, self.trailing_tokens = before.trailing, before.trailing_tokens
+
+    def follow(self, before: ServerLoad) -> None:
+        """Carry the measured prefill speed over from the previous snapshot, updated by
+        what the server prefilled in between (a restart's smaller counters teach nothing),
+        and our requests that ended while this one was on its way (`carry`)."""
+        self.carry(before)
+        tokens = self.prefill_tokens - before.prefill_tokens
+        busy = self.prefill_busy_us - before.prefill_busy_us
+        speed = before.prefill_speed
+        if tokens > 0 and busy > 0:
+            sample = tokens * 1e6 / busy
+            speed = sample if speed == 0.0 else 0.7 * speed + 0.3 * sample
+        self.prefill_speed = speed
+
+
+
+def load_entry(entry: dict, now: float) -> ServerLoad:
+    def number(name: str) -> int:
+        value = entry.get(name)
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+    usage = entry.get("token_usage")
+    return ServerLoad(
+        running=number("num_running_reqs"), waiting=number("num_waiting_reqs"),
+        waiting_uncached_tokens=number("num_waiting_uncached_tokens"),
+        used_tokens=number("num_used_tokens"), max_total_tokens=number("max_total_num_tokens"),
+        token_usage=float(usage) if isinstance(usage, (int, float)) else 0.0,
+        max_running_requests=number("max_running_requests"), updated_at=now,
+        prefill_tokens=number("total_prefill_uncached_tokens"),
+        prefill_busy_us=number("total_prefill_busy_us"))

@@ -1,0 +1,334 @@
+"""Workers (one backend server each) and the pool the scheduler picks from.
+
+A worker is *usable* for new work only when its health checks pass, its circuit breaker
+allows a request and it is not draining. Counters are plain ints updated on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from gateway.servers.breaker import CLOSED, HALF_OPEN, OPEN, BreakerState, CircuitBreaker
+from gateway.servers.load import ServerLoad, load_entry
+from gateway.servers.probe import ServerFacts
+
+ROLES = ("prefill", "decode")
+
+
+def bootstrap_host_of(url: str) -> str:
+    """The host part SGLang expects in `bootstrap_host`: IPv6 literals in brackets."""
+    host = urlsplit(url).hostname or ""
+    with contextlib.suppress(ValueError):
+        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
+            return f"[{host}]"
+    return host
+
+
+@dataclass(eq=False)
+class Rank:
+    """One DP rank of a server: what the prefill policies score when a server has several.
+
+    SGLang runs one scheduler per DP rank, each with its own queue and radix cache, so a
+    prefix is cached on a (server, rank), not on a server. A Rank looks like a Worker to the
+    policies (`url` is its own key, `server#dpN`; load and in-flight counters are its own);
+    `server` is the Worker it belongs to and `rank` its index.
+    """
+
+    server: Worker
+    rank: int
+    url: str = ""
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    total_requests: int = 0
+    load: ServerLoad = field(default_factory=ServerLoad)
+
+    def __post_init__(self) -> None:
+        self.url = f"{self.server.url}#dp{self.rank}"
+
+    @property
+    def role(self) -> str:
+        return self.server.role
+
+    @property
+    def model(self) -> str | None:
+        return self.server.model
+
+    def totals(self) -> tuple[int, int]:
+        """In-flight requests and prompt tokens (this process's view of the rank)."""
+        return self.in_flight, self.in_flight_tokens
+
+    def start(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+        self.total_requests += 1
+
+    def finish(self, tokens: int) -> None:
+        self.in_flight -= 1
+        self.in_flight_tokens -= tokens
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: str
+    bootstrap_port: int | None = None
+    model: str | None = None
+    dp_size: int = 1
+    healthy: bool = True
+    draining: bool = False
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    total_requests: int = 0
+    total_failures: int = 0
+    load: ServerLoad = field(default_factory=ServerLoad)
+    bootstrap_host: str = ""
+    verified: bool = False  # role and bootstrap port confirmed by /server_info
+    misconfigured: str | None = None  # why the server can never be used (role mismatch)
+    refused: bool = False  # its last health check was refused a connection: nothing listens
+    last_success: float = 0.0  # monotonic time of the last successful request
+    kv_events: dict | None = None  # the server's KV event publisher (/server_info kv_events)
+    load_balance_method: str = "follow_bootstrap_room"  # how the server picks a DP rank
+    context_length: int | None = None  # the model's, from /server_info
+    priority_scheduling: bool = False  # the server schedules by `priority` (/server_info)
+    low_priority_first: bool = False  # ... lower values first
+    ranks: list[Rank] = field(default_factory=list)  # DP ranks, when it has more than one
+    attempts: set = field(default_factory=set)  # attempts waiting on this server now (rescue)
+    suspect_until: float = 0.0  # a request here timed out without progress: avoid until then
+    shared: object = None  # (SharedState, slot, worker id) with --workers: counts summed
+    metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
+    # as a scheduling target (like a Rank): the server it belongs to, its own; no DP rank.
+    # Attributes, not properties: every pick reads them
+    server: Worker = field(init=False, repr=False)
+    rank: None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.bootstrap_host = bootstrap_host_of(self.url)
+        self.server = self
+
+    @property
+    def usable(self) -> bool:
+        """May the scheduler pick this worker now? (No side effect: the scheduler refreshes
+        breakers explicitly before it asks.)"""
+        breaker = self.breaker
+        return self.serving and (breaker.state is CLOSED or breaker.admits)
+
+    @property
+    def serving(self) -> bool:
+        """Healthy, verified, not draining, not misconfigured: in rotation but for the breaker."""
+        return (self.healthy and self.verified and not self.draining
+                and self.misconfigured is None)
+
+    @property
+    def in_pool(self) -> bool:
+        """Verified, not draining, not misconfigured and listening, whatever else its health
+        checks say: what panic routing may still pick when no server of its role is `serving`
+        (gateway/scheduling/scheduler.py). A server that refuses connections runs nothing: a request
+        sent there would only make its prefill work for nothing."""
+        return (self.verified and not self.draining and self.misconfigured is None
+                and not self.refused)
+
+    @property
+    def usable_now(self) -> bool:
+        """`usable` as of now, counting a breaker whose cooldown elapsed as half-open (for
+        metrics and the admin API; changes nothing)."""
+        breaker = self.breaker
+        if breaker.state is OPEN:
+            return self.serving and time.monotonic() - breaker.opened_at >= breaker.cooldown
+        return self.serving and breaker.admits
+
+
+    def apply_facts(self, facts: ServerFacts) -> None:
+        """Adopt what the server says of itself; a port given by the operator wins."""
+        if self.role == "prefill" and self.bootstrap_port is None:
+            self.bootstrap_port = facts.bootstrap_port
+        self.model = self.model or facts.model
+        self.dp_size = facts.dp_size
+        self.kv_events = facts.kv_events
+        self.load_balance_method = facts.load_balance_method
+        self.context_length = facts.context_length
+        self.priority_scheduling = facts.priority_scheduling
+        self.low_priority_first = facts.low_priority_first
+        if len(self.ranks) != (facts.dp_size if facts.dp_size > 1 else 0):
+            self.ranks = [Rank(self, r) for r in range(facts.dp_size)] if facts.dp_size > 1 else []
+        self.verified = True
+
+    def ask_loads(self) -> float:
+        """A `/v1/loads` poll goes out now (returns its time): the snapshots note which of
+        our requests end before its answer is read (`ServerLoad.settle`)."""
+        asked = time.monotonic()
+        self.load.ask(asked)
+        for rank in self.ranks:
+            rank.load.ask(asked)
+        return asked
+
+    def apply_loads(self, data: dict, asked: float | None = None) -> None:
+        """The `/v1/loads` answer to the poll of `ask_loads` (None: now): one entry per DP
+        rank, kept per rank and summed, stamped when asked (the figures are not newer)."""
+        loads = data.get("loads") if isinstance(data, dict) else None
+        if not isinstance(loads, list):
+            return
+        now = time.monotonic() if asked is None else asked
+        total = ServerLoad(updated_at=now)
+        total.carry(self.load)
+        usages = []
+        for position, entry in enumerate(loads):
+            if not isinstance(entry, dict):
+                continue
+            one = load_entry(entry, now)
+            rank = entry.get("dp_rank", position)
+            ranked = isinstance(rank, int) and 0 <= rank < len(self.ranks)
+            one.follow(self.ranks[rank].load if ranked else self.load)
+            total.running += one.running
+            total.waiting += one.waiting
+            total.waiting_uncached_tokens += one.waiting_uncached_tokens
+            total.used_tokens += one.used_tokens
+            total.max_total_tokens += one.max_total_tokens
+            total.max_running_requests += one.max_running_requests
+            total.prefill_tokens += one.prefill_tokens
+            total.prefill_busy_us += one.prefill_busy_us
+            total.prefill_speed += one.prefill_speed  # ranks prefill side by side: a sum
+            usages.append(one.token_usage)
+            if ranked:
+                self.ranks[rank].load = one
+        total.token_usage = max(usages) if usages else 0.0
+        self.load = total
+
+    def totals(self) -> tuple[int, int]:
+        """In-flight requests and prompt tokens over the whole gateway: this process's, or
+        every worker process's with `--workers` (shared memory; the others' at most a few
+        milliseconds old)."""
+        if self.shared is None:
+            return self.in_flight, self.in_flight_tokens
+        state, slot, me = self.shared
+        requests, tokens = state.others(slot, me, time.monotonic())
+        return self.in_flight + requests, self.in_flight_tokens + tokens
+
+    def _publish(self) -> None:
+        if self.shared is not None:
+            state, slot, worker = self.shared
+            state.publish(worker, slot, self.in_flight, self.in_flight_tokens)
+
+    def start(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+        self.total_requests += 1
+        if self.shared is not None:  # (twice per request: no call when there is no need)
+            self._publish()
+        if self.breaker.state is not CLOSED:
+            self.breaker.on_dispatch()
+
+    def finish(self, tokens: int, success: bool | None) -> bool:
+        """Release counters; success None means the outcome says nothing about the server.
+        Returns True when this failure opened the breaker."""
+        self.in_flight -= 1
+        self.in_flight_tokens -= tokens
+        if self.shared is not None:
+            self._publish()
+        if success is None:
+            self.breaker.release_probe()
+            return False
+        if success:
+            self.last_success = time.monotonic()
+            self.suspect_until = 0.0
+        else:
+            self.total_failures += 1
+        return self.breaker.record(success)
+
+    def snapshot(self) -> dict:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "bootstrap_port": self.bootstrap_port,
+            "model": self.model,
+            "healthy": self.healthy,
+            "verified": self.verified,
+            "misconfigured": self.misconfigured,
+            "refused": self.refused,
+            "draining": self.draining,
+            "breaker": self.breaker.state.value,
+            "suspect": self.suspect_until > time.monotonic(),
+            "usable": self.usable_now,
+            "in_flight": self.totals()[0],
+            "in_flight_tokens": self.totals()[1],
+            "total_requests": self.total_requests,
+            "total_failures": self.total_failures,
+            "load": {
+                "running": self.load.running,
+                "waiting": self.load.waiting,
+                "waiting_uncached_tokens": self.load.waiting_uncached_tokens,
+                "token_usage": self.load.token_usage,
+            },
+            "dp_ranks": self.dp_size,
+            "load_balance_method": self.load_balance_method,
+            "ranks": [{"rank": r.rank, "in_flight": r.in_flight, "requests": r.total_requests,
+                       "running": r.load.running, "waiting": r.load.waiting}
+                      for r in self.ranks],
+        }
+
+
+class WorkerPool:
+    """All known workers by URL; listeners hear about membership changes."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, Worker] = {}
+        self._by_role: dict[str, list[Worker]] = {role: [] for role in ROLES}
+        self._listeners: list[Callable[[], None]] = []
+
+    def add(self, worker: Worker) -> Worker:
+        if worker.role not in ROLES:
+            raise ValueError(f"unknown role {worker.role!r}")
+        if worker.url in self._workers:
+            raise ValueError(f"{worker.url} is already registered")
+        self._workers[worker.url] = worker
+        self._by_role[worker.role].append(worker)
+        self.notify()
+        return worker
+
+    def remove(self, url: str) -> Worker | None:
+        worker = self._workers.pop(url, None)
+        if worker is not None:
+            self._by_role[worker.role].remove(worker)
+            self.notify()
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def role(self, role: str) -> list[Worker]:
+        return self._by_role[role]
+
+    def refresh_breakers(self, role: str, now: float) -> None:
+        """Move breakers whose cooldown elapsed to half-open (the one place this happens);
+        `now` is time.monotonic()."""
+        for worker in self._by_role[role]:
+            breaker = worker.breaker
+            if breaker.state is OPEN:  # (runs on every pick: no call otherwise)
+                breaker.refresh(now)
+
+    def usable(self, role: str) -> list[Worker]:
+        return [w for w in self._by_role[role] if w.usable]
+
+    def __iter__(self) -> Iterable[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def notify(self) -> None:
+        """Tell listeners the workers changed (membership, or facts learned by a probe)."""
+        for listener in self._listeners:
+            listener()
+
+
+def breaker_state_code(state: BreakerState) -> int:
+    """Numeric breaker state for gauges: 0 closed, 1 half-open, 2 open."""
+    return {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}[state]
