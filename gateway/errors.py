@@ -117,7 +117,7 @@ class UpstreamError(GatewayError):
         message: str,
         *,
         leg: str,
-        worker_url: str,
+        server_url: str,
         retryable: bool,
         upstream_status: int | None = None,
         status: int | None = None,
@@ -127,7 +127,7 @@ class UpstreamError(GatewayError):
         super().__init__(message, status=status, code=code)
         self.reason = reason  # metric label: why it failed, when not an HTTP status
         self.leg = leg
-        self.worker_url = worker_url
+        self.server_url = server_url
         self.retryable = retryable
         self.upstream_status = upstream_status
         if 400 <= self.status < 500:

@@ -12,20 +12,20 @@ import logging
 
 from backends.launcher import Launcher, ServerHandle, ServerState, default_topology, load_topology
 from gateway.config.settings import GatewayConfig
-from gateway.servers.pool import Worker, WorkerPool
+from gateway.servers.pool import Server, ServerPool
 
 log = logging.getLogger("gateway.launch")
 
 
 class LocalCluster:
-    def __init__(self, config: GatewayConfig, pool: WorkerPool, new_worker) -> None:
+    def __init__(self, config: GatewayConfig, pool: ServerPool, new_server) -> None:
         if config.launch_config:
             self.topology = load_topology(config.launch_config)
         else:
             self.topology = default_topology(config.backend, config.num_prefill,
                                              config.num_decode)
         self.pool = pool
-        self._new_worker = new_worker
+        self._new_server = new_server
         self.launcher = Launcher(self.topology, on_state=self._on_state, handle_signals=False)
 
     async def start(self) -> None:
@@ -33,20 +33,20 @@ class LocalCluster:
         await self.launcher.start()
         for server in self.launcher.servers:
             if self.pool.get(server.url) is None:
-                self.pool.add(self._new_worker(server.url, server.role, server.bootstrap_port,
+                self.pool.add(self._new_server(server.url, server.role, server.bootstrap_port,
                                                self.topology.model_name_of(server.spec)))
 
-    def _on_state(self, server: ServerHandle, state: ServerState) -> None:
-        worker: Worker | None = self.pool.get(server.url)
-        if worker is None:
+    def _on_state(self, launched: ServerHandle, state: ServerState) -> None:
+        server: Server | None = self.pool.get(launched.url)
+        if server is None:
             return
         if state is ServerState.READY:
-            worker.healthy = True
-            worker.breaker.reset()
-            log.warning("%s server %s is ready again", server.role, server.url)
+            server.healthy = True
+            server.breaker.reset()
+            log.warning("%s server %s is ready again", launched.role, launched.url)
         else:
-            worker.healthy = False
-            log.warning("%s server %s is %s: out of rotation", server.role, server.url, state)
+            server.healthy = False
+            log.warning("%s server %s is %s: out of rotation", launched.role, launched.url, state)
 
     async def stop(self) -> None:
         await self.launcher.stop()

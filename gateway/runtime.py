@@ -41,7 +41,7 @@ from gateway.scheduling.affinity import SessionAffinity
 from gateway.scheduling.models import Models, describe
 from gateway.scheduling.scheduler import Scheduler
 from gateway.servers.breaker import CircuitBreaker
-from gateway.servers.pool import Worker, WorkerPool
+from gateway.servers.pool import Server, ServerPool
 from gateway.servers.probe import RoleMismatch, probe
 from gateway.timers import Timers
 from gateway.tokens.context_check import ContextCheck
@@ -73,9 +73,9 @@ class Gateway:
             raise ConfigError(f"upstream_ca_file {config.upstream_ca_file!r}: {exc}") from None
         self.timers = Timers()  # the per-request deadlines (gateway/timers.py)
         self._flusher: asyncio.Task | None = None  # publishes buffered metrics every second
-        self.pool = WorkerPool()
+        self.pool = ServerPool()
         for spec in config.prefill + config.decode:
-            self.pool.add(self._new_worker(spec.url, spec.role, spec.bootstrap_port, spec.model))
+            self.pool.add(self._new_server(spec.url, spec.role, spec.bootstrap_port, spec.model))
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry, self.pool, multiprocess=worker is not None)
         self.models = Models(  # which servers serve which model; each model's own policies
@@ -124,7 +124,7 @@ class Gateway:
         if config.launch:
             from gateway.launch import LocalCluster  # noqa: PLC0415 - only with --launch
 
-            self.cluster = LocalCluster(config, self.pool, self._new_worker)
+            self.cluster = LocalCluster(config, self.pool, self._new_server)
 
     def note_error(self, err: GatewayError, endpoint: str, request_id: str) -> None:
         """Keep the last errors for the status page (bounded; no request bodies)."""
@@ -207,14 +207,14 @@ class Gateway:
         """(shared state, this worker's id) with --workers, else None."""
         return (self.shared, self.worker.id) if self.worker is not None else None
 
-    def _new_worker(self, url: str, role: str, bootstrap_port: int | None,
-                    model: str | None = None) -> Worker:
+    def _new_server(self, url: str, role: str, bootstrap_port: int | None,
+                    model: str | None = None) -> Server:
         c = self.config
-        worker = Worker(url, role, bootstrap_port, model=model,
+        server = Server(url, role, bootstrap_port, model=model,
                         breaker=CircuitBreaker(c.breaker_failures, c.breaker_cooldown))
         if self.worker is not None:  # in-flight counts summed over the worker processes
-            worker.shared = (self.shared, self.shared.slot(url), self.worker.id)
-        return worker
+            server.shared = (self.shared, self.shared.slot(url), self.worker.id)
+        return server
 
     async def start(self) -> None:
         c = self.config
@@ -260,13 +260,13 @@ class Gateway:
         if self.cluster is not None:
             await self.cluster.start()
         await self._probe_all()
-        self.scheduler.workers_changed()
+        self.scheduler.servers_changed()
         await self._load_tokenizer()
         self.health = HealthChecker(
             self.pool, self.client, endpoint=c.health_endpoint, interval=c.health_interval,
             timeout=c.health_timeout, failures=c.health_failures,
             successes=c.health_successes, loads_interval=c.loads_interval,
-            on_down=lambda worker: self.dispatcher.rescue(worker, "was marked down"))
+            on_down=lambda server: self.dispatcher.rescue(server, "was marked down"))
         self.health.start()
         self._flusher = asyncio.get_running_loop().create_task(self.metrics.run_flusher())
         self._latency_task = asyncio.get_running_loop().create_task(self.latency.run())
@@ -281,25 +281,25 @@ class Gateway:
         """Verify roles and learn bootstrap ports. A wrong role is fatal; an unreachable
         server starts out down and is probed again by the health checker."""
         if self.config.skip_probe:
-            for worker in self.pool:
-                worker.verified = True
-                if worker.role == "prefill" and worker.bootstrap_port is None:
-                    worker.bootstrap_port = 8998
+            for server in self.pool:
+                server.verified = True
+                if server.role == "prefill" and server.bootstrap_port is None:
+                    server.bootstrap_port = 8998
             return
-        workers = list(self.pool)
+        servers = list(self.pool)
         results = await asyncio.gather(
-            *(probe(self.client, w.url, w.role, self.config.probe_timeout) for w in workers),
+            *(probe(self.client, w.url, w.role, self.config.probe_timeout) for w in servers),
             return_exceptions=True)
         mismatches = []
-        for worker, result in zip(workers, results, strict=True):
+        for server, result in zip(servers, results, strict=True):
             if isinstance(result, RoleMismatch):
                 mismatches.append(str(result))
             elif isinstance(result, BaseException):
-                worker.healthy = False
+                server.healthy = False
                 log.warning("%s server %s is not reachable yet (%s); it stays out of rotation "
-                            "until it answers", worker.role, worker.url, result)
+                            "until it answers", server.role, server.url, result)
             else:
-                worker.apply_facts(result)
+                server.apply_facts(result)
         if mismatches:
             raise StartupError("; ".join(mismatches))
 
@@ -320,31 +320,31 @@ class Gateway:
             self.tokens.serves = lambda view: models.open or models.of(view) is model
 
     async def register(self, url: str, role: str, bootstrap_port: int | None,
-                       require_probe: bool = False, model: str | None = None) -> Worker:
+                       require_probe: bool = False, model: str | None = None) -> Server:
         """Add a server at runtime: probed now if it answers, else health-checked until then.
         With `require_probe` (the admin API) a server that does not answer as an SGLang
         server of that role is refused: nobody can point traffic at an arbitrary URL.
         `model` names its model (a pod's label); else its probe says."""
-        worker = self._new_worker(url, role, bootstrap_port, model)
+        server = self._new_server(url, role, bootstrap_port, model)
         try:
-            worker.apply_facts(await probe(self.client, url, role, self.config.probe_timeout))
+            server.apply_facts(await probe(self.client, url, role, self.config.probe_timeout))
         except RoleMismatch as exc:
             raise BadRequest(str(exc)) from None
         except ConnectionError as exc:
             if require_probe:
                 raise BadRequest(f"{url} did not answer as an SGLang {role} server: {exc}") \
                     from None
-            worker.healthy = False
-        self.pool.add(worker)
+            server.healthy = False
+        self.pool.add(server)
         if self.health is not None:
-            self.health.watch(worker)
-        return worker
+            self.health.watch(server)
+        return server
 
-    def unregister(self, url: str) -> Worker | None:
-        worker = self.pool.remove(url)
-        if worker is not None and self.health is not None:
+    def unregister(self, url: str) -> Server | None:
+        server = self.pool.remove(url)
+        if server is not None and self.health is not None:
             self.health.unwatch(url)
-        return worker
+        return server
 
     async def stop(self) -> None:
         self.shutting_down = True

@@ -206,7 +206,7 @@ def measure(target: Target, cluster: Cluster, args: argparse.Namespace, log_dir:
     ready = f"http://{HOST}:{port}{Proxy(target.proxy).ready_path}"
     with running(f"priority-{target.name}", argv, log_dir, ready, timeout=90):
         if not Proxy(target.proxy).ours:
-            time.sleep(1.0)  # the peer registers its workers in background jobs
+            time.sleep(1.0)  # the peer registers its servers in background jobs
         load = Load(port, args.tokens, args.rate, args.flood if target.flood else 0,
                     args.warmup, args.duration, args.backoff, args.request_timeout, args.seed,
                     args.spread)

@@ -100,16 +100,16 @@ async def _interactive(load: Load, client: Client, start: float) -> list[Reply]:
     return list(await asyncio.gather(*(one(i, at) for i, at in enumerate(offsets))))
 
 
-async def _flood(load: Load, client: Client, start: float, worker: int) -> list[Reply]:
+async def _flood(load: Load, client: Client, start: float, server: int) -> list[Reply]:
     """One batch client: back to back until the window ends; only the window's count."""
     counted: list[Reply] = []
     end = start + load.duration
-    rng = random.Random(load.seed * 7919 + worker)
+    rng = random.Random(load.seed * 7919 + server)
     low = max(1, round(load.tokens * (1 - load.spread)))
     high = max(low, round(load.tokens * (1 + load.spread)))
     index = 0
     while (sent := time.perf_counter()) < end:
-        reply = await _timed(load, client, worker * 1_000_000 + index, sent,
+        reply = await _timed(load, client, server * 1_000_000 + index, sent,
                              rng.randint(low, high))
         index += 1
         if sent >= start:

@@ -3,7 +3,7 @@
 The cluster is settled first (no work, caches flushed, counters reset); the figures are the
 deltas of the prefill servers' counters over the replay, the client's samples, the CPU time of
 the proxy and of everything else, and for our gateway its own view (`/metrics`): the prefill
-decisions per worker (a DP rank is `url#dpR`), the hits it predicted, its retries. The oracle
+decisions per server (a DP rank is `url#dpR`), the hits it predicted, its retries. The oracle
 has no proxy: the load generator routes (its CPU counts as the load generator's).
 """
 
@@ -39,7 +39,7 @@ from loadtests.routing_workloads import ChatPlan
 
 
 def gateway_view(port: int) -> dict:
-    """What our gateway saw: prefill decisions per worker, predicted and reported hits, retries."""
+    """What our gateway saw: prefill decisions per server, predicted and reported hits, retries."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
     sums: dict[str, float] = {}
     decisions: dict[str, float] = {}
@@ -51,12 +51,12 @@ def gateway_view(port: int) -> dict:
         metric = name.split("{", 1)[0]
         sums[metric] = sums.get(metric, 0.0) + float(value)
         if metric == "gateway_routing_decisions_total" and 'role="prefill"' in name:
-            worker = name.split('worker="', 1)[1].split('"', 1)[0]
-            decisions[worker] = float(value)
+            server = name.split('server="', 1)[1].split('"', 1)[0]
+            decisions[server] = float(value)
         elif metric == "gateway_dp_rank_requests_total":
-            worker = name.split('worker="', 1)[1].split('"', 1)[0]
+            server = name.split('server="', 1)[1].split('"', 1)[0]
             rank = name.split('rank="', 1)[1].split('"', 1)[0]
-            ranks[f"{worker}#dp{rank}"] = float(value)
+            ranks[f"{server}#dp{rank}"] = float(value)
     prompt = sums.get("gateway_prompt_tokens_total", 0.0) or 1.0
     return {
         "prefill_decisions": decisions,
@@ -100,7 +100,7 @@ def endpoint(target: Target, cluster: Cluster, workload: str, plan, timeout: flo
     argv = target.argv(cluster, port, peer_python)
     with running(f"{workload}-{target.name.replace(':', '-')}", argv, log_dir,
                  f"http://127.0.0.1:{port}{target.ready_path}") as proxy:
-        time.sleep(1.0)  # peers register workers in background jobs after readiness
+        time.sleep(1.0)  # peers register servers in background jobs after readiness
         yield Endpoint(via_proxy(port, timeout), proxy.pid, port, argv)
 
 

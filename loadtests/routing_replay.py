@@ -36,7 +36,7 @@ from backends.sim.tokenizer import encode, render_chat
 from gateway.policies import REGISTRY, create_policy
 from gateway.prefix.shared import WORDS, SharedPrefixes
 from gateway.request import CHAT, parse_request
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 from gateway.servers.probe import ServerFacts
 from loadtests.routing_workloads import ChatShape, chat_plan, words
 
@@ -62,7 +62,7 @@ class Replay:
                 each.share(table)
         self.policy = self.policies[0]
         self._spread = random.Random(workers)
-        self.servers = [Worker(url=f"http://10.0.0.{i + 1}:30000", role="prefill")
+        self.servers = [Server(url=f"http://10.0.0.{i + 1}:30000", role="prefill")
                         for i in range(servers)]
         for server in self.servers:
             server.apply_facts(ServerFacts("prefill", 8998, "sim-model", ranks))
@@ -70,7 +70,7 @@ class Replay:
         self.caches = {t.url: RadixCache(1, per_target) for t in self.targets}
         self.served = {t.url: 0 for t in self.targets}
         for each in self.policies:
-            each.on_workers_changed(self.targets)
+            each.on_servers_changed(self.targets)
         self.now = START
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0

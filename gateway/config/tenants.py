@@ -98,18 +98,18 @@ def check_tenancy(cfg) -> None:
                           f"the gateway reads itself ({', '.join(sorted(RESERVED_HEADERS))})")
 
 
-def forwarded_priority(worker, klass: int, mode: str) -> int | None:
-    """The `priority` a leg to `worker` carries for class `klass` (None: no `priority`).
+def forwarded_priority(server, klass: int, mode: str) -> int | None:
+    """The `priority` a leg to `server` carries for class `klass` (None: no `priority`).
 
     `mode` is `--forward-priority`. auto: only to servers whose /server_info says
     `enable_priority_scheduling`: a server without it ignores the field, or, with
     `--abort-on-priority-when-disabled`, aborts the request with 503
     (`Scheduler._set_or_validate_priority`, managers/scheduler.py). The value's sign follows
     the server's `schedule_low_priority_values_first`."""
-    if mode == "off" or (mode == "auto" and not worker.priority_scheduling):
+    if mode == "off" or (mode == "auto" and not server.priority_scheduling):
         return None
     value = SGLANG_VALUES[klass]
-    return -value if worker.low_priority_first else value
+    return -value if server.low_priority_first else value
 
 
 KEEP = object()  # with --forward-priority off: the body's `priority` passes as the client sent it

@@ -4,14 +4,14 @@ One `PodWatch` per role (prefill, decode) LISTs and WATCHes the pods of its labe
 in one namespace. Whenever a watch's view changes, one reconcile task compares the servers
 the pods stand for (desired) with the servers discovery registered (members), by URL:
 
-    desired, not a member            on_add(url, role, bootstrap_port) -> Worker
-    member, no longer desired        drain: worker.draining = True (no new requests); once
-                                     worker.in_flight is 0, or after `drain_timeout`,
+    desired, not a member            on_add(url, role, bootstrap_port) -> Server
+    member, no longer desired        drain: server.draining = True (no new requests); once
+                                     server.in_flight is 0, or after `drain_timeout`,
                                      on_remove(url)
-    draining member desired again    the drain is cancelled and the worker takes work again
-    same URL, another pod            the old worker is drained and removed, then the new
+    draining member desired again    the drain is cancelled and the server takes work again
+    same URL, another pod            the old server is drained and removed, then the new
                                      pod is added (a reused IP is a new server)
-    same pod, another model label    the worker's model is renamed in place, on_change()
+    same pod, another model label    the server's model is renamed in place, on_change()
                                      (the label goes to on_add too, before the probe: it
                                      wins over the server's served_model_name)
 
@@ -44,11 +44,11 @@ if TYPE_CHECKING:
     import httpx
 
     from gateway.config.settings import GatewayConfig
-    from gateway.servers.pool import Worker
+    from gateway.servers.pool import Server
 
 log = logging.getLogger("gateway.discovery")
 
-AddServer = Callable[..., Awaitable["Worker"]]  # (url, role, bootstrap_port, model=...)
+AddServer = Callable[..., Awaitable["Server"]]  # (url, role, bootstrap_port, model=...)
 RemoveServer = Callable[[str], Any]  # may return an awaitable
 DEFAULT_NAMESPACE = "default"
 DEFAULT_DRAIN_TIMEOUT = 60.0
@@ -59,7 +59,7 @@ class Member:
     """A server discovery registered, and its drain while it is leaving."""
 
     target: Target
-    worker: Worker
+    server: Server
     drain: asyncio.Task | None = None
     removing: bool = False
 
@@ -196,51 +196,51 @@ class KubernetesDiscovery:
 
     async def _add(self, target: Target) -> None:
         try:
-            worker = await self._on_add(target.url, target.role, target.bootstrap_port,
+            server = await self._on_add(target.url, target.role, target.bootstrap_port,
                                         model=target.model)
         except Exception as exc:  # the gateway refused this server; the others go on
             self._refused[target.url] = target.identity
             log.error("pod %s (%s server %s) was not added: %s", target.pod, target.role,
                       target.url, exc)
             return
-        self.members[target.url] = Member(target, worker)
+        self.members[target.url] = Member(target, server)
         log.warning("pod %s added as %s server %s%s%s", target.pod, target.role, target.url,
                     f" (bootstrap port {target.bootstrap_port})" if target.bootstrap_port
-                    else "", f" of model {worker.model}" if worker.model else "")
+                    else "", f" of model {server.model}" if server.model else "")
 
     def _keep(self, member: Member, target: Target) -> None:
         member.target = target
-        if target.model and member.worker.model != target.model:
-            log.warning("pod %s: model %s is now called %s", target.pod, member.worker.model,
+        if target.model and member.server.model != target.model:
+            log.warning("pod %s: model %s is now called %s", target.pod, member.server.model,
                         target.model)
-            member.worker.model = target.model
+            member.server.model = target.model
             self._on_change()  # the gateway regroups its servers by model
         if member.drain is not None and not member.removing:
             member.drain.cancel()
             member.drain = None
-            member.worker.draining = False
+            member.server.draining = False
             log.warning("pod %s is ready again: %s server %s takes requests again",
                         target.pod, target.role, target.url)
 
     def _drain(self, member: Member, reason: str) -> None:
         if member.drain is not None:
             return
-        member.worker.draining = True
+        member.server.draining = True
         log.warning("%s; draining %s server %s (%d requests in flight)", reason,
-                    member.target.role, member.target.url, member.worker.in_flight)
+                    member.target.role, member.target.url, member.server.in_flight)
         member.drain = asyncio.get_running_loop().create_task(
             self._finish_drain(member), name=f"discovery-drain {member.target.url}")
 
     async def _finish_drain(self, member: Member) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_timeout
-        while member.worker.in_flight > 0 and loop.time() < deadline:
+        while member.server.in_flight > 0 and loop.time() < deadline:
             await asyncio.sleep(self.drain_poll)
         member.removing = True
         url = member.target.url
-        if member.worker.in_flight > 0:
+        if member.server.in_flight > 0:
             log.warning("removing %s server %s with %d requests still in flight after %.0fs",
-                        member.target.role, url, member.worker.in_flight, self.drain_timeout)
+                        member.target.role, url, member.server.in_flight, self.drain_timeout)
         try:
             result = self._on_remove(url)
             if inspect.isawaitable(result):

@@ -48,7 +48,7 @@ class Target:
 
     @property
     def identity(self) -> tuple:
-        """What cannot change without replacing the worker (the model can be updated)."""
+        """What cannot change without replacing the server (the model can be updated)."""
         return (self.role, self.bootstrap_port, self.uid)
 
 

@@ -40,15 +40,15 @@ class Aborts:
             stopped = tracked.interrupt is not None and tracked.interrupt.fire(
                 Aborted(f"request {tracked.request_id} was aborted"))
             return [{"action": "stopped by the gateway", "ok": bool(stopped)}]
-        posts = [(worker, rid) for attempt in attempts
-                 for worker in (attempt.prefill, attempt.decode) for rid in attempt.rid_list]
+        posts = [(server, rid) for attempt in attempts
+                 for server in (attempt.prefill, attempt.decode) for rid in attempt.rid_list]
         return list(await asyncio.gather(*(self._post(w, rid) for w, rid in posts)))
 
-    async def _post(self, worker, rid: str) -> dict:
-        result = {"url": worker.url, "role": worker.role, "rid": rid, "ok": False}
+    async def _post(self, server, rid: str) -> dict:
+        result = {"url": server.url, "role": server.role, "rid": rid, "ok": False}
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.timeout):
-                response = await self.control.post(worker.url, "/abort_request",
+                response = await self.control.post(server.url, "/abort_request",
                                                    orjson.dumps({"rid": rid}), "abort")
                 await response.read()
                 result["ok"] = response.status < 300

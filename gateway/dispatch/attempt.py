@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from gateway.dispatch.inflight import Tracked, new_id
 from gateway.request import RequestView
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,8 @@ class Attempt:
     so aborting by them can hit nothing else (SGLang aborts by prefix; gateway/dispatch/inflight.py)."""
 
     view: RequestView
-    prefill: Worker
-    decode: Worker
+    prefill: Server
+    decode: Server
     rooms: int | list[int]
     rid: str | list[str]
     rid_list: tuple[str, ...]
@@ -39,11 +39,11 @@ class Attempt:
     tracked: Tracked | None = None
     prefill_rank: int | None = None  # the DP rank the prefill leg is steered to
     prefill_payload: bytes = b""  # the prefill leg's body when it differs (routed_dp_rank)
-    prefill_target: object = None  # what the policy chose: the prefill Worker or its Rank
+    prefill_target: object = None  # what the policy chose: the prefill Server or its Rank
     # prompt tokens the prefill leg counts in flight: the part the policy expects uncached
     # there (the work it queues; gateway/scheduling/load.py), the whole prompt without a guess
     prefill_tokens: int = 0
-    prefill_future: asyncio.Future | None = None  # told (worker, rank) or None when done
+    prefill_future: asyncio.Future | None = None  # told (server, rank) or None when done
     policies: dict | None = None  # role -> the policy whose hooks it feeds (proxy._started)
     interrupt: object = None  # cancel.Interrupt of whatever waits on the servers now
     resumable: bool = False  # a broken stream may be continued on another pair
@@ -63,8 +63,8 @@ class Attempt:
     trace: object = None  # tracing.AttemptTrace with tracing on, else None
 
     def settle(self, target) -> None:
-        """This attempt is done on `target` (a Worker or Rank) as far as load goes: the
-        target's `/v1/loads` snapshot forgets it (workers.ServerLoad.settle)."""
+        """This attempt is done on `target` (a Server or Rank) as far as load goes: the
+        target's `/v1/loads` snapshot forgets it (servers.ServerLoad.settle)."""
         target.load.settle(self.dispatched_at, self.view.prompt_tokens)
 
     def prefill_targets(self) -> tuple:

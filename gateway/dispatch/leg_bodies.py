@@ -16,7 +16,7 @@ from gateway.dispatch.attempt import make_rids
 from gateway.errors import BadRequest
 from gateway.observability.answer_tokens import ask_for_usage
 from gateway.request import RequestView
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class LegBodies:
     unsuffix: bytes | None  # what to cut from answers (a client rid's random suffix)
 
 
-def leg_bodies(view: RequestView, prefill: Worker, decode: Worker, rooms: int | list[int],
+def leg_bodies(view: RequestView, prefill: Server, decode: Server, rooms: int | list[int],
                rank: int | None, routed: bool, forward_priority: str) -> LegBodies:
     """Both legs' bodies. `rank`: the prefill DP rank both legs name in
     `disagg_prefill_dp_rank` (the decode's `_resolve_prefill_dp_rank` reads it); `routed`:

@@ -91,7 +91,7 @@ class Placement:
     def __init__(self) -> None:
         self.prefill_done: asyncio.Future = asyncio.get_running_loop().create_future()
         self._claimed = False
-        self._first: tuple | None = None  # sample 0's (prefill worker, DP rank) as picked
+        self._first: tuple | None = None  # sample 0's (prefill server, DP rank) as picked
 
     def started(self, attempt) -> None:
         """Called for every attempt of every sample; the very first one reports its prefill."""
@@ -102,7 +102,7 @@ class Placement:
 
     @property
     def prefer(self):
-        """(prefill worker, DP rank) that cached the prompt, or None (not yet, or it failed)."""
+        """(prefill server, DP rank) that cached the prompt, or None (not yet, or it failed)."""
         done = self.prefill_done
         return done.result() if done.done() and not done.cancelled() else None
 

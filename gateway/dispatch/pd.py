@@ -39,7 +39,7 @@ from gateway.dispatch.relay import StreamRelay
 from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
 from gateway.request import RequestView
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 from gateway.servers.probe import FOLLOW_ROOM
 from gateway.sse import leading_failure
 from gateway.timers import Timers
@@ -95,11 +95,11 @@ class PDDispatcher:
         self.forward_priority = "off"  # --forward-priority: auto, on, off
         # the servers of a role (runtime: pool.role): a rescue stops attempts only if a
         # retry can go elsewhere (rescue.rescue); None: it always stops them
-        self.peers: Callable[[str], list[Worker]] | None = None
+        self.peers: Callable[[str], list[Server]] | None = None
 
     # -- building the attempt -------------------------------------------------------------
 
-    def prepare(self, view: RequestView, prefill: Worker, decode: Worker,
+    def prepare(self, view: RequestView, prefill: Server, decode: Server,
                 tracked: Tracked, rank: int | None = None) -> Attempt:
         """New rooms (never reused, also not on retry) and the body both legs receive.
 
@@ -115,7 +115,7 @@ class PDDispatcher:
         rank, and a one-rank decode refuses it)."""
         if prefill.bootstrap_port is None:
             raise UpstreamError(f"prefill server {prefill.url} has no known bootstrap port",
-                                leg="prefill", worker_url=prefill.url, retryable=True)
+                                leg="prefill", server_url=prefill.url, retryable=True)
         count = view.room_count
         routed = rank is not None and prefill.load_balance_method != FOLLOW_ROOM
         if rank is None or routed:
@@ -224,10 +224,10 @@ class PDDispatcher:
                                                                  self.timeouts.response))
             attempt.deadline.move(min(limit, attempt.not_after))
 
-    def rescue(self, worker: Worker, why: str) -> int:
-        """Stop the attempts on `worker` (down, breaker open) if a retry can go elsewhere."""
-        return rescue.rescue(worker, f"{worker.role} server {worker.url} {why}",
-                             None if self.peers is None else self.peers(worker.role))
+    def rescue(self, server: Server, why: str) -> int:
+        """Stop the attempts on `server` (down, breaker open) if a retry can go elsewhere."""
+        return rescue.rescue(server, f"{server.role} server {server.url} {why}",
+                             None if self.peers is None else self.peers(server.role))
 
     def _expired(self, attempt: Attempt, p_task: asyncio.Task, first: float,
                  now: float) -> UpstreamError:
@@ -238,7 +238,7 @@ class PDDispatcher:
             for leg in ("prefill", "decode"):
                 self.leg_done(attempt, leg, None)
             return UpstreamError("the request's deadline passed", leg="both",
-                                 worker_url=attempt.prefill.url, retryable=False, status=504,
+                                 server_url=attempt.prefill.url, retryable=False, status=504,
                                  reason=REQUEST_TIMEOUT)
         if not attempt.progressed:  # a suspected hang: its cohort on the pair too
             rescue.pair_cohort(attempt)
@@ -251,15 +251,15 @@ class PDDispatcher:
             late = ["decode"]
         for leg in late:
             self.leg_done(attempt, leg, False)
-        workers = " and ".join(
+        servers = " and ".join(
             f"{leg} server {(attempt.prefill if leg == 'prefill' else attempt.decode).url}"
             for leg in late) or "the pair"
         leg = late[0] if len(late) == 1 else "both"
         url = attempt.decode.url if leg == "decode" else attempt.prefill.url
         limit = (f"{self.timeouts.response:g}s" if attempt.progressed
                  else f"{first:.3g}s (the deadline learned for this server and prompt size)")
-        return UpstreamError(f"{workers} gave no answer within {limit}",
-                             leg=leg, worker_url=url, retryable=True, status=504)
+        return UpstreamError(f"{servers} gave no answer within {limit}",
+                             leg=leg, server_url=url, retryable=True, status=504)
 
     def _settle(self, attempt: Attempt, p_task: asyncio.Task,
                 response: UpstreamResponse | None) -> None:
@@ -288,14 +288,14 @@ class PDDispatcher:
 
     # -- the legs ----------------------------------------------------------------------------
 
-    async def _open(self, attempt: Attempt, leg: str, worker: Worker) -> UpstreamResponse:
+    async def _open(self, attempt: Attempt, leg: str, server: Server) -> UpstreamResponse:
         """The leg's response, its head read; an error status raised. The caller wraps it
         and the body's reading in one `translate_errors`."""
         trace = attempt.trace  # tracing.AttemptTrace, or None (tracing off)
         payload = attempt.prefill_payload if leg == "prefill" else attempt.payload
         response = await self.upstream.post(
-            worker.url, attempt.view.path, payload, attempt.request_id,
-            trace.leg_started(leg, worker) if trace is not None else ())
+            server.url, attempt.view.path, payload, attempt.request_id,
+            trace.leg_started(leg, server) if trace is not None else ())
         if trace is not None:
             trace.answered(leg, response.status)
         if response.status >= 400:
@@ -303,7 +303,7 @@ class PDDispatcher:
                 body = await response.read()
             finally:
                 response.abort()
-            raise status_error(leg, worker, response.status, body)
+            raise status_error(leg, server, response.status, body)
         return response
 
     async def _prefill_leg(self, attempt: Attempt) -> bytes:
@@ -352,7 +352,7 @@ class PDDispatcher:
             if not first:
                 raise UpstreamError(f"decode server {attempt.decode.url} closed the stream "
                                     "before sending anything", leg="decode",
-                                    worker_url=attempt.decode.url, retryable=True)
+                                    server_url=attempt.decode.url, retryable=True)
             opened, response = response, None
             return opened, Answer(200, content_type, first)
         except UpstreamError as exc:
@@ -372,17 +372,17 @@ class PDDispatcher:
 
     # -- background chores ----------------------------------------------------------------------
 
-    def abort(self, worker: Worker, rids: tuple[str, ...]) -> None:
-        """Ask `worker` to stop the attempt's items by their upstream rids (unique: random,
+    def abort(self, server: Server, rids: tuple[str, ...]) -> None:
+        """Ask `server` to stop the attempt's items by their upstream rids (unique: random,
         or a client's rid with a random suffix, so SGLang's prefix match hits nothing else)."""
         for one in rids:
-            self._spawn(self._post_abort(worker, one))
+            self._spawn(self._post_abort(server, one))
 
-    async def _post_abort(self, worker: Worker, rid: str) -> None:
+    async def _post_abort(self, server: Server, rid: str) -> None:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.timeouts.abort):
                 response = await self.control.post(
-                    worker.url, "/abort_request", orjson.dumps({"rid": rid}), "abort")
+                    server.url, "/abort_request", orjson.dumps({"rid": rid}), "abort")
                 await response.read()
 
     def _spawn(self, coro) -> None:

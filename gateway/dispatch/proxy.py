@@ -22,7 +22,7 @@ from gateway.observability.answer_tokens import prompt_usage
 from gateway.observability.metrics import Metrics
 from gateway.request import RequestView
 from gateway.scheduling.scheduler import Scheduler
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 class Proxy:
@@ -39,7 +39,7 @@ class Proxy:
         self.failover = failover
 
     async def handle(self, view: RequestView, tracked: Tracked, placement=None,
-                     depth: int = 0, avoid: tuple[Worker, ...] = ()) -> Answer:
+                     depth: int = 0, avoid: tuple[Server, ...] = ()) -> Answer:
         """Serve one PD request; `placement` (parallel sampling) lets the samples of one
         request follow the first to its prefill server; `depth` counts continuations of a
         broken stream, `avoid` the servers it should not go to first."""
@@ -146,24 +146,24 @@ class Proxy:
         else:
             ok = self._pair_outcome(attempt, prefill, ok)
         if prefill:
-            worker, tokens, target = attempt.prefill, attempt.prefill_tokens, \
+            server, tokens, target = attempt.prefill, attempt.prefill_tokens, \
                 attempt.prefill_target
         else:
-            worker, tokens = attempt.decode, attempt.view.prompt_tokens
-            target = worker
-        if worker.finish(tokens, ok):
-            self.dispatcher.rescue(worker, "opened its circuit breaker")
+            server, tokens = attempt.decode, attempt.view.prompt_tokens
+            target = server
+        if server.finish(tokens, ok):
+            self.dispatcher.rescue(server, "opened its circuit breaker")
         if not prefill:
-            attempt.settle(worker)
+            attempt.settle(server)
         elif attempt.trailing:  # settled at first progress (pd.progress), the server's now
             attempt.end_trail()
         elif not attempt.progressed:
             attempt.settle_prefill()
-        if target is not worker:  # the prefill's DP rank
+        if target is not server:  # the prefill's DP rank
             target.finish(tokens)
         attempt.policies[leg].on_complete(target, attempt.view, ok is True)
         if ok is False:
-            self.metrics.child(worker, self.metrics.leg_failures, leg, "error",
+            self.metrics.child(server, self.metrics.leg_failures, leg, "error",
                                url_first=True).inc()
         if prefill and attempt.tracked.usage is not None:
             attempt.tracked.usage.prefill_settled()

@@ -147,7 +147,7 @@ class StreamRelay:
             return model.gap_deadline(url, hard)
 
         stalled = UpstreamError(f"decode server {url} went silent mid-stream (longer than its "
-                                "learned gap deadline)", leg="decode", worker_url=url,
+                                "learned gap deadline)", leg="decode", server_url=url,
                                 retryable=True, status=504)
         tracked = attempt.tracked
         watchdog = StreamWatchdog(idle, d.timeouts.send,
@@ -215,7 +215,7 @@ class StreamRelay:
                 yield rest
             if not last.endswith(DONE):
                 raise UpstreamError(f"decode server {url} ended the stream without [DONE]",
-                                    leg="decode", worker_url=url, retryable=True)
+                                    leg="decode", server_url=url, retryable=True)
             ok = True
         except UpstreamError as exc:
             ok = False

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from gateway.dispatch.attempt import Attempt
 from gateway.errors import UpstreamError
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 log = logging.getLogger("gateway.dispatch.rescue")
 
@@ -29,19 +29,19 @@ def _stop(attempt: Attempt, error: UpstreamError) -> bool:
     return attempt.interrupt is not None and attempt.interrupt.fire(error)
 
 
-def stop_all(worker: Worker, why: str, but: Attempt | None = None) -> int:
-    """Stop every attempt waiting on `worker`; returns how many."""
+def stop_all(server: Server, why: str, but: Attempt | None = None) -> int:
+    """Stop every attempt waiting on `server`; returns how many."""
     stopped = 0
-    for attempt in list(worker.attempts):
+    for attempt in list(server.attempts):
         if attempt is not but and _stop(attempt, UpstreamError(
-                why, leg=worker.role, worker_url=worker.url, retryable=True, status=502,
+                why, leg=server.role, server_url=server.url, retryable=True, status=502,
                 reason="rescued")):
             stopped += 1
     return stopped
 
 
-def rescue(worker: Worker, why: str, peers: Iterable[Worker] | None) -> int:
-    """`worker` was marked down or opened its breaker: stop the attempts waiting on it, so
+def rescue(server: Server, why: str, peers: Iterable[Server] | None) -> int:
+    """`server` was marked down or opened its breaker: stop the attempts waiting on it, so
     they are retried at once, only when a retry has somewhere to go; returns how many stopped.
 
     Somewhere to go: another server of the same role and model in `peers` (the pool's servers
@@ -55,13 +55,13 @@ def rescue(worker: Worker, why: str, peers: Iterable[Worker] | None) -> int:
     them, a dead one fails them by its connection errors or those deadlines, and a failure
     then is retried as any other. `peers` None (not known) stops them all, as before.
     Each rescue with attempts waiting logs its decision once (info)."""
-    waiting = len(worker.attempts)
-    if not elsewhere(worker, peers):
+    waiting = len(server.attempts)
+    if not elsewhere(server, peers):
         if waiting:
             log.info("%s: %d attempt(s) keep waiting on it (no other usable %s server for "
-                     "a retry)", why, waiting, worker.role)
+                     "a retry)", why, waiting, server.role)
         return 0
-    stopped = stop_all(worker, why)
+    stopped = stop_all(server, why)
     if waiting:
         log.info("%s: %d attempt(s) stopped, to be retried elsewhere", why, stopped)
     return stopped
@@ -76,16 +76,16 @@ def suspect_if_hung(attempt: Attempt, now: float, first: float, seconds: float) 
         attempt.prefill.suspect_until = attempt.decode.suspect_until = until
 
 
-def elsewhere(worker: Worker, peers: Iterable[Worker] | None) -> bool:
-    """Whether the retry of an attempt stopped on `worker` has somewhere to go (`rescue`);
+def elsewhere(server: Server, peers: Iterable[Server] | None) -> bool:
+    """Whether the retry of an attempt stopped on `server` has somewhere to go (`rescue`);
     `peers` None: not known, assumed so."""
     return peers is None or any(
-        other is not worker and other.role == worker.role and other.model == worker.model
+        other is not server and other.role == server.role and other.model == server.model
         and other.usable for other in peers)
 
 
 def decode_hung(attempt: Attempt, seconds: float,
-                peers: Iterable[Worker] | None = None) -> None:
+                peers: Iterable[Server] | None = None) -> None:
     """A stream's prefill answered and its decode sent no first chunk within the decode's
     learned gap deadline: the decode, not the pair, is hung. It becomes a suspect, and the
     other attempts waiting on it now are stopped to be retried elsewhere, when there is an
@@ -110,4 +110,4 @@ def pair_cohort(attempt: Attempt) -> None:
             _stop(other, UpstreamError(
                 f"the pair of prefill {attempt.prefill.url} and decode {decode.url} is "
                 "suspected hung (a request waiting as long timed out)", leg="both",
-                worker_url=attempt.prefill.url, retryable=True, status=504, reason="rescued"))
+                server_url=attempt.prefill.url, retryable=True, status=504, reason="rescued"))

@@ -16,14 +16,14 @@ import time
 
 import httpx
 
-from gateway.servers.pool import Worker, WorkerPool
+from gateway.servers.pool import Server, ServerPool
 from gateway.servers.probe import RoleMismatch, probe
 
 log = logging.getLogger("gateway.health.checker")
 
 
 class HealthChecker:
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, *, endpoint: str,
+    def __init__(self, pool: ServerPool, client: httpx.AsyncClient, *, endpoint: str,
                  interval: float, timeout: float, failures: int, successes: int,
                  loads_interval: float, on_down=None) -> None:
         self.pool = pool
@@ -34,20 +34,20 @@ class HealthChecker:
         self.failures = failures
         self.successes = successes
         self.loads_interval = loads_interval
-        self.on_down = on_down  # called with a worker just marked down (rescue its requests)
+        self.on_down = on_down  # called with a server just marked down (rescue its requests)
         self._tasks: dict[str, asyncio.Task] = {}
         self._streak: dict[str, int] = {}
         self._loads_task: asyncio.Task | None = None
 
     def start(self) -> None:
-        for worker in self.pool:
-            self.watch(worker)
+        for server in self.pool:
+            self.watch(server)
         if self.loads_interval > 0:
             self._loads_task = asyncio.get_running_loop().create_task(self._poll_loads())
 
-    def watch(self, worker: Worker) -> None:
-        if worker.url not in self._tasks:
-            self._tasks[worker.url] = asyncio.get_running_loop().create_task(self._loop(worker))
+    def watch(self, server: Server) -> None:
+        if server.url not in self._tasks:
+            self._tasks[server.url] = asyncio.get_running_loop().create_task(self._loop(server))
 
     def unwatch(self, url: str) -> None:
         task = self._tasks.pop(url, None)
@@ -61,55 +61,55 @@ class HealthChecker:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
 
-    async def _loop(self, worker: Worker) -> None:
+    async def _loop(self, server: Server) -> None:
         previous = 0.0
         while True:
             started = time.monotonic()
-            ok = await self.check(worker)
+            ok = await self.check(server)
             # a request success counts for one check: the first one begun after it
-            self.record(worker, ok, since=previous)
+            self.record(server, ok, since=previous)
             previous = started
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
-    async def check(self, worker: Worker) -> bool:
-        if not worker.verified:
+    async def check(self, server: Server) -> bool:
+        if not server.verified:
             try:
-                facts = await probe(self.client, worker.url, worker.role, self.timeout)
+                facts = await probe(self.client, server.url, server.role, self.timeout)
             except RoleMismatch as exc:
                 log.error("%s", exc)
-                worker.misconfigured = str(exc)
+                server.misconfigured = str(exc)
                 return False
             except ConnectionError:
                 return False
-            worker.apply_facts(facts)
+            server.apply_facts(facts)
             self.pool.notify()
         refused = False
         try:
             async with asyncio.timeout(self.timeout):
-                response = await self.client.get(worker.url + self.endpoint)
+                response = await self.client.get(server.url + self.endpoint)
             ok = response.status_code == 200
         except (httpx.HTTPError, TimeoutError) as exc:
             # refused: nothing listens there (a stalled server still accepts connections)
             refused, ok = isinstance(exc, httpx.ConnectError), False
-        worker.refused = refused
+        server.refused = refused
         return ok
 
-    def record(self, worker: Worker, ok: bool, since: float = 0.0) -> None:
+    def record(self, server: Server, ok: bool, since: float = 0.0) -> None:
         """Apply hysteresis to one check result (a recent request success counts as ok)."""
-        if not ok and worker.last_success > since and worker.last_success > 0:
+        if not ok and server.last_success > since and server.last_success > 0:
             ok = True
-        streak = self._streak.get(worker.url, 0)
+        streak = self._streak.get(server.url, 0)
         streak = (max(streak, 0) + 1) if ok else (min(streak, 0) - 1)
-        self._streak[worker.url] = streak
-        if worker.healthy and streak <= -self.failures:
-            worker.healthy = False
-            log.warning("%s server %s marked DOWN", worker.role, worker.url)
+        self._streak[server.url] = streak
+        if server.healthy and streak <= -self.failures:
+            server.healthy = False
+            log.warning("%s server %s marked DOWN", server.role, server.url)
             if self.on_down is not None:
-                self.on_down(worker)
-        elif not worker.healthy and streak >= self.successes and worker.verified:
-            worker.healthy = True
-            worker.breaker.reset()
-            log.warning("%s server %s marked UP", worker.role, worker.url)
+                self.on_down(server)
+        elif not server.healthy and streak >= self.successes and server.verified:
+            server.healthy = True
+            server.breaker.reset()
+            log.warning("%s server %s marked UP", server.role, server.url)
 
     async def _poll_loads(self) -> None:
         while True:
@@ -117,10 +117,10 @@ class HealthChecker:
             await asyncio.gather(*(self._load_of(w) for w in self.pool if w.healthy),
                                  return_exceptions=True)
 
-    async def _load_of(self, worker: Worker) -> None:
+    async def _load_of(self, server: Server) -> None:
         with contextlib.suppress(httpx.HTTPError, TimeoutError, ValueError):
-            asked = worker.ask_loads()
+            asked = server.ask_loads()
             async with asyncio.timeout(self.timeout):
-                response = await self.client.get(worker.url + "/v1/loads")
+                response = await self.client.get(server.url + "/v1/loads")
             if response.status_code == 200:
-                worker.apply_loads(response.json(), asked)
+                server.apply_loads(response.json(), asked)

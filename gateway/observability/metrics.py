@@ -1,7 +1,7 @@
 """Every Prometheus metric of the gateway, defined in one place on an injected registry.
 
-Names start with `gateway_`; labels are bounded (endpoint, status class, worker URL, role,
-policy, reason), never request ids. Per-worker state (health, breaker, in-flight) is read from
+Names start with `gateway_`; labels are bounded (endpoint, status class, server URL, role,
+policy, reason), never request ids. Per-server state (health, breaker, in-flight) is read from
 the pool at scrape time by a collector, so the request path does not update gauges for it.
 """
 
@@ -15,19 +15,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.observability.metric_buffer import BufferedCounter, BufferedHistogram, MetricBuffer
-from gateway.servers.pool import WorkerPool, breaker_state_code
+from gateway.servers.pool import ServerPool, breaker_state_code
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, pool: WorkerPool,
+    def __init__(self, registry: CollectorRegistry, pool: ServerPool,
                  multiprocess: bool = False) -> None:
         """`registry` is what /metrics shows. With `--workers` (`multiprocess`) every worker
         process writes its counters and histograms to prometheus_client's multiprocess files
         (PROMETHEUS_MULTIPROC_DIR, set by the supervisor) and a scrape of any worker sums all
-        of them; the gauges read at scrape time (pool, scheduler) are the answering worker's
+        of them; the gauges read at scrape time (pool, scheduler) are the answering server's
         view, with in-flight figures summed over the workers."""
         self.registry = registry
         own = registry
@@ -56,30 +56,30 @@ class Metrics:
             "gateway_retries", "Attempts retried on another pair, by failed leg and reason",
             ["leg", "reason"], registry=own)
         self.leg_failures = Counter(
-            "gateway_upstream_failures", "Failed legs by worker, role and reason",
-            ["worker", "role", "reason"], registry=own)
+            "gateway_upstream_failures", "Failed legs by server, role and reason",
+            ["server", "role", "reason"], registry=own)
         self.rejections = Counter(
             "gateway_admission_rejections", "Requests refused before dispatch, by reason",
             ["reason"], registry=own)
         self.decisions = Counter(
-            "gateway_routing_decisions", "Workers chosen, by role, policy and worker",
-            ["role", "policy", "worker"], registry=own)
+            "gateway_routing_decisions", "Servers chosen, by role, policy and server",
+            ["role", "policy", "server"], registry=own)
         self.pair_failures = Counter(
             "gateway_pair_failures", "Failures blamed on one (prefill, decode) pair, not on "
             "its servers", ["prefill", "decode"], registry=own)
         self.rank_requests = Counter(
             "gateway_dp_rank_requests", "Prefill legs steered to each DP rank of a server",
-            ["worker", "rank"], registry=own)
+            ["server", "rank"], registry=own)
         self.prompt_tokens = Counter(
             "gateway_prompt_tokens", "Prompt tokens reported by prefill servers",
-            ["worker"], registry=own)
+            ["server"], registry=own)
         self.cached_tokens = Counter(
             "gateway_cached_tokens", "Prompt tokens served from a prefill server's prefix cache",
-            ["worker"], registry=own)
+            ["server"], registry=own)
         self.predicted_tokens = Counter(
             "gateway_predicted_cached_tokens",
             "Prompt tokens the router expected to be cached on the chosen prefill",
-            ["worker"], registry=own)
+            ["server"], registry=own)
         self.stream_bytes = Counter(
             "gateway_streamed_bytes", "Response body bytes sent to clients",
             ["endpoint"], registry=own)
@@ -134,14 +134,14 @@ class Metrics:
     def buffered_histogram(self, child) -> BufferedHistogram:
         return self.buffer.histogram(child)
 
-    def child(self, worker, metric, *labels: str, url_first: bool = False) -> BufferedCounter:
-        """The buffered child of counter `metric` for this worker (and labels), resolved once
-        per worker: `labels()` costs a lock and a dict lookup per call."""
+    def child(self, server, metric, *labels: str, url_first: bool = False) -> BufferedCounter:
+        """The buffered child of counter `metric` for this server (and labels), resolved once
+        per server: `labels()` costs a lock and a dict lookup per call."""
         key = (metric, labels)  # metrics hash by identity
-        child = worker.metric_children.get(key)
+        child = server.metric_children.get(key)
         if child is None:
-            values = (worker.url, *labels) if url_first or not labels else (*labels, worker.url)
-            child = worker.metric_children[key] = self.buffer.counter(metric.labels(*values))
+            values = (server.url, *labels) if url_first or not labels else (*labels, server.url)
+            child = server.metric_children[key] = self.buffer.counter(metric.labels(*values))
         return child
 
     def flush(self) -> None:
@@ -204,31 +204,31 @@ class SchedulerCollector(Collector):
 
 
 class PoolCollector(Collector):
-    """Per-worker gauges read from the pool at scrape time."""
+    """Per-server gauges read from the pool at scrape time."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: ServerPool) -> None:
         self.pool = pool
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        labels = ["worker", "role"]
-        in_flight = GaugeMetricFamily("gateway_worker_in_flight_requests",
-                                      "Requests in flight per worker", labels=labels)
-        tokens = GaugeMetricFamily("gateway_worker_in_flight_tokens",
-                                   "Prompt tokens in flight per worker", labels=labels)
-        healthy = GaugeMetricFamily("gateway_worker_healthy",
+        labels = ["server", "role"]
+        in_flight = GaugeMetricFamily("gateway_server_in_flight_requests",
+                                      "Requests in flight per server", labels=labels)
+        tokens = GaugeMetricFamily("gateway_server_in_flight_tokens",
+                                   "Prompt tokens in flight per server", labels=labels)
+        healthy = GaugeMetricFamily("gateway_server_healthy",
                                     "1 when health checks pass", labels=labels)
-        usable = GaugeMetricFamily("gateway_worker_usable",
-                                   "1 when the worker takes new requests", labels=labels)
-        breaker = GaugeMetricFamily("gateway_worker_breaker_state",
+        usable = GaugeMetricFamily("gateway_server_usable",
+                                   "1 when the server takes new requests", labels=labels)
+        breaker = GaugeMetricFamily("gateway_server_breaker_state",
                                     "Circuit breaker: 0 closed, 1 half-open, 2 open",
                                     labels=labels)
-        queue = GaugeMetricFamily("gateway_worker_queued_requests",
+        queue = GaugeMetricFamily("gateway_server_queued_requests",
                                   "Waiting requests reported by the server's /v1/loads",
                                   labels=labels)
-        usage = GaugeMetricFamily("gateway_worker_token_usage",
+        usage = GaugeMetricFamily("gateway_server_token_usage",
                                   "KV cache token usage reported by the server", labels=labels)
-        usable_count = GaugeMetricFamily("gateway_usable_workers",
-                                         "Usable workers per role", labels=["role"])
+        usable_count = GaugeMetricFamily("gateway_usable_servers",
+                                         "Usable servers per role", labels=["role"])
         counts = {"prefill": 0, "decode": 0}
         for w in self.pool:
             key = [w.url, w.role]

@@ -208,7 +208,7 @@ class AttemptTrace:
         self.chunks = 0
         self.bytes = 0
 
-    def leg_started(self, leg: str, worker) -> tuple[tuple[str, str], ...]:
+    def leg_started(self, leg: str, server) -> tuple[tuple[str, str], ...]:
         """Start the leg's span; the headers that carry it to the server."""
         request = self.request
         if not request.recording:
@@ -217,7 +217,7 @@ class AttemptTrace:
         rooms = attempt.rooms
         span = request.tracing.tracer.start_span(
             leg, context=request.context, kind=SpanKind.CLIENT,
-            attributes={"gateway.retry": self.retry, "server.address": worker.url,
+            attributes={"gateway.retry": self.retry, "server.address": server.url,
                         "gateway.rid": attempt.rid_list[0],
                         "gateway.bootstrap_room": rooms if isinstance(rooms, int) else rooms[0]})
         self.legs[leg] = span

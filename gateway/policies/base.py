@@ -1,4 +1,4 @@
-"""The scheduling policy interface: candidates + request view -> one worker.
+"""The scheduling policy interface: candidates + request view -> one server.
 
 A policy is synchronous and does no I/O in `pick`; candidates arrive already filtered
 (usable: healthy, breaker closed, not draining; right model), never empty. Hooks let a policy
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gateway.request import RequestView
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 @dataclass(frozen=True)
@@ -34,22 +34,22 @@ class Policy:
         self.role = role
         self.options = options if options is not None else self.Options()
 
-    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
         raise NotImplementedError
 
-    def predicted_hit(self, worker: Worker, view: RequestView) -> float | None:
-        """Fraction of the prompt this policy expects `worker` to have cached, asked right
+    def predicted_hit(self, server: Server, view: RequestView) -> float | None:
+        """Fraction of the prompt this policy expects `server` to have cached, asked right
         after `pick` (for the predicted-vs-actual cache metric); None: no prediction."""
         return None
 
-    def on_dispatch(self, worker: Worker, view: RequestView) -> None:
-        """The request was sent to `worker`."""
+    def on_dispatch(self, server: Server, view: RequestView) -> None:
+        """The request was sent to `server`."""
 
-    def on_complete(self, worker: Worker, view: RequestView, success: bool) -> None:
-        """The request on `worker` finished (success False: it failed or was cancelled)."""
+    def on_complete(self, server: Server, view: RequestView, success: bool) -> None:
+        """The request on `server` finished (success False: it failed or was cancelled)."""
 
-    def on_workers_changed(self, workers: Sequence[Worker]) -> None:
-        """Workers of this role were added or removed."""
+    def on_servers_changed(self, servers: Sequence[Server]) -> None:
+        """Servers of this role were added or removed."""
 
     def share(self, prefixes: Any) -> None:
         """With `--workers N`: the table where every worker process records where it sent

@@ -15,8 +15,8 @@ the exact state see `prefix_cache`). What it does better than sglang-router's `c
   part predicted uncached there) and server-reported `/v1/loads` figures, not only request
   counts, and a request's cost on a target adds its own uncached part there (`load.py`): a
   server holding a hot document does not look busy for serving it;
-- workers whose match is within a few percent of the best count as tied, so a few characters
-  of coincidental overlap past a shared system prompt do not pin every request to one worker;
+- servers whose match is within a few percent of the best count as tied, so a few characters
+  of coincidental overlap past a shared system prompt do not pin every request to one server;
   of the tied, the first in ring order of the prompt's anchor with bounded load wins
   (`placement.Ring.first`): every worker process and replica picks the same one without
   sharing state, a hot prefix's overflow goes to its next copy, and comes back as the load
@@ -39,13 +39,13 @@ Decision, in order (costs and loads in load units, `load.py`):
 1. load imbalance (max - min > `balance_abs_threshold` and max > min * `balance_rel_threshold`):
    of the targets whose cost is not clearly above the lowest (`move_factor`), the longest
    match (`load.cheapest`): a cached 16K document is not recomputed for a queue as long;
-2. best match / key length >= `match_threshold`: of the best-matching workers (a continuation:
+2. best match / key length >= `match_threshold`: of the best-matching servers (a continuation:
    those holding its previous turn; a new branch: those it fits on, or the target with the most
    room, `capacity.Capacity.allowed`), the first in ring order within the load bound, else the
    cheapest of them; then a new copy elsewhere if clearly cheaper (decision "spread");
 3. a key of at least `placement_min` characters/tokens: its ring placement (bounded load:
    at most `1 + placement_epsilon` times the average) among the targets with the most room;
-4. otherwise (short prompts, little to cache) the least loaded worker (ties rotate).
+4. otherwise (short prompts, little to cache) the least loaded server (ties rotate).
 Capacity unknown for any candidate (no `/v1/loads` yet, 0, no option), or nothing learned of
 reuse yet: no capacity test, as before.
 """
@@ -71,7 +71,7 @@ from gateway.scheduling.load import (
     spread,
     with_uncached,
 )
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 # Matches within this fraction of the best one count as equal (coincidental overlap).
 TIE_BAND = 0.05
@@ -88,7 +88,7 @@ class CacheAwareOptions(LoadOptions):
     match_threshold: float = 0.3
     balance_abs_threshold: float = 32.0  # load units (one request + one per token_unit tokens)
     balance_rel_threshold: float = 1.5
-    max_tree_size: int = 1 << 26  # characters over all workers (a token counts 4; ~67 M)
+    max_tree_size: int = 1 << 26  # characters over all servers (a token counts 4; ~67 M)
     cache_tokens: int = 0  # prefix cache of a target (server or DP rank); 0: /v1/loads
     eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound evicts
     placement_min: int = 256  # key length (characters or tokens) placed on the ring
@@ -139,7 +139,7 @@ class CacheAwarePolicy(Policy):
     def share(self, prefixes: SharedPrefixes | None) -> None:
         self.prefixes = prefixes
 
-    def match(self, key: Key, candidates: Sequence[Worker]) -> Match:
+    def match(self, key: Key, candidates: Sequence[Server]) -> Match:
         """What the tree knows of `key`, plus what the other worker processes recorded."""
         matched = self.tree.match(key)
         if self.prefixes is None or not key:
@@ -148,19 +148,19 @@ class CacheAwarePolicy(Policy):
                                    known=matched.end)
         return merged(matched, found)
 
-    def learn(self, key: Key, worker: Worker) -> None:
-        """`key` went to `worker`: into the tree, and for the other worker processes."""
-        self.tree.insert(key, worker.url, budget=self.capacity.budget(worker))
+    def learn(self, key: Key, server: Server) -> None:
+        """`key` went to `server`: into the tree, and for the other worker processes."""
+        self.tree.insert(key, server.url, budget=self.capacity.budget(server))
         if self.prefixes is not None:
-            self.prefixes.record(key, worker.url, time.monotonic())
+            self.prefixes.record(key, server.url, time.monotonic())
 
-    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
         key = view.routing_key
         return self.choose(candidates, self.match(key, candidates), len(key), key)
 
-    def choose(self, candidates: Sequence[Worker], matched: Match, key_len: int,
-               key: Key | None = None) -> Worker:
-        """The decision above, given each worker's matched prefix length out of `key_len`."""
+    def choose(self, candidates: Sequence[Server], matched: Match, key_len: int,
+               key: Key | None = None) -> Server:
+        """The decision above, given each server's matched prefix length out of `key_len`."""
         options = self.options
         self._last_match = (matched, key_len)
         turn = self._turn
@@ -204,27 +204,27 @@ class CacheAwarePolicy(Policy):
         self._decisions["load"] += 1
         return candidates[rotating_argmin(scores, turn)]
 
-    def predicted_hit(self, worker: Worker, view: RequestView) -> float | None:
+    def predicted_hit(self, server: Server, view: RequestView) -> float | None:
         matched, key_len = self._last_match
-        return matched.get(worker.url, 0) / key_len if key_len else None
+        return matched.get(server.url, 0) / key_len if key_len else None
 
-    def on_dispatch(self, worker: Worker, view: RequestView) -> None:
+    def on_dispatch(self, server: Server, view: RequestView) -> None:
         key: Key = view.routing_key
         if key:
-            self.learn(key, worker)
+            self.learn(key, server)
 
-    def on_workers_changed(self, workers: Sequence[Worker]) -> None:
-        present = {w.url for w in workers}
+    def on_servers_changed(self, servers: Sequence[Server]) -> None:
+        present = {w.url for w in servers}
         self.ring.rebuild(sorted(present))
-        for url in set(self.tree.worker_sizes()) - present:
-            self.tree.remove_worker(url)
+        for url in set(self.tree.server_sizes()) - present:
+            self.tree.remove_server(url)
 
     def stats(self) -> dict:
         return {
             "tree_size": self.tree.size,
             "tree_max_size": self.tree.max_size,
             "tree_nodes": self.tree.node_count,
-            "tree_size_by_worker": self.tree.worker_sizes(),
+            "tree_size_by_worker": self.tree.server_sizes(),
             "decisions": dict(self._decisions),
             "reuse_interval_s": round(self.capacity.reuse, 3),
             "branch_growth_tokens": round(self.capacity.growth() / CHARS_PER_TOKEN),

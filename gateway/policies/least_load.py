@@ -1,7 +1,7 @@
-"""least_load: the worker with the lowest load score (see `load.py` for the score).
+"""least_load: the server with the lowest load score (see `load.py` for the score).
 
 Ties rotate: with equal scores (an idle fleet, or identical counters) always taking the first
-worker would pile every burst onto it before the counters catch up.
+server would pile every burst onto it before the counters catch up.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from gateway.policies.base import Policy
 from gateway.request import RequestView
 from gateway.scheduling.load import LoadOptions, load_scores, rotating_argmin
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class LeastLoadPolicy(Policy):
         super().__init__(role, options)
         self._turn = 0
 
-    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
         scores = load_scores(candidates, self.options, time.monotonic())
         index = rotating_argmin(scores, self._turn)
         self._turn += 1

@@ -1,6 +1,6 @@
 """min_ttft: pick by estimated cost instead of thresholds.
 
-Prefill: the estimated time to first token on a worker is the prefill work queued ahead of the
+Prefill: the estimated time to first token on a server is the prefill work queued ahead of the
 request plus the request's own uncached part, over the server's prefill speed:
 
     ttft(w) = (queued(w) + prompt_tokens * (1 - matched(w) / key_length)) / speed(w)
@@ -16,7 +16,7 @@ queued(w) is the larger of the server's `waiting_uncached_tokens` (when every ca
 prefix tree of past dispatches, as in `cache_aware`. Unlike a threshold, this trades a longer
 cached prefix against a shorter queue token for token.
 
-Decode: the work is already sized, so pick the worker with the most headroom: the lowest
+Decode: the work is already sized, so pick the server with the most headroom: the lowest
 utilization, the larger of KV token usage and running requests over `max_running_requests`
 (each corrected by this gateway's in-flight counts). Without fresh figures for every candidate,
 the gateway's in-flight requests and tokens decide.
@@ -32,7 +32,7 @@ from gateway.policies.base import Policy
 from gateway.prefix.tree import PrefixTree
 from gateway.request import RequestView
 from gateway.scheduling.load import all_fresh, rotating_argmin
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class MinTtftOptions:
     prefill_tokens_per_second: float = 20000.0
     token_unit: int = 512  # decode without fresh figures: tokens that weigh like one request
     load_max_age: float = 6.0  # seconds a /v1/loads snapshot counts as fresh
-    max_tree_size: int = 1 << 26  # characters over all workers (a token counts 4)
+    max_tree_size: int = 1 << 26  # characters over all servers (a token counts 4)
     eviction_ttl: float = 0.0  # seconds an unused prefix is kept; 0: only the size bound
     # A match shorter than this fraction of the prompt (role markers, a greeting) is noise,
     # not a cache hit worth following.
@@ -82,7 +82,7 @@ class MinTtftPolicy(Policy):
         self._sent: dict[tuple[int, str], float] = {}  # (id(view), url) -> its share
         self._last: tuple[RequestView | None, dict[str, int]] = (None, {})
 
-    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
         turn = self._turn
         self._turn += 1
         if len(candidates) == 1:
@@ -98,7 +98,7 @@ class MinTtftPolicy(Policy):
                 costs = [round(cost / tie) for cost in costs]
         return candidates[rotating_argmin(costs, turn)]
 
-    def ttft_estimates(self, candidates: Sequence[Worker], view: RequestView,
+    def ttft_estimates(self, candidates: Sequence[Server], view: RequestView,
                        fresh: bool) -> list[float]:
         """Estimated seconds to first token on each candidate."""
         default = self.options.prefill_tokens_per_second
@@ -108,18 +108,18 @@ class MinTtftPolicy(Policy):
             for w in candidates
         ]
 
-    def _queued_tokens(self, worker: Worker, fresh: bool) -> float:
-        queued = self._queued.get(worker.url, 0.0)
+    def _queued_tokens(self, server: Server, fresh: bool) -> float:
+        queued = self._queued.get(server.url, 0.0)
         if fresh:
-            queued = max(queued, worker.load.waiting_uncached_tokens)
+            queued = max(queued, server.load.waiting_uncached_tokens)
         return queued
 
-    def predicted_hit(self, worker: Worker, view: RequestView) -> float | None:
+    def predicted_hit(self, server: Server, view: RequestView) -> float | None:
         seen, matched = self._last
         key = view.routing_key
         if seen is not view or not key:
             return None
-        return matched.get(worker.url, 0) / len(key)
+        return matched.get(server.url, 0) / len(key)
 
     def _uncached(self, url: str, view: RequestView) -> float:
         """Prompt tokens `url` would have to compute, given what it was sent before."""
@@ -135,40 +135,40 @@ class MinTtftPolicy(Policy):
             share = 0.0
         return view.prompt_tokens * (1.0 - share)
 
-    def _headroom_cost(self, worker: Worker, fresh: bool) -> float:
+    def _headroom_cost(self, server: Server, fresh: bool) -> float:
         if not fresh:
-            requests, tokens = worker.totals()
+            requests, tokens = server.totals()
             return requests + tokens / self.options.token_unit
-        load = worker.load
+        load = server.load
         utilization = load.token_usage
         if load.max_total_tokens > 0:
-            utilization = max(utilization, worker.totals()[1] / load.max_total_tokens)
+            utilization = max(utilization, server.totals()[1] / load.max_total_tokens)
         # `max_running_requests` is a /v1/loads field the pool may not record yet.
         max_running = getattr(load, "max_running_requests", 0)
         if max_running > 0:
-            running = max(load.running + load.waiting, worker.totals()[0])
+            running = max(load.running + load.waiting, server.totals()[0])
             utilization = max(utilization, running / max_running)
         return utilization
 
-    def on_dispatch(self, worker: Worker, view: RequestView) -> None:
+    def on_dispatch(self, server: Server, view: RequestView) -> None:
         if self.role != "decode":
-            share = self._uncached(worker.url, view)
-            self._sent[(id(view), worker.url)] = share
-            self._queued[worker.url] = self._queued.get(worker.url, 0.0) + share
+            share = self._uncached(server.url, view)
+            self._sent[(id(view), server.url)] = share
+            self._queued[server.url] = self._queued.get(server.url, 0.0) + share
         key = view.routing_key
         if key:
-            self.tree.insert(key, worker.url)
+            self.tree.insert(key, server.url)
 
-    def on_complete(self, worker: Worker, view: RequestView, success: bool) -> None:
-        share = self._sent.pop((id(view), worker.url), None)
+    def on_complete(self, server: Server, view: RequestView, success: bool) -> None:
+        share = self._sent.pop((id(view), server.url), None)
         if share is not None:
-            left = self._queued.get(worker.url, 0.0) - share
-            self._queued[worker.url] = max(left, 0.0)
+            left = self._queued.get(server.url, 0.0) - share
+            self._queued[server.url] = max(left, 0.0)
 
-    def on_workers_changed(self, workers: Sequence[Worker]) -> None:
-        present = {w.url for w in workers}
-        for url in set(self.tree.worker_sizes()) - present:
-            self.tree.remove_worker(url)
+    def on_servers_changed(self, servers: Sequence[Server]) -> None:
+        present = {w.url for w in servers}
+        for url in set(self.tree.server_sizes()) - present:
+            self.tree.remove_server(url)
         for url in set(self._queued) - present:
             del self._queued[url]
         for key in [k for k in self._sent if k[1] not in present]:

@@ -1,7 +1,7 @@
 """power_of_two: sample two candidates at random and take the less loaded one.
 
 Cheaper than a full scan and, unlike least_load, robust to stale counters: a burst does not all
-land on the one worker that looked idle a moment ago. Both sampled workers are scored on the
+land on the one server that looked idle a moment ago. Both sampled workers are scored on the
 same basis (server figures only if both are fresh; see `load.py`).
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from gateway.policies.base import Policy
 from gateway.request import RequestView
 from gateway.scheduling.load import LoadOptions, load_scores
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class PowerOfTwoPolicy(Policy):
         super().__init__(role, options)
         self.rng = random.Random()  # replaceable, e.g. seeded in tests
 
-    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
         if len(candidates) == 1:
             return candidates[0]
         i, j = self.rng.sample(range(len(candidates)), 2)

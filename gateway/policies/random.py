@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 from gateway.policies.base import Policy
 from gateway.request import RequestView
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 class RandomPolicy(Policy):
     name = "random"
 
-    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
+    def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
         return candidates[_random.randrange(len(candidates))]

@@ -1,4 +1,4 @@
-"""round_robin: each worker in turn, skipping ones that are not candidates right now."""
+"""round_robin: each server in turn, skipping ones that are not candidates right now."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from gateway.policies.base import Policy
 from gateway.request import RequestView
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 class RoundRobinPolicy(Policy):
@@ -16,7 +16,7 @@ class RoundRobinPolicy(Policy):
         super().__init__(role, options)
         self._counter = 0
 
-    def pick(self, candidates: Sequence[Worker], view: RequestView) -> Worker:
-        worker = candidates[self._counter % len(candidates)]
+    def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
+        server = candidates[self._counter % len(candidates)]
         self._counter += 1
-        return worker
+        return server

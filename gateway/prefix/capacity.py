@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.prefix.tree import CHARS_PER_TOKEN, Match, PrefixTree
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 REUSE_MARGIN = 3.0  # reuse intervals after which unused content counts as spare
 CENSOR = 4.0  # reuse intervals content must survive on a target for its reuses to be learned
@@ -60,16 +60,16 @@ class Capacity:
         self.continuations = 0.0  # counts, halved together now and then: recent ones weigh
         self.branches = 0.0
 
-    def budget(self, worker: Worker) -> int:
+    def budget(self, server: Server) -> int:
         """The target's cache in the tree's size units; 0: unknown."""
-        tokens = self.cache_tokens or worker.load.max_total_tokens
+        tokens = self.cache_tokens or server.load.max_total_tokens
         return tokens * CHARS_PER_TOKEN if tokens > 0 else 0
 
     def growth(self) -> float:
         """Size units a new branch is expected to add over its continuations."""
         return self.step * self.continuations / self.branches if self.branches else 0.0
 
-    def allowed(self, tree: PrefixTree, candidates: Sequence[Worker], matched: Match,
+    def allowed(self, tree: PrefixTree, candidates: Sequence[Server], matched: Match,
                 lengths: Sequence[int], floor: float, unit: int, key_len: int,
                 now: float) -> tuple[list[bool], str]:
         """Which candidates a matched request may go to, and why: "cache" (its history or
@@ -95,7 +95,7 @@ class Capacity:
             return holders, "cache"
         return (roomy if any(roomy) else _most(spare, free, fits)), "capacity"
 
-    def placeable(self, tree: PrefixTree, candidates: Sequence[Worker], need: int,
+    def placeable(self, tree: PrefixTree, candidates: Sequence[Server], need: int,
                   now: float) -> list[bool] | None:
         """The candidates a new prompt of `need` size units should be placed among (the
         most spare); None: capacities unknown."""
@@ -106,14 +106,14 @@ class Capacity:
         spare, free, _ = self._spare(tree, candidates, budgets, [need] * len(candidates), now)
         return _most(spare, free, [True] * len(candidates))
 
-    def _continued(self, tree: PrefixTree, worker: Worker, used: float, added: int,
+    def _continued(self, tree: PrefixTree, server: Server, used: float, added: int,
                    now: float) -> None:
         """Learn from a continuation: how long its earlier key waited, what it adds. The wait
         is not learned where content does not survive CENSOR reuse intervals."""
-        budget = self.budget(worker)
+        budget = self.budget(server)
         censored = False
-        if self.samples and budget and tree.worker_size(worker.url) + added > budget:
-            oldest = tree.oldest(worker.url)
+        if self.samples and budget and tree.server_size(server.url) + added > budget:
+            oldest = tree.oldest(server.url)
             censored = oldest is not None and now - oldest < CENSOR * self.reuse
         if not censored:
             self.reuse = _ewma(self.reuse, now - used, self.samples)
@@ -127,21 +127,21 @@ class Capacity:
             self.branches /= 2
             self.continuations /= 2
 
-    def _budgets(self, candidates: Sequence[Worker]) -> list[int] | None:
+    def _budgets(self, candidates: Sequence[Server]) -> list[int] | None:
         """Each candidate's budget; None while any is unknown or no reuse was learned."""
         if not self.samples:
             return None
         budgets = [self.budget(w) for w in candidates]
         return budgets if all(budgets) else None
 
-    def _spare(self, tree: PrefixTree, candidates: Sequence[Worker], budgets: Sequence[int],
+    def _spare(self, tree: PrefixTree, candidates: Sequence[Server], budgets: Sequence[int],
                needs: Sequence[int], now: float) -> tuple[list[int], list[int], list[bool]]:
         """Per candidate: spare, free capacity, and whether its need plus growth fits."""
         before = now - REUSE_MARGIN * self.reuse
         growth = self.growth()
         spare, free, fits = [], [], []
         for w, budget, need in zip(candidates, budgets, needs, strict=True):
-            unused = budget - tree.worker_size(w.url)
+            unused = budget - tree.server_size(w.url)
             room = unused + tree.stale(w.url, before, WALK)
             spare.append(room)
             free.append(unused)

@@ -42,7 +42,7 @@ RETRY_DELAY = 1.0
 
 @dataclass(frozen=True)
 class EventSource:
-    """One publisher: a worker's DP rank and where to reach it."""
+    """One publisher: a server's DP rank and where to reach it."""
 
     url: str
     rank: int

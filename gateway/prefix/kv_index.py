@@ -1,4 +1,4 @@
-"""Exact prefix-cache state per worker, from SGLang's KV cache events (a helper, not a policy).
+"""Exact prefix-cache state per server, from SGLang's KV cache events (a helper, not a policy).
 
 Block hashes (SGLang 0.5.23, `mem_cache/cpp_utils/hash_binding.cpp` via `mem_cache/utils.py`):
 page i of a prompt hashes to SHA-256(digest of page i-1, if any || the page's token ids as
@@ -13,8 +13,8 @@ older releases and vLLM, arrays `[type, *fields]` in the struct's field order (b
 may sit in several media (GPU, CPU_PINNED with HiCache, ...); it counts as cached while any
 medium holds it, because a host-memory hit still saves the prefill.
 
-Sources are (worker url, dp rank): each attention-DP rank has its own cache and publisher; a
-worker's match is its best rank's.
+Sources are (server url, dp rank): each attention-DP rank has its own cache and publisher; a
+server's match is its best rank's.
 
 Cost: ~140 bytes per (block, source) entry (measured with tracemalloc, 8 sources x 100k blocks),
 hence the `max_blocks` bound; a lookup hashes the prompt's pages until no source holds one
@@ -91,7 +91,7 @@ def event_fields(event: Any) -> tuple[str, dict]:
 
 
 class KvIndex:
-    """Which source holds which block, plus per-worker freshness of the event stream."""
+    """Which source holds which block, plus per-server freshness of the event stream."""
 
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks  # (block, source) entries over all sources
@@ -121,8 +121,8 @@ class KvIndex:
         """Fix the page size of `url` (from options or `/server_info`), over what events imply."""
         self._fixed_block_size[url] = size
 
-    def workers(self) -> set[str]:
-        """Worker urls the index knows anything about."""
+    def servers(self) -> set[str]:
+        """Server urls the index knows anything about."""
         return set(self._sources) | set(self._last_event) | set(self._fixed_block_size)
 
     def blocks_of(self, source: Source) -> set[int]:
@@ -201,7 +201,7 @@ class KvIndex:
             for block in list(blocks):
                 self._forget(source, blocks, block)
 
-    def remove_worker(self, url: str) -> None:
+    def remove_server(self, url: str) -> None:
         for source in self._sources.pop(url, set()):
             self.clear(source)
             self._blocks.pop(source, None)
@@ -231,7 +231,7 @@ class KvIndex:
 
     def match(self, tokens: Sequence[int], targets: Iterable[str | Source],
               seed: bytes | None = None) -> dict:
-        """Cached leading tokens of `tokens` per target (whole blocks). A target is a worker
+        """Cached leading tokens of `tokens` per target (whole blocks). A target is a server
         url (its best DP rank counts) or a (url, rank) source (that rank alone: each rank
         has its own cache). The result is keyed by the targets as given."""
         result: dict = {}

@@ -8,7 +8,7 @@ prompt or document is its own anchor and every conversation on it shares it) is 
 ring of the servers (or DP ranks), and the first one clockwise whose load is at most
 `1 + epsilon` times the average takes it (Mirrokni et al., "Consistent Hashing with Bounded
 Loads"). So a conversation's turns meet the server holding its prefix even when they reach
-different workers or replicas, a hot prefix spills to the next servers on the ring instead of
+different servers or replicas, a hot prefix spills to the next servers on the ring instead of
 swamping one, and it comes back to the first as the load drops.
 """
 

@@ -15,19 +15,19 @@ both kinds of key, and a cache size in tokens converts once, whatever the key.
 Each node records the workers whose requests went through it, when each last did, and whether
 a key ended there (a later key that continues it is a later turn of the same conversation).
 Two bounds:
-- ONE number for the whole tree (memory): the size stored summed over workers (a label of 100
+- ONE number for the whole tree (memory): the size stored summed over servers (a label of 100
   characters sent to 3 workers counts 300). Over it, least recently used leaves go first.
 - per worker, the budget passed to `insert` (its server's cache): over it, THAT worker's least
-  recently used content goes, as its radix cache evicts, so a match for a worker is what it
+  recently used content goes, as its radix cache evicts, so a match for a server is what it
   likely still holds, and `oldest` says how long content survives there.
 
 Invariants that keep eviction O(1) per node:
-- a child's workers are a subset of its parent's (insert adds the worker along the whole path);
+- a child's servers are a subset of its parent's (insert adds the server along the whole path);
 - in the global LRU order every node is older than its ancestors (insert touches the path leaf
   first), so the oldest node is always a leaf and can be dropped without orphaning anything;
 - likewise in each worker's own LRU order (the nodes it used), so its oldest node has no child
   it holds: the worker leaves that node alone. The upper node a split creates holds the workers
-  of the node it was cut from, but enters only the inserting worker's order (an OrderedDict
+  of the node it was cut from, but enters only the inserting server's order (an OrderedDict
   cannot insert in the middle); for every other holder it has exactly one child that holder
   holds, and the holder leaves it right after that child (`_release` climbs to it).
 """
@@ -44,20 +44,20 @@ CHARS_PER_TOKEN = 4  # size units of one token (a character is one)
 
 
 class _Node:
-    __slots__ = ("label", "size", "parent", "children", "workers", "last", "end")
+    __slots__ = ("label", "size", "parent", "children", "servers", "last", "end")
 
     def __init__(self, label: _Stored, parent: _Node | None, size: int) -> None:
         self.label = label
         self.size = size  # len(label) in size units
         self.parent = parent
         self.children: dict[object, _Node] = {}
-        self.workers: dict[str, float] = {}  # worker -> when it last used this node
+        self.servers: dict[str, float] = {}  # server -> when it last used this node
         self.last = 0.0
         self.end = False  # an inserted key ended here
 
 
 class Match(dict):
-    """Per worker, the length of the longest prefix of the key it was sent; `end`: where the
+    """Per server, the length of the longest prefix of the key it was sent; `end`: where the
     deepest earlier key on that path ended (0: none); `ends`: the workers holding that key,
     each with when it was last sent it (read only)."""
 
@@ -88,16 +88,16 @@ def _common_length(label: _Stored, key: _Stored, pos: int) -> int:
 
 
 class PrefixTree:
-    """Radix tree of routed prefixes: a global size bound, per-worker budgets, LRU eviction."""
+    """Radix tree of routed prefixes: a global size bound, per-server budgets, LRU eviction."""
 
     def __init__(self, max_size: int, ttl: float = 0.0) -> None:
         self.max_size = max_size
         self.ttl = ttl  # seconds an unused node survives; 0 keeps it until the size bound
         self._root = _Node("", None, 0)
         self._lru: OrderedDict[_Node, None] = OrderedDict()
-        self._lrus: dict[str, OrderedDict[_Node, None]] = {}  # per worker, its nodes
+        self._lrus: dict[str, OrderedDict[_Node, None]] = {}  # per server, its nodes
         self._size = 0
-        self._per_worker: dict[str, int] = {}
+        self._per_server: dict[str, int] = {}
         self._memo: tuple[object, _Stored] = ("", "")
 
     def _stored(self, key: Key) -> _Stored:
@@ -116,30 +116,30 @@ class PrefixTree:
 
     @property
     def size(self) -> int:
-        """Size stored, summed over workers (never above `max_size`)."""
+        """Size stored, summed over servers (never above `max_size`)."""
         return self._size
 
     @property
     def node_count(self) -> int:
         return len(self._lru)
 
-    def worker_sizes(self) -> dict[str, int]:
-        return dict(self._per_worker)
+    def server_sizes(self) -> dict[str, int]:
+        return dict(self._per_server)
 
-    def worker_size(self, url: str) -> int:
-        return self._per_worker.get(url, 0)
+    def server_size(self, url: str) -> int:
+        return self._per_server.get(url, 0)
 
     def oldest(self, url: str) -> float | None:
         """When `url` last used its least recently used content (None: it holds nothing)."""
         own = self._lrus.get(url)
-        return next(iter(own)).workers[url] if own else None
+        return next(iter(own)).servers[url] if own else None
 
     def stale(self, url: str, before: float, limit: int) -> int:
         """Size of `url`'s content last used before `before`, what it can evict without loss
         (its least recently used nodes, at most `limit` of them counted)."""
         total = 0
         for node in self._lrus.get(url, ()):
-            if limit <= 0 or node.workers[url] >= before:
+            if limit <= 0 or node.servers[url] >= before:
                 break
             total += node.size
             limit -= 1
@@ -157,7 +157,7 @@ class PrefixTree:
                 break
             matched = _common_length(child.label, key, pos)
             pos += matched
-            for url in child.workers:
+            for url in child.servers:
                 result[url] = pos
             if matched < len(child.label):
                 break
@@ -165,7 +165,7 @@ class PrefixTree:
                 end_at, end_node = pos, child
             node = child
         result.end = end_at
-        result.ends = _NO_ENDS if end_node is None else end_node.workers
+        result.ends = _NO_ENDS if end_node is None else end_node.servers
         return result
 
     def insert(self, key: Key, url: str, now: float | None = None, budget: int = 0) -> None:
@@ -202,10 +202,10 @@ class PrefixTree:
             own = self._lrus[url] = OrderedDict()
         added = 0
         for node in reversed(path):  # leaf first: ancestors end up newer than descendants
-            workers = node.workers
-            if url not in workers:
+            servers = node.servers
+            if url not in servers:
                 added += node.size
-            workers[url] = now
+            servers[url] = now
             node.last = now
             lru[node] = None
             lru.move_to_end(node)
@@ -213,36 +213,36 @@ class PrefixTree:
             own.move_to_end(node)
         if added:
             self._size += added
-            self._per_worker[url] = self._per_worker.get(url, 0) + added
+            self._per_server[url] = self._per_server.get(url, 0) + added
         if budget > 0:
-            while self._per_worker.get(url, 0) > budget and own:
+            while self._per_server.get(url, 0) > budget and own:
                 self._release(next(iter(own)), url)
         self._evict(now)
 
-    def remove_worker(self, url: str) -> None:
-        """Forget everything sent to `url` (a removed worker)."""
+    def remove_server(self, url: str) -> None:
+        """Forget everything sent to `url` (a removed server)."""
         if url not in self._lrus:
             return
         stack = [self._root]
         while stack:
             node = stack.pop()
             for child in list(node.children.values()):
-                if url not in child.workers:
+                if url not in child.servers:
                     continue  # its subtree cannot hold url either
-                if len(child.workers) == 1:
+                if len(child.servers) == 1:
                     self._drop(child)
                 else:
-                    del child.workers[url]
+                    del child.servers[url]
                     self._size -= child.size
                     stack.append(child)
-        self._per_worker.pop(url, None)
+        self._per_server.pop(url, None)
         self._lrus.pop(url, None)
 
     @staticmethod
     def _split(parent: _Node, child: _Node, at: int, unit: int) -> _Node:
-        """Cut `child`'s label at `at`; the new upper node takes its place and its workers."""
+        """Cut `child`'s label at `at`; the new upper node takes its place and its servers."""
         upper = _Node(child.label[:at], parent, at * unit)
-        upper.workers = dict(child.workers)
+        upper.servers = dict(child.servers)
         upper.last = child.last
         parent.children[upper.label[0]] = upper
         child.label = child.label[at:]
@@ -261,11 +261,11 @@ class PrefixTree:
             self._drop(oldest)
 
     def _account(self, url: str, delta: int) -> None:
-        left = self._per_worker.get(url, 0) + delta
+        left = self._per_server.get(url, 0) + delta
         if left > 0:
-            self._per_worker[url] = left
+            self._per_server[url] = left
         else:  # holds nothing: its (empty) order goes too
-            self._per_worker.pop(url, None)
+            self._per_server.pop(url, None)
             self._lrus.pop(url, None)
 
     def _release(self, node: _Node, url: str) -> None:
@@ -274,14 +274,14 @@ class PrefixTree:
         own = self._lrus.get(url, {})
         while True:
             own.pop(node, None)
-            del node.workers[url]
+            del node.servers[url]
             self._size -= node.size
             self._account(url, -node.size)
             parent = node.parent
-            if not node.workers:
+            if not node.servers:
                 del parent.children[node.label[0]]
                 self._lru.pop(node, None)
-            if parent is self._root or url not in parent.workers or parent in own:
+            if parent is self._root or url not in parent.servers or parent in own:
                 return
             node = parent
 
@@ -294,13 +294,13 @@ class PrefixTree:
             current = stack.pop()
             stack.extend(current.children.values())
             self._lru.pop(current, None)
-            self._size -= current.size * len(current.workers)
-            for url in current.workers:
+            self._size -= current.size * len(current.servers)
+            for url in current.servers:
                 own = self._lrus.get(url)
                 if own is not None:
                     own.pop(current, None)
                 self._account(url, -current.size)
-        for url in node.workers:  # a split-made parent held url only through node
-            if (parent is not self._root and url in parent.workers
+        for url in node.servers:  # a split-made parent held url only through node
+            if (parent is not self._root and url in parent.servers
                     and parent not in self._lrus.get(url, ())):
                 self._release(parent, url)

@@ -42,10 +42,10 @@ SERVER_URL = re.compile(r"https?://(?:[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}
 async def list_servers(request: Request) -> Response:
     gw = request.app.state.gateway
     servers = []
-    for worker in gw.pool:
-        snapshot = worker.snapshot()
-        snapshot["learned_latency"] = gw.dispatcher.model.snapshot(worker.url)
-        snapshot["model"] = gw.models.name_of(worker)  # the model it serves (None: not known yet)
+    for server in gw.pool:
+        snapshot = server.snapshot()
+        snapshot["learned_latency"] = gw.dispatcher.model.snapshot(server.url)
+        snapshot["model"] = gw.models.name_of(server)  # the model it serves (None: not known yet)
         servers.append(snapshot)
     return JSONResponse({"servers": servers, "pairs": gw.scheduler.pairs.snapshot(),
                          "panic_picks": dict(gw.scheduler.panics)})
@@ -95,10 +95,10 @@ async def add_server(request: Request) -> Response:
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise BadRequest("'model' must be a model name")
-    worker = await gw.register(url, role, port, require_probe=True, model=model)
-    gw.siblings.admin_change("add", url, role=role, bootstrap_port=worker.bootstrap_port,
+    server = await gw.register(url, role, port, require_probe=True, model=model)
+    gw.siblings.admin_change("add", url, role=role, bootstrap_port=server.bootstrap_port,
                              model=model)
-    return JSONResponse({"server": worker.snapshot()}, status_code=201)
+    return JSONResponse({"server": server.snapshot()}, status_code=201)
 
 
 async def _require_sglang(gw, url: str, role: str) -> None:
@@ -114,45 +114,45 @@ async def _require_sglang(gw, url: str, role: str) -> None:
                          f"disaggregation_mode {str(mode)[:40]!r})")
 
 
-def _worker(gw, body: dict):
+def _server(gw, body: dict):
     url = body.get("url")
     if not isinstance(url, str):
         raise BadRequest("'url' must be a server URL")
-    worker = gw.pool.get(url.rstrip("/"))
-    if worker is None:
+    server = gw.pool.get(url.rstrip("/"))
+    if server is None:
         raise NotFound(f"no server {url!r}")
-    return worker
+    return server
 
 
 async def remove_server(request: Request) -> Response:
     gw = request.app.state.gateway
-    worker = _worker(gw, await read_json(request))
-    gw.unregister(worker.url)
-    gw.siblings.admin_change("remove", worker.url)
-    return JSONResponse({"removed": worker.snapshot()})
+    server = _server(gw, await read_json(request))
+    gw.unregister(server.url)
+    gw.siblings.admin_change("remove", server.url)
+    return JSONResponse({"removed": server.snapshot()})
 
 
 async def drain_server(request: Request) -> Response:
     gw = request.app.state.gateway
     body = await read_json(request)
-    worker = _worker(gw, body)
+    server = _server(gw, body)
     timeout = body.get("timeout", 60)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not 0 <= timeout <= MAX_DRAIN_WAIT:
         raise BadRequest(f"'timeout' must be a number of seconds in 0..{MAX_DRAIN_WAIT:g}")
-    worker.draining = True
-    gw.siblings.admin_change("drain", worker.url)
+    server.draining = True
+    gw.siblings.admin_change("drain", server.url)
     deadline = time.monotonic() + timeout
-    while worker.totals()[0] > 0 and time.monotonic() < deadline:
+    while server.totals()[0] > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    idle = worker.totals()[0] == 0
-    return JSONResponse({"drained": idle, "server": worker.snapshot()},
+    idle = server.totals()[0] == 0
+    return JSONResponse({"drained": idle, "server": server.snapshot()},
                         status_code=200 if idle else 202)
 
 
 async def undrain_server(request: Request) -> Response:
     gw = request.app.state.gateway
-    worker = _worker(gw, await read_json(request))
-    worker.draining = False
-    gw.siblings.admin_change("undrain", worker.url)
-    return JSONResponse({"server": worker.snapshot()})
+    server = _server(gw, await read_json(request))
+    server.draining = False
+    gw.siblings.admin_change("undrain", server.url)
+    return JSONResponse({"server": server.snapshot()})

@@ -62,10 +62,10 @@ async def data(request: Request) -> Response:
         counts = roles[server["role"]]
         counts["total"] += 1
         counts["usable"] += 1 if server["usable"] else 0
-    read = gw.read_metrics()  # summed over workers, if any
+    read = gw.read_metrics()  # summed over servers, if any
     families = {f.name: f for f in read}
-    prompt = _totals(_family(families, "gateway_prompt_tokens"), "worker")
-    cached = _totals(_family(families, "gateway_cached_tokens"), "worker")
+    prompt = _totals(_family(families, "gateway_prompt_tokens"), "server")
+    cached = _totals(_family(families, "gateway_cached_tokens"), "server")
     for server in servers:
         server["prompt_tokens"] = prompt.get(server["url"], 0.0)
         server["cached_tokens"] = cached.get(server["url"], 0.0)

@@ -90,20 +90,20 @@ async def get_from_any(gw, path: str, model=None) -> tuple[int, bytes]:
     """A GET relayed to the first usable server (of `model`, else of any) that answers
     (decode first: it serves the client-visible answer)."""
     if model is None:
-        workers = gw.pool.usable("decode") + gw.pool.usable("prefill") or list(gw.pool)
+        servers = gw.pool.usable("decode") + gw.pool.usable("prefill") or list(gw.pool)
     else:
-        workers = (model.usable("decode") + model.usable("prefill")
+        servers = (model.usable("decode") + model.usable("prefill")
                    or model.servers["decode"] + model.servers["prefill"])
     last = "no servers registered"
-    for worker in workers:
+    for server in servers:
         try:
-            response = await gw.client.get(worker.url + path, timeout=gw.config.probe_timeout)
+            response = await gw.client.get(server.url + path, timeout=gw.config.probe_timeout)
         except httpx.HTTPError as exc:
-            last = f"{worker.url}: {type(exc).__name__}"
+            last = f"{server.url}: {type(exc).__name__}"
             continue
         if response.status_code == 200:
             return 200, orjson.dumps(redact(response.json()))
-        last = f"{worker.url} answered {response.status_code}: {upstream_message(response.content)}"
+        last = f"{server.url} answered {response.status_code}: {upstream_message(response.content)}"
     err = ServiceUnavailable(f"no server could answer {path}: {last}")
     return err.status, orjson.dumps(err.body())
 
@@ -116,20 +116,20 @@ async def server_info(request: Request) -> Response:
 async def collect_server_info(gw) -> tuple[int, bytes]:
     """Each server's own info, grouped by role, plus the gateway's view."""
 
-    async def one(worker):
+    async def one(server):
         try:
-            r = await gw.client.get(worker.url + "/server_info", timeout=gw.config.probe_timeout)
-            return worker, (redact(r.json()) if r.status_code == 200 else {"error": r.status_code})
+            r = await gw.client.get(server.url + "/server_info", timeout=gw.config.probe_timeout)
+            return server, (redact(r.json()) if r.status_code == 200 else {"error": r.status_code})
         except (httpx.HTTPError, ValueError) as exc:
-            return worker, {"error": type(exc).__name__}
+            return server, {"error": type(exc).__name__}
 
     results = await asyncio.gather(*(one(w) for w in gw.pool))
     body: dict = {"prefill": [], "decode": [], "internal_states": []}
-    for worker, info in results:
+    for server, info in results:
         if not isinstance(info, dict):
             info = {"error": "not a JSON object"}
-        body[worker.role].append({"url": worker.url, **info})
-        if worker.role == "decode" and isinstance(info.get("internal_states"), list):
+        body[server.role].append({"url": server.url, **info})
+        if server.role == "decode" and isinstance(info.get("internal_states"), list):
             body["internal_states"].extend(info["internal_states"])
     body["gateway"] = gw.describe()
     return 200, orjson.dumps(body)

@@ -78,9 +78,9 @@ async def collect_models(gw) -> tuple[int, bytes]:
 async def cards_of(gw, model: Model) -> list[dict]:
     """The model's base card first, then its adapters: from the first server that answers,
     else from the probe's facts."""
-    for worker in model.usable("decode") + model.usable("prefill"):
+    for server in model.usable("decode") + model.usable("prefill"):
         try:
-            response = await gw.client.get(worker.url + LIST, timeout=gw.config.probe_timeout)
+            response = await gw.client.get(server.url + LIST, timeout=gw.config.probe_timeout)
             cards = response.json().get("data") if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
             continue

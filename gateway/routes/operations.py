@@ -39,18 +39,18 @@ async def relay(request: Request) -> Response:
     last = "no usable server"
     model = body.get("model")
     model, _ = gw.models.lookup(model if isinstance(model, str) else None)
-    for worker in model.usable("decode") + model.usable("prefill"):
+    for server in model.usable("decode") + model.usable("prefill"):
         try:
-            response = await gw.client.post(worker.url + path, content=raw,
+            response = await gw.client.post(server.url + path, content=raw,
                                             headers={"content-type": "application/json"},
                                             timeout=gw.config.probe_timeout)
         except httpx.HTTPError as exc:
-            last = f"{worker.url}: {type(exc).__name__}"
+            last = f"{server.url}: {type(exc).__name__}"
             continue
         if response.status_code < 500:
             return Response(response.content, status_code=response.status_code,
                             media_type=response.headers.get("content-type", "application/json"))
-        last = f"{worker.url} answered {response.status_code}: {upstream_message(response.content)}"
+        last = f"{server.url} answered {response.status_code}: {upstream_message(response.content)}"
     raise ServiceUnavailable(f"no server could answer {path}: {last}",
                              headers={"retry-after": "1"})
 
@@ -97,15 +97,15 @@ async def _broadcast(request: Request, one_model: bool) -> Response:
     role = request.query_params.get("role")
     if role is not None and role not in ROLES:
         raise BadRequest("'role' must be prefill or decode")
-    workers = [w for w in gw.pool if role is None or w.role == role]
+    servers = [w for w in gw.pool if role is None or w.role == role]
     name = request.query_params.get("model")
     if name is not None:
-        servers = set(_model_servers(gw, name))
-        workers = [w for w in workers if w in servers]
+        of_model = set(_model_servers(gw, name))
+        servers = [w for w in servers if w in of_model]
     elif one_model and not gw.models.open:
         raise BadRequest(f"{request.url.path} with several models needs ?model=NAME: "
                          f"{', '.join(gw.models.names())}")
-    ok, results = await post_all(gw, request.url.path, orjson.dumps(body), workers)
+    ok, results = await post_all(gw, request.url.path, orjson.dumps(body), servers)
     return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)
 
 
@@ -115,17 +115,17 @@ def _model_servers(gw, name: str) -> list:
     return [w for ws in model.servers.values() for w in ws]
 
 
-async def post_all(gw, path: str, payload: bytes, workers: list) -> tuple[bool, list[dict]]:
-    async def one(worker):
+async def post_all(gw, path: str, payload: bytes, servers: list) -> tuple[bool, list[dict]]:
+    async def one(server):
         try:
-            r = await gw.client.post(worker.url + path, content=payload,
+            r = await gw.client.post(server.url + path, content=payload,
                                      headers={"content-type": "application/json"},
                                      timeout=gw.config.probe_timeout)
-            return {"url": worker.url, "role": worker.role, "status": r.status_code,
+            return {"url": server.url, "role": server.role, "status": r.status_code,
                     "ok": r.status_code < 300, "message": upstream_message(r.content)}
         except httpx.HTTPError as exc:
-            return {"url": worker.url, "role": worker.role, "status": None, "ok": False,
+            return {"url": server.url, "role": server.role, "status": None, "ok": False,
                     "message": f"{type(exc).__name__}: {exc}"}
 
-    results = await asyncio.gather(*(one(w) for w in workers))
+    results = await asyncio.gather(*(one(w) for w in servers))
     return all(r["ok"] for r in results), list(results)

@@ -77,7 +77,7 @@ class SessionAffinity:
     def __len__(self) -> int:
         return len(self._memory)
 
-    def on_workers_changed(self, targets: Sequence) -> None:
+    def on_servers_changed(self, targets: Sequence) -> None:
         self.ring.rebuild(sorted(t.url for t in targets))
 
     def pick(self, session: bytes, candidates: Sequence):

@@ -1,8 +1,8 @@
 """The load model the load-aware policies share (a helper, not a policy).
 
-A worker's load comes from two sources that fail differently. The gateway's own counters
+A server's load comes from two sources that fail differently. The gateway's own counters
 (`in_flight`, `in_flight_tokens`, summed over the gateway's worker processes with `--workers`:
-`Worker.totals`) are exact and immediate but blind to traffic that reaches the server by other
+`Server.totals`) are exact and immediate but blind to traffic that reaches the server by other
 routes (other gateway replicas, direct clients). The server's `/v1/loads` figures
 see everything but lag by up to one poll. So when the server's figures are fresh we take the
 larger of the two for each quantity (taking the sum would count this gateway's requests twice);
@@ -10,7 +10,7 @@ when they are not, we use the gateway's counters alone. A snapshot taken while s
 requests ran still counts them after they finished: those are taken off it (`ServerLoad.settle`:
 requests, and their prompts' share of `token_usage`).
 
-Degrade consistently: comparing one worker on server figures with another on gateway counters
+Degrade consistently: comparing one server on reported figures with another on gateway counters
 is comparing different things, so if any candidate lacks fresh figures, ALL candidates are scored
 on the gateway counters (the lesson of sglang-router's `power_of_two.rs`).
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
 @dataclass(frozen=True)
@@ -55,40 +55,40 @@ class LoadOptions:
             raise ValueError(f"option 'move_factor' must be >= 1, got {self.move_factor}")
 
 
-def all_fresh(workers: Sequence[Worker], now: float, max_age: float) -> bool:
-    """Whether every worker's `/v1/loads` snapshot is recent (stamped with time.monotonic();
+def all_fresh(servers: Sequence[Server], now: float, max_age: float) -> bool:
+    """Whether every server's `/v1/loads` snapshot is recent (stamped with time.monotonic();
     0: never taken). A loop, not a generator: it runs on every pick."""
-    for worker in workers:
-        updated = worker.load.updated_at
+    for server in servers:
+        updated = server.load.updated_at
         if updated <= 0.0 or now - updated > max_age:
             return False
     return True
 
 
-def load_score(worker: Worker, options: LoadOptions, use_server: bool) -> float:
-    """The worker's load in load units; `use_server` only when every compared worker is fresh."""
-    requests, tokens = worker.totals()
+def load_score(server: Server, options: LoadOptions, use_server: bool) -> float:
+    """The server's load in load units; `use_server` only when every compared server is fresh."""
+    requests, tokens = server.totals()
     usage = 0.0
     if use_server:
-        server = worker.load
-        requests = max(requests, server.running + server.waiting - server.settled)
-        tokens = max(tokens, server.waiting_uncached_tokens)
-        usage = server.token_usage
-        if server.settled_tokens and server.max_total_tokens:  # ours that ended since
-            usage = max(0.0, usage - server.settled_tokens / server.max_total_tokens)
+        reported = server.load
+        requests = max(requests, reported.running + reported.waiting - reported.settled)
+        tokens = max(tokens, reported.waiting_uncached_tokens)
+        usage = reported.token_usage
+        if reported.settled_tokens and reported.max_total_tokens:  # ours that ended since
+            usage = max(0.0, usage - reported.settled_tokens / reported.max_total_tokens)
     return requests + tokens / options.token_unit + options.usage_weight * usage
 
 
-def load_scores(workers: Sequence[Worker], options: LoadOptions, now: float) -> list[float]:
-    """Scores of all `workers` on one consistent basis (`load_score` of each; computed in
+def load_scores(servers: Sequence[Server], options: LoadOptions, now: float) -> list[float]:
+    """Scores of all `servers` on one consistent basis (`load_score` of each; computed in
     one loop here when the gateway's counters alone count: every request's decode pick and
     most prefill picks come here)."""
-    if all_fresh(workers, now, options.load_max_age):
-        return [load_score(w, options, True) for w in workers]
+    if all_fresh(servers, now, options.load_max_age):
+        return [load_score(w, options, True) for w in servers]
     unit = options.token_unit
     scores = []
-    for worker in workers:
-        requests, tokens = worker.totals()
+    for server in servers:
+        requests, tokens = server.totals()
         scores.append(requests + tokens / unit)
     return scores
 
@@ -96,7 +96,7 @@ def load_scores(workers: Sequence[Worker], options: LoadOptions, now: float) -> 
 def rotating_argmin(values: Sequence[float], start: int) -> int:
     """Index of the minimum; ties go to the first one at or after `start` (cyclically).
 
-    Rotating the start spreads ties evenly instead of piling them on the first worker.
+    Rotating the start spreads ties evenly instead of piling them on the first server.
     """
     n = len(values)
     low = min(values)

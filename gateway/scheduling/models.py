@@ -43,24 +43,24 @@ from gateway.errors import BadRequest, ModelNotFound
 from gateway.policies import Policy
 from gateway.redact import redact
 from gateway.request import RequestView
-from gateway.servers.pool import ROLES, Rank, Worker, WorkerPool
+from gateway.servers.pool import ROLES, Rank, Server, ServerPool
 
 log = logging.getLogger("gateway.scheduling.models")
 
 OTHER = "other"  # the usage label of a request of no known model
 
 
-Target = Worker | Rank
+Target = Server | Rank
 
 
-def targets(workers: list[Worker]) -> list[Target]:
+def targets(servers: list[Server]) -> list[Target]:
     """What the prefill policy chooses among: each server, or each of its DP ranks."""
     out: list[Target] = []
-    for worker in workers:
-        if worker.ranks:
-            out.extend(worker.ranks)
+    for server in servers:
+        if server.ranks:
+            out.extend(server.ranks)
         else:
-            out.append(worker)
+            out.append(server)
     return out
 
 
@@ -70,10 +70,10 @@ class Model:
 
     name: str
     policies: dict[str, Policy]
-    servers: dict[str, list[Worker]] = field(
+    servers: dict[str, list[Server]] = field(
         default_factory=lambda: {role: [] for role in ROLES})
 
-    def usable(self, role: str) -> list[Worker]:
+    def usable(self, role: str) -> list[Server]:
         return [w for w in self.servers[role] if w.usable]
 
     @property
@@ -92,7 +92,7 @@ def describe(model: Model) -> str:
 
 
 class Models:
-    def __init__(self, pool: WorkerPool, make_policies: Callable[[str | None], dict[str, Policy]],
+    def __init__(self, pool: ServerPool, make_policies: Callable[[str | None], dict[str, Policy]],
                  *, aliases: dict[str, str] | None = None, default: str | None = None,
                  configured: frozenset[str] = frozenset(), fallback: str | None = None) -> None:
         self.pool = pool
@@ -106,7 +106,7 @@ class Models:
         self.open = True  # one model at most: every request is its
         self._none = Model("", make_policies(None))  # no model yet: nothing to pick from
         self.only: Model | None = self._none  # that one model while open
-        self._owner: dict[Worker, Model] = {}  # server -> its model, for the policy hooks
+        self._owner: dict[Server, Model] = {}  # server -> its model, for the policy hooks
         self.unnamed = 0  # registered servers whose model is not known yet
         self._one_sided: set[str] = set()  # models with servers of one role (warned)
         self._started = False
@@ -117,31 +117,31 @@ class Models:
 
     # -- membership (control path) -----------------------------------------------------------
 
-    def name_of(self, worker: Worker) -> str | None:
+    def name_of(self, server: Server) -> str | None:
         """The model a server serves; None while it is not known (not probed yet). A name
         that is a URL with a password (SGLang's served name defaults to the model path) has
         it redacted: names are listed to callers."""
-        name = worker.model or (self.fallback if worker.verified else None)
+        name = server.model or (self.fallback if server.verified else None)
         return redact(name) if name is not None and "@" in name else name
 
     def regroup(self) -> None:
         """Sort the pool's servers into their models and tell each model's policies."""
-        members: dict[str, dict[str, list[Worker]]] = {}
+        members: dict[str, dict[str, list[Server]]] = {}
         unnamed = 0
-        for worker in self.pool:
-            name = self.name_of(worker)
+        for server in self.pool:
+            name = self.name_of(server)
             if name is None:
                 unnamed += 1
                 continue
-            members.setdefault(name, {role: [] for role in ROLES})[worker.role].append(worker)
-        owner: dict[Worker, Model] = {}
+            members.setdefault(name, {role: [] for role in ROLES})[server.role].append(server)
+        owner: dict[Server, Model] = {}
         for name in sorted(members.keys() | self._models.keys()):
             model = self._model(name)
             model.servers = members.get(name) or {role: [] for role in ROLES}
-            for worker in (w for ws in model.servers.values() for w in ws):
-                owner[worker] = model
-            model.policies["prefill"].on_workers_changed(targets(model.servers["prefill"]))
-            model.policies["decode"].on_workers_changed(model.servers["decode"])
+            for server in (w for ws in model.servers.values() for w in ws):
+                owner[server] = model
+            model.policies["prefill"].on_servers_changed(targets(model.servers["prefill"]))
+            model.policies["decode"].on_servers_changed(model.servers["decode"])
         self._owner = owner
         self.unnamed = unnamed
         self.known = {name: model for name, model in sorted(self._models.items())
@@ -256,7 +256,7 @@ class Models:
         """The model of a resolved view (a view made inside the gateway is resolved here)."""
         return self.only or self.known.get(view.model) or self.lookup(view.model)[0]
 
-    def policies_of(self, server: Worker) -> dict[str, Policy]:
+    def policies_of(self, server: Server) -> dict[str, Policy]:
         """The policies of `server`'s model, by role: those that chose it and its partner
         (`Scheduler.pick` pairs servers of one model); their hooks go back to them."""
         model = self._owner.get(server)

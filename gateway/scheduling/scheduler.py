@@ -1,13 +1,13 @@
-"""Pair selection: filter usable workers, then ask the prefill and decode policies.
+"""Pair selection: filter usable servers, then ask the prefill and decode policies.
 
-A pair is chosen only when BOTH roles have a usable worker, so one leg is never sent alone.
-On a retry the workers that just failed are avoided while others remain.
+A pair is chosen only when BOTH roles have a usable server, so one leg is never sent alone.
+On a retry the servers that just failed are avoided while others remain.
 
 Pairs: a (prefill, decode) pair quarantined for failing on its own (gateway/health/pairs.py) is not
 chosen while the prefill has another usable partner.
 
 DP ranks: a prefill server with several DP ranks is offered to the prefill policy as its
-ranks (`workers.Rank`), each with its own load and its own prefix state, so a cache-aware
+ranks (`servers.Rank`), each with its own load and its own prefix state, so a cache-aware
 choice picks the rank that holds the prefix, and a load-aware one spreads over all ranks
 (rooms stepping by one over alternating servers left half the ranks idle). The dispatcher
 then steers the request to that rank. Decode ranks are left to the decode server: its own
@@ -36,43 +36,43 @@ from gateway.policies import Policy
 from gateway.request import RequestView
 from gateway.scheduling.affinity import SessionAffinity
 from gateway.scheduling.models import Model, Models, Target, targets
-from gateway.servers.pool import Worker, WorkerPool
+from gateway.servers.pool import Server, ServerPool
 
 
 class Scheduler:
-    def __init__(self, pool: WorkerPool, models: Models, pairs: PairHealth | None = None,
+    def __init__(self, pool: ServerPool, models: Models, pairs: PairHealth | None = None,
                  affinity: SessionAffinity | None = None) -> None:
         self.pool = pool
         self.models = models
         self.affinity = affinity
         self.pairs = pairs or PairHealth()
         self.panics = {"prefill": 0, "decode": 0}  # picks made in panic mode, per role
-        pool.on_change(self.workers_changed)
-        self.workers_changed()
+        pool.on_change(self.servers_changed)
+        self.servers_changed()
 
     @property
     def policies(self) -> dict[str, Policy]:
         """The default model's policies, by role (what status pages show first)."""
         return self.models.shown().policies
 
-    def policies_of(self, server: Worker) -> dict[str, Policy]:
+    def policies_of(self, server: Server) -> dict[str, Policy]:
         """The policies of the server's model, by role (`Models.policies_of`)."""
         return self.models.policies_of(server)
 
-    def workers_changed(self) -> None:
+    def servers_changed(self) -> None:
         """Regroup the servers by model and tell each model's policies (and the session
         ring) its servers (membership or probed details changed)."""
         self.models.regroup()
         if self.affinity is not None:
-            self.affinity.on_workers_changed(targets(self.pool.role("prefill")))
+            self.affinity.on_servers_changed(targets(self.pool.role("prefill")))
 
-    def candidates(self, role: str, view: RequestView, avoid: Collection[Worker],
-                   model: Model | None = None) -> list[Worker]:
-        """Usable workers of `role` of the request's model (not just failed); with none
+    def candidates(self, role: str, view: RequestView, avoid: Collection[Server],
+                   model: Model | None = None) -> list[Server]:
+        """Usable servers of `role` of the request's model (not just failed); with none
         usable, the ones that can still take a request (panic routing, as Envoy does below
         its panic threshold, where health is ignored): healthy ones with an open or busy
         half-open breaker, else the ones its health checks marked down that still accept
-        connections (`Worker.in_pool`): a suspect or silent server is better than a 503.
+        connections (`Server.in_pool`): a suspect or silent server is better than a 503.
         Seen with real SGLang: the only decode stalled 10 s, /health included, was marked
         down, and every request of those seconds got 503 though the server answered again a
         second later. A request sent to a stalled server waits within its own deadlines
@@ -80,25 +80,25 @@ class Scheduler:
         now = time.monotonic()
         self.pool.refresh_breakers(role, now)
         members = (model or self.models.of(view)).servers[role]
-        workers = [w for w in members if w.usable]
-        if not workers:
-            workers = [w for w in members if w.serving] or [w for w in members if w.in_pool]
-            if workers:
+        servers = [w for w in members if w.usable]
+        if not servers:
+            servers = [w for w in members if w.serving] or [w for w in members if w.in_pool]
+            if servers:
                 self.panics[role] += 1
         if avoid:
-            fresh = [w for w in workers if w not in avoid]
+            fresh = [w for w in servers if w not in avoid]
             if fresh:
-                workers = fresh
-        for suspect in workers:
+                servers = fresh
+        for suspect in servers:
             if suspect.suspect_until > now:
-                trusted = [w for w in workers if w.suspect_until <= now]
+                trusted = [w for w in servers if w.suspect_until <= now]
                 if trusted:  # a suspected hang: keep new requests off it while others serve
-                    workers = trusted
+                    servers = trusted
                 break
-        return workers
+        return servers
 
-    def pick(self, view: RequestView, avoid: Collection[Worker] = (),
-             prefer: tuple[Worker, int | None] | None = None) -> tuple[Target, Worker]:
+    def pick(self, view: RequestView, avoid: Collection[Server] = (),
+             prefer: tuple[Server, int | None] | None = None) -> tuple[Target, Server]:
         """A (prefill target, decode) pair; the target is a server or one of its DP ranks.
         `prefer` names a prefill (and rank) to take while it is a candidate (the samples
         of one request follow the first to its cached prompt)."""
@@ -115,21 +115,21 @@ class Scheduler:
                 headers={"retry-after": "1"},
             )
         if prefer is not None and prefer[0] in prefills:
-            worker, rank = prefer
-            prefill = worker.ranks[rank] if rank is not None and rank < len(worker.ranks) \
-                else worker
+            preferred, rank = prefer
+            prefill = preferred.ranks[rank] if rank is not None and rank < len(preferred.ranks) \
+                else preferred
         elif view.session is not None and self.affinity is not None:
             prefill = self.affinity.pick(view.session, targets(prefills))
         else:
             prefill = model.policies["prefill"].pick(targets(prefills), view)
-        server = prefill.server.url
-        partners = [d for d in decodes if not self.pairs.blocked(server, d.url)]
+        prefill_url = prefill.server.url
+        partners = [d for d in decodes if not self.pairs.blocked(prefill_url, d.url)]
         decode = model.policies["decode"].pick(partners or decodes, view)
-        self.pairs.probe(server, decode.url)  # a quarantined pair past its cooldown: a probe
+        self.pairs.probe(prefill_url, decode.url)  # a quarantined pair past its cooldown: a probe
         return prefill, decode
 
     def by_policy(self, view: RequestView, prefill: Target,
-                  prefer: tuple[Worker, int | None] | None) -> bool:
+                  prefer: tuple[Server, int | None] | None) -> bool:
         """Was `prefill`, as `pick(view, ..., prefer)` returned it, the prefill policy's own
         choice (not the preferred server of a sample, nor a session's)?"""
         if prefer is not None and prefill.server is prefer[0]:

@@ -1,6 +1,6 @@
-"""Workers (one backend server each) and the pool the scheduler picks from.
+"""Servers (one backend server each) and the pool the scheduler picks from.
 
-A worker is *usable* for new work only when its health checks pass, its circuit breaker
+A server is *usable* for new work only when its health checks pass, its circuit breaker
 allows a request and it is not draining. Counters are plain ints updated on the event loop.
 """
 
@@ -34,12 +34,12 @@ class Rank:
     """One DP rank of a server: what the prefill policies score when a server has several.
 
     SGLang runs one scheduler per DP rank, each with its own queue and radix cache, so a
-    prefix is cached on a (server, rank), not on a server. A Rank looks like a Worker to the
+    prefix is cached on a (server, rank), not on a server. A Rank looks like a Server to the
     policies (`url` is its own key, `server#dpN`; load and in-flight counters are its own);
-    `server` is the Worker it belongs to and `rank` its index.
+    `server` is the Server it belongs to and `rank` its index.
     """
 
-    server: Worker
+    server: Server
     rank: int
     url: str = ""
     in_flight: int = 0
@@ -73,7 +73,7 @@ class Rank:
 
 
 @dataclass(eq=False)
-class Worker:
+class Server:
     url: str
     role: str
     bootstrap_port: int | None = None
@@ -104,7 +104,7 @@ class Worker:
     metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
     # as a scheduling target (like a Rank): the server it belongs to, its own; no DP rank.
     # Attributes, not properties: every pick reads them
-    server: Worker = field(init=False, repr=False)
+    server: Server = field(init=False, repr=False)
     rank: None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -272,53 +272,53 @@ class Worker:
         }
 
 
-class WorkerPool:
+class ServerPool:
     """All known workers by URL; listeners hear about membership changes."""
 
     def __init__(self) -> None:
-        self._workers: dict[str, Worker] = {}
-        self._by_role: dict[str, list[Worker]] = {role: [] for role in ROLES}
+        self._servers: dict[str, Server] = {}
+        self._by_role: dict[str, list[Server]] = {role: [] for role in ROLES}
         self._listeners: list[Callable[[], None]] = []
 
-    def add(self, worker: Worker) -> Worker:
-        if worker.role not in ROLES:
-            raise ValueError(f"unknown role {worker.role!r}")
-        if worker.url in self._workers:
-            raise ValueError(f"{worker.url} is already registered")
-        self._workers[worker.url] = worker
-        self._by_role[worker.role].append(worker)
+    def add(self, server: Server) -> Server:
+        if server.role not in ROLES:
+            raise ValueError(f"unknown role {server.role!r}")
+        if server.url in self._servers:
+            raise ValueError(f"{server.url} is already registered")
+        self._servers[server.url] = server
+        self._by_role[server.role].append(server)
         self.notify()
-        return worker
+        return server
 
-    def remove(self, url: str) -> Worker | None:
-        worker = self._workers.pop(url, None)
-        if worker is not None:
-            self._by_role[worker.role].remove(worker)
+    def remove(self, url: str) -> Server | None:
+        server = self._servers.pop(url, None)
+        if server is not None:
+            self._by_role[server.role].remove(server)
             self.notify()
-        return worker
+        return server
 
-    def get(self, url: str) -> Worker | None:
-        return self._workers.get(url)
+    def get(self, url: str) -> Server | None:
+        return self._servers.get(url)
 
-    def role(self, role: str) -> list[Worker]:
+    def role(self, role: str) -> list[Server]:
         return self._by_role[role]
 
     def refresh_breakers(self, role: str, now: float) -> None:
         """Move breakers whose cooldown elapsed to half-open (the one place this happens);
         `now` is time.monotonic()."""
-        for worker in self._by_role[role]:
-            breaker = worker.breaker
+        for server in self._by_role[role]:
+            breaker = server.breaker
             if breaker.state is OPEN:  # (runs on every pick: no call otherwise)
                 breaker.refresh(now)
 
-    def usable(self, role: str) -> list[Worker]:
+    def usable(self, role: str) -> list[Server]:
         return [w for w in self._by_role[role] if w.usable]
 
-    def __iter__(self) -> Iterable[Worker]:
-        return iter(list(self._workers.values()))
+    def __iter__(self) -> Iterable[Server]:
+        return iter(list(self._servers.values()))
 
     def __len__(self) -> int:
-        return len(self._workers)
+        return len(self._servers)
 
     def on_change(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)

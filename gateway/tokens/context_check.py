@@ -83,9 +83,9 @@ class ContextCheck:
     def context_length(self, view: RequestView) -> int | None:
         """The least context length of the model's usable prefill servers (None: unknown)."""
         least = None
-        for worker in self.models.of(view).servers["prefill"]:
-            context = worker.context_length
-            if context and (least is None or context < least) and worker.usable:
+        for server in self.models.of(view).servers["prefill"]:
+            context = server.context_length
+            if context and (least is None or context < least) and server.usable:
                 least = context
         return least
 
@@ -119,10 +119,10 @@ class ContextCheck:
         if body is None or self.client is None:
             return None
         model = self.models.of(view)
-        for worker in model.usable("decode") + model.usable("prefill"):
+        for server in model.usable("decode") + model.usable("prefill"):
             try:
                 async with asyncio.timeout(TOKENIZE_TIMEOUT):
-                    response = await self.client.post(worker.url + "/v1/tokenize",
+                    response = await self.client.post(server.url + "/v1/tokenize",
                                                       content=orjson.dumps(body))
                 if response.status_code != 200:
                     continue

@@ -27,7 +27,7 @@ import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.errors import UpstreamError
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 from gateway.upstream.http11 import ConnectFailed, HTTPClient, HTTPClientError, PoolTimeout
 
 log = logging.getLogger("gateway")
@@ -160,11 +160,11 @@ class translate_errors:  # lower case: used as a context manager
 
     A class, not a generator context manager: it wraps four awaits per request."""
 
-    __slots__ = ("leg", "worker")
+    __slots__ = ("leg", "server")
 
-    def __init__(self, leg: str, worker: Worker) -> None:
+    def __init__(self, leg: str, server: Server) -> None:
         self.leg = leg
-        self.worker = worker
+        self.server = server
 
     def __enter__(self) -> None:
         return None
@@ -172,7 +172,7 @@ class translate_errors:  # lower case: used as a context manager
     def __exit__(self, kind, exc, traceback) -> bool:
         if exc is None or not isinstance(exc, Exception):
             return False
-        error = translated(self.leg, self.worker.url, exc)
+        error = translated(self.leg, self.server.url, exc)
         if error is None:
             return False
         raise error from exc
@@ -181,23 +181,23 @@ class translate_errors:  # lower case: used as a context manager
 def translated(leg: str, url: str, exc: Exception) -> UpstreamError | None:
     """The UpstreamError for a client or transport error (None: let it pass as it is)."""
     if isinstance(exc, PoolTimeout | httpx.PoolTimeout):
-        return UpstreamError(f"{leg} server {url} is busy: {exc}", leg=leg, worker_url=url,
+        return UpstreamError(f"{leg} server {url} is busy: {exc}", leg=leg, server_url=url,
                              retryable=True, status=503)
     if isinstance(exc, aiohttp.ServerTimeoutError):  # a TimeoutError, not the caller's own
         return UpstreamError(f"{leg} server {url} timed out ({type(exc).__name__})",
-                             leg=leg, worker_url=url, retryable=True, status=504)
+                             leg=leg, server_url=url, retryable=True, status=504)
     if isinstance(exc, TimeoutError):
         return None  # the caller's own deadline: it knows which timeout and answers 504
     if isinstance(exc, httpx.ConnectError | ConnectFailed | aiohttp.ClientConnectorError):
         return UpstreamError(f"{leg} server {url} refused or dropped the connection: {exc}",
-                             leg=leg, worker_url=url, retryable=True)
+                             leg=leg, server_url=url, retryable=True)
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamError(f"{leg} server {url} timed out ({type(exc).__name__})",
-                             leg=leg, worker_url=url, retryable=True, status=504)
+                             leg=leg, server_url=url, retryable=True, status=504)
     if isinstance(exc, httpx.HTTPError | HTTPClientError | aiohttp.ClientError
                   | HttpProcessingError | OSError):
         return UpstreamError(f"{leg} server {url} failed: {type(exc).__name__}: {exc}",
-                             leg=leg, worker_url=url, retryable=True)
+                             leg=leg, server_url=url, retryable=True)
     return None
 
 
@@ -217,15 +217,15 @@ def upstream_message(body: bytes) -> str:
     return str(data)[:500]
 
 
-def status_error(leg: str, worker: Worker, status: int, body: bytes) -> UpstreamError:
+def status_error(leg: str, server: Server, status: int, body: bytes) -> UpstreamError:
     """An error for an HTTP status >= 400 from a leg.
 
     4xx (but 408/429) means the request itself was refused: pass the status through and do
     not retry. 408, 429 and 5xx are the server's trouble: retryable, 502 if they persist.
     """
-    message = f"{leg} server {worker.url} answered {status}: {upstream_message(body)}"
+    message = f"{leg} server {server.url} answered {status}: {upstream_message(body)}"
     if 400 <= status < 500 and status not in RETRYABLE_STATUSES:
-        return UpstreamError(message, leg=leg, worker_url=worker.url, retryable=False,
+        return UpstreamError(message, leg=leg, server_url=server.url, retryable=False,
                              upstream_status=status, status=status)
-    return UpstreamError(message, leg=leg, worker_url=worker.url, retryable=True,
+    return UpstreamError(message, leg=leg, server_url=server.url, retryable=True,
                          upstream_status=status, status=502)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 from gateway.discovery.kubeapi import KubeAPI
 from gateway.discovery.kubernetes import KubernetesDiscovery
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 from tests.discovery.fakekube import FakeKube
 
 SELECTORS = {"prefill": "app=sglang,role=prefill", "decode": "app=sglang,role=decode"}
@@ -18,28 +18,28 @@ class FakePool:
     """`on_add`/`on_remove` as the gateway's register/unregister behave, without probing."""
 
     def __init__(self) -> None:
-        self.workers: dict[str, Worker] = {}
+        self.servers: dict[str, Server] = {}
         self.added: list[tuple[str, str, int | None]] = []
         self.removed: list[str] = []
         self.refuse: set[str] = set()
 
     async def add(self, url: str, role: str, bootstrap_port: int | None,
-                  model: str | None = None) -> Worker:
+                  model: str | None = None) -> Server:
         if url in self.refuse:
             raise ValueError(f"{url} answers with another disaggregation mode")
-        if url in self.workers:
+        if url in self.servers:
             raise ValueError(f"{url} is already registered")
-        worker = Worker(url, role, bootstrap_port, model=model)
-        self.workers[url] = worker
+        server = Server(url, role, bootstrap_port, model=model)
+        self.servers[url] = server
         self.added.append((url, role, bootstrap_port))
-        return worker
+        return server
 
-    def remove(self, url: str) -> Worker | None:
+    def remove(self, url: str) -> Server | None:
         self.removed.append(url)
-        return self.workers.pop(url, None)
+        return self.servers.pop(url, None)
 
     def urls(self, role: str | None = None) -> set[str]:
-        return {u for u, w in self.workers.items() if role is None or w.role == role}
+        return {u for u, w in self.servers.items() if role is None or w.role == role}
 
 
 @contextlib.asynccontextmanager

@@ -52,8 +52,8 @@ def test_bootstrap_port_port_and_model_from_the_pod():
                 ("http://10.0.0.2:30500", "prefill", None),  # learnt from /server_info later
                 ("http://10.0.1.1:30000", "decode", None),
             ]
-            assert pool.workers["http://10.0.0.1:31000"].model == "llama"
-            assert pool.workers["http://10.0.0.2:30500"].model is None
+            assert pool.servers["http://10.0.0.1:31000"].model == "llama"
+            assert pool.servers["http://10.0.0.2:30500"].model is None
 
     run(go())
 
@@ -87,15 +87,15 @@ def test_model_label_change_updates_the_worker_in_place():
     async def go():
         async with discovering(make_pod("d0", role="decode", labels={"sglang.ai/model": "a"}),
                                on_change=lambda: changes.append(1)) as (fake, pool, discovery):
-            worker = pool.workers[url("10.0.0.1")]
-            assert worker.model == "a"  # given to on_add: set before the server's probe
+            server = pool.servers[url("10.0.0.1")]
+            assert server.model == "a"  # given to on_add: set before the server's probe
             assert changes == []
 
             def relabel(pod):
                 pod["metadata"]["labels"]["sglang.ai/model"] = "b"
 
             fake.modify("d0", relabel)
-            await eventually(lambda: worker.model == "b", what="model updated")
+            await eventually(lambda: server.model == "b", what="model updated")
             assert pool.removed == [] and len(pool.added) == 1
             assert changes == [1]  # the gateway regroups its servers by model
 
@@ -157,13 +157,13 @@ def test_removal_waits_for_in_flight_requests():
     async def go():
         async with discovering(make_pod("d0", role="decode", ip="10.0.1.1"),
                                drain_timeout=30) as (fake, pool, discovery):
-            worker = pool.workers[url("10.0.1.1")]
-            worker.in_flight = 2
+            server = pool.servers[url("10.0.1.1")]
+            server.in_flight = 2
             fake.delete("d0")
-            await eventually(lambda: worker.draining, what="draining")
+            await eventually(lambda: server.draining, what="draining")
             await asyncio.sleep(0.3)
             assert url("10.0.1.1") in pool.urls(), "removed while requests were in flight"
-            worker.in_flight = 0
+            server.in_flight = 0
             await eventually(lambda: pool.urls() == set(), what="removed once idle")
 
     run(go())
@@ -173,10 +173,10 @@ def test_drain_timeout_removes_anyway():
     async def go():
         async with discovering(make_pod("d0", role="decode", ip="10.0.1.1"),
                                drain_timeout=0.3) as (fake, pool, discovery):
-            worker = pool.workers[url("10.0.1.1")]
-            worker.in_flight = 1
+            server = pool.servers[url("10.0.1.1")]
+            server.in_flight = 1
             fake.set_ready("d0", False)
-            await eventually(lambda: worker.draining, what="draining")
+            await eventually(lambda: server.draining, what="draining")
             started = asyncio.get_running_loop().time()
             await eventually(lambda: pool.urls() == set(), what="removed after the grace")
             assert asyncio.get_running_loop().time() - started >= 0.2
@@ -188,15 +188,15 @@ def test_pod_ready_again_while_draining_is_kept():
     async def go():
         async with discovering(make_pod("d0", role="decode", ip="10.0.1.1"),
                                drain_timeout=30) as (fake, pool, discovery):
-            worker = pool.workers[url("10.0.1.1")]
-            worker.in_flight = 1
+            server = pool.servers[url("10.0.1.1")]
+            server.in_flight = 1
             fake.set_ready("d0", False)
-            await eventually(lambda: worker.draining, what="draining")
+            await eventually(lambda: server.draining, what="draining")
             fake.set_ready("d0", True)
-            await eventually(lambda: not worker.draining, what="undrained")
-            worker.in_flight = 0
+            await eventually(lambda: not server.draining, what="undrained")
+            server.in_flight = 0
             await asyncio.sleep(0.2)
-            assert pool.workers[url("10.0.1.1")] is worker and pool.removed == []
+            assert pool.servers[url("10.0.1.1")] is server and pool.removed == []
 
     run(go())
 
@@ -205,15 +205,15 @@ def test_new_pod_at_a_reused_address_replaces_the_worker():
     async def go():
         async with discovering(make_pod("d0", role="decode", ip="10.0.1.1"),
                                drain_timeout=30) as (fake, pool, discovery):
-            old = pool.workers[url("10.0.1.1")]
+            old = pool.servers[url("10.0.1.1")]
             old.in_flight = 1
             fake.delete("d0", quiet=True)  # the DELETED event was missed...
             fake.add(make_pod("d1", role="decode", ip="10.0.1.1"))  # ...the IP is reused
-            await eventually(lambda: old.draining, what="old worker draining")
-            assert pool.workers[url("10.0.1.1")] is old
+            await eventually(lambda: old.draining, what="old server draining")
+            assert pool.servers[url("10.0.1.1")] is old
             old.in_flight = 0
-            await eventually(lambda: pool.workers.get(url("10.0.1.1")) not in (None, old),
-                             what="new worker")
+            await eventually(lambda: pool.servers.get(url("10.0.1.1")) not in (None, old),
+                             what="new server")
             assert discovery.members[url("10.0.1.1")].target.pod == "d1"
 
     run(go())
@@ -313,10 +313,10 @@ def test_reconcile_is_idempotent():
         async with discovering(make_pod("p0", role="prefill", ip="10.0.0.1"),
                                make_pod("d0", role="decode", ip="10.0.1.1")
                                ) as (fake, pool, discovery):
-            before = dict(pool.workers)
+            before = dict(pool.servers)
             await discovery.reconcile()
             await discovery.reconcile()
-            assert pool.workers == before and len(pool.added) == 2 and pool.removed == []
+            assert pool.servers == before and len(pool.added) == 2 and pool.removed == []
 
     run(go())
 
@@ -325,10 +325,10 @@ def test_stop_cancels_every_task():
     async def go():
         async with discovering(make_pod("d0", role="decode", ip="10.0.1.1"),
                                drain_timeout=30) as (fake, pool, discovery):
-            worker = pool.workers[url("10.0.1.1")]
-            worker.in_flight = 1
+            server = pool.servers[url("10.0.1.1")]
+            server.in_flight = 1
             fake.delete("d0")
-            await eventually(lambda: worker.draining, what="draining")
+            await eventually(lambda: server.draining, what="draining")
             mine = [t for t in asyncio.all_tasks() if t.get_name().startswith("discovery")]
             assert len(mine) == 4  # two watches, the reconcile, one drain
         await asyncio.sleep(0)

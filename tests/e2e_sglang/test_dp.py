@@ -117,7 +117,7 @@ class RankCounts:
 
     def _read(self) -> tuple[dict[int, float], dict[int, float]]:
         gateway = per_rank(samples(self.cluster.gateway, "gateway_dp_rank_requests_total"),
-                           worker=self.cluster.prefill)
+                           server=self.cluster.prefill)
         server = per_rank(samples(self.cluster.prefill, "sglang:kv_transfer_latency_ms_count"))
         return gateway, server
 
@@ -286,7 +286,7 @@ def test_a_growing_conversation_stays_on_its_rank(dp_cluster: DpCluster, endpoin
     turn to the rank that holds the conversation; there SGLang finds the previous prompt in
     its radix cache: `meta_info.cached_tokens`, and for chat `usage.prompt_tokens_details`
     (the topology sets --enable-cache-report); the gateway counts the prefill's figure in
-    `gateway_cached_tokens_total` per worker."""
+    `gateway_cached_tokens_total` per server."""
     turns = 5
     rng = random.Random(endpoint)
     counts = RankCounts(dp_cluster)
@@ -325,7 +325,7 @@ def test_a_growing_conversation_stays_on_its_rank(dp_cluster: DpCluster, endpoin
     deadline = time.monotonic() + 10
     while True:  # the gateway counts the prefill's own answers, which may come a bit later
         after = samples(dp_cluster.gateway, "gateway_cached_tokens_total")
-        key = (("worker", dp_cluster.prefill),)
+        key = (("server", dp_cluster.prefill),)
         hit = after.get(key, 0.0) - cached_before.get(key, 0.0)
         if hit >= 0.9 * sum(prompts[:-1]) or time.monotonic() > deadline:
             break

@@ -78,7 +78,7 @@ def test_metrics_exposed(fresh):
     httpx.post(fresh.gateway + "/generate", json={"text": "count me"}, timeout=30)
     text = get(fresh, "/metrics").text
     assert 'gateway_requests_total{endpoint="generate",status="200"}' in text
-    assert "gateway_worker_in_flight_requests" in text
+    assert "gateway_server_in_flight_requests" in text
     assert "gateway_cached_tokens_total" in text
 
 

@@ -10,7 +10,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from gateway.observability.metrics import Metrics
-from gateway.servers.pool import WorkerPool
+from gateway.servers.pool import ServerPool
 from tests.observability.conftest import require_binaries
 from tests.observability.dashboards import (
     PROMETHEUS_CONFIG,
@@ -29,14 +29,14 @@ SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
 REQUIRED_ON_DASHBOARD = {
     "gateway_requests", "gateway_time_to_first_token_seconds",
     "gateway_inter_token_latency_seconds", "gateway_request_duration_seconds",
-    "gateway_worker_in_flight_requests", "gateway_usable_workers", "gateway_worker_healthy",
-    "gateway_worker_breaker_state", "gateway_retries", "gateway_admission_rejections",
+    "gateway_server_in_flight_requests", "gateway_usable_servers", "gateway_server_healthy",
+    "gateway_server_breaker_state", "gateway_retries", "gateway_admission_rejections",
     "gateway_queue_time_seconds", "gateway_routing_decisions", "gateway_cached_tokens",
     "gateway_prompt_tokens", "gateway_streamed_bytes", "gateway_tenant_tokens",
     "gateway_tenant_requests", "gateway_tenant_errors",
 }
 REQUIRED_ALERTS = {"GatewayDown", "GatewayHighErrorRate", "NoHealthyPrefill", "NoHealthyDecode",
-                   "GatewayTTFTP99High", "GatewayWorkerBreakerOpen"}
+                   "GatewayTTFTP99High", "GatewayServerBreakerOpen"}
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -49,7 +49,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 
 def gateway_metric_families() -> set[str]:
     registry = CollectorRegistry()
-    Metrics(registry, WorkerPool())
+    Metrics(registry, ServerPool())
     return {family.name for family in registry.collect()}
 
 

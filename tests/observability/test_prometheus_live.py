@@ -113,8 +113,8 @@ def test_every_dashboard_query_returns_data(prometheus, scraped_traffic):
 
 
 def test_template_variables_list_the_gateway(prometheus, scraped_traffic, observed):
-    """The job and instance pickers (label_values over gateway_usable_workers)."""
-    match = {"match[]": "gateway_usable_workers"}
+    """The job and instance pickers (label_values over gateway_usable_servers)."""
+    match = {"match[]": "gateway_usable_servers"}
     assert JOB in prometheus.get("/api/v1/label/job/values", **match)
     instances = prometheus.get("/api/v1/label/instance/values", **match)
     assert observed.gateway.removeprefix("http://") in instances

@@ -89,7 +89,7 @@ def test_drain_waits_for_in_flight_and_diverts_new_requests(make_rig, timing):
            max(0.0, answer["at"] - last_end))
     snapshot = rig.snapshot(victim)
     assert snapshot["in_flight"] == 0 and not snapshot["usable"] and snapshot["draining"]
-    assert rig.metrics().value("gateway_worker_usable", worker=victim.url) == 0
+    assert rig.metrics().value("gateway_server_usable", server=victim.url) == 0
 
     httpx.post(rig.gateway + "/admin/servers/undrain", json={"url": victim.url},
                timeout=10).raise_for_status()
@@ -115,7 +115,7 @@ def test_remove_and_add_back_at_runtime(make_rig):
     removed = admin.request("DELETE", SERVERS, json={"url": victim.url})
     assert removed.status_code == 200 and removed.json()["removed"]["url"] == victim.url
     assert victim.url not in rig.snapshots()
-    assert not rig.metrics().total("gateway_worker_usable", worker=victim.url)
+    assert not rig.metrics().total("gateway_server_usable", server=victim.url)
     received = rig.stats(victim)["received"]
     short_requests(rig, 10)
     assert rig.stats(victim)["received"] == received, "a removed server got a request"

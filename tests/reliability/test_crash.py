@@ -36,9 +36,9 @@ def test_kill_9_under_load(make_rig, timing, role):
         timing(f"kill -9 {role}", "out of rotation after", detect)
 
         metrics = rig.metrics()
-        assert metrics.value("gateway_worker_usable", worker=victim.url) == 0
-        breaker = metrics.value("gateway_worker_breaker_state", worker=victim.url)
-        healthy = metrics.value("gateway_worker_healthy", worker=victim.url)
+        assert metrics.value("gateway_server_usable", server=victim.url) == 0
+        breaker = metrics.value("gateway_server_breaker_state", server=victim.url)
+        healthy = metrics.value("gateway_server_healthy", server=victim.url)
         assert breaker == 2 or healthy == 0, "out of rotation, by breaker or health check"
         snapshot = rig.snapshot(victim)
         assert snapshot["usable"] is False and snapshot["in_flight"] == 0

@@ -2,7 +2,7 @@
 
 Expected: each failed leg is retried on another pair (counted in gateway_retries_total), so
 clients see nothing; after --breaker-failures consecutive failures the breaker opens
-(gateway_worker_breaker_state 2) and the server gets no traffic but a few half-open probes
+(gateway_server_breaker_state 2) and the server gets no traffic but a few half-open probes
 per --breaker-cooldown; once the fault is cleared the next probe succeeds and the breaker closes.
 """
 
@@ -24,7 +24,7 @@ GATEWAY_ARGS = (*FAST_DETECTION, "--breaker-failures", str(BREAKER_FAILURES),
 
 
 def breaker_state(rig, server) -> float:
-    return rig.metrics().value("gateway_worker_breaker_state", worker=server.url)
+    return rig.metrics().value("gateway_server_breaker_state", server=server.url)
 
 
 @pytest.mark.timeout(90)
@@ -39,7 +39,7 @@ def test_failing_server_opens_breaker_and_recovers(make_rig, timing, role):
         opened = wait_until(lambda: breaker_state(rig, victim) == 2, 20,
                             f"the failing {role}'s breaker opens")
         timing(f"500s from a {role}", "breaker open after (under load)", opened)
-        assert rig.metrics().value("gateway_worker_usable", worker=victim.url) == 0
+        assert rig.metrics().value("gateway_server_usable", server=victim.url) == 0
 
         # while open: at most one half-open round of probes (3) per cooldown, nothing else
         count, since = received(), time.monotonic()
@@ -63,7 +63,7 @@ def test_failing_server_opens_breaker_and_recovers(make_rig, timing, role):
     assert not failures(load.outcomes), summary(load.outcomes)
     metrics = rig.metrics()
     retried = metrics.total("gateway_retries_total", leg=role, reason="500")
-    blamed = metrics.total("gateway_upstream_failures_total", worker=victim.url)
+    blamed = metrics.total("gateway_upstream_failures_total", server=victim.url)
     # a first failure with one partner can look like that pair's (the server had just
     # worked with the others): counted for the pair, not the server, and retried all the same
     pair = metrics.total("gateway_pair_failures_total", prefill=victim.url) \

@@ -34,8 +34,8 @@ def test_slow_server_is_not_dead_and_gets_less_traffic(make_rig, timing, role):
 
     def picked(server) -> float:
         name = "gateway_routing_decisions_total"
-        return (after.total(name, role=role, worker=server.url)
-                - before.total(name, role=role, worker=server.url))
+        return (after.total(name, role=role, server=server.url)
+                - before.total(name, role=role, server=server.url))
 
     share = picked(fast) / (picked(fast) + picked(slow))
     timing(f"slow {role} ({DELAY:g}s first token)", "share of traffic to the fast one", share)

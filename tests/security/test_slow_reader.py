@@ -74,7 +74,7 @@ def test_the_relay_watchdog_honours_a_send_timeout_shorter_than_the_idle_one():
     async def main() -> bool:
         victim = asyncio.get_running_loop().create_task(asyncio.sleep(5))
         client = Interrupt(victim)
-        stalled = UpstreamError("stalled", leg="decode", worker_url="u", retryable=True)
+        stalled = UpstreamError("stalled", leg="decode", server_url="u", retryable=True)
         watchdog = StreamWatchdog(idle=120.0, send=0.1, client=client, stalled=stalled)
         # a chunk was handed to a client that never takes it (what the relay writes)
         watchdog.since, watchdog.reading = watchdog.loop.time(), False

@@ -14,11 +14,11 @@ from gateway.config.tenants import BATCH, INTERACTIVE, STANDARD, TenantSettings
 from gateway.errors import GatewayTimeout, ServiceUnavailable, TooManyRequests
 from gateway.observability.metrics import Metrics
 from gateway.processes.shared_state import SharedState
-from gateway.servers.pool import WorkerPool
+from gateway.servers.pool import ServerPool
 
 
 def metrics():
-    return Metrics(CollectorRegistry(), WorkerPool())
+    return Metrics(CollectorRegistry(), ServerPool())
 
 
 def tenant(name: str, weight: float = 1.0) -> Tenant:

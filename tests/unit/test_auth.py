@@ -8,7 +8,7 @@ from gateway.admission.key_limits import KeyLimits
 from gateway.config.settings import ConfigError, load_config
 from gateway.errors import Forbidden, TooManyRequests, Unauthorized
 from gateway.observability.metrics import Metrics
-from gateway.servers.pool import WorkerPool
+from gateway.servers.pool import ServerPool
 
 REMOTE = ("203.0.113.9", 5000)
 LOCAL = ("127.0.0.1", 5000)
@@ -77,7 +77,7 @@ def test_owner_is_the_key_and_the_address_without():
 
 def test_rate_limit_per_key_with_burst_and_refill():
     now = [1000.0]
-    limits = KeyLimits(2, rate=2.0, burst=3, metrics=Metrics(CollectorRegistry(), WorkerPool()),
+    limits = KeyLimits(2, rate=2.0, burst=3, metrics=Metrics(CollectorRegistry(), ServerPool()),
                        clock=lambda: now[0])
     auth = Auth(("key-a", "key-b"), (), limits)
     a, b = scope(authorization="Bearer key-a"), scope(authorization="Bearer key-b")

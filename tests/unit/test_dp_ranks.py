@@ -42,7 +42,7 @@ def unrelated(i: int) -> dict:
     return {"text": f"{i:04d} unrelated prompt", "sampling_params": {"max_new_tokens": 1}}
 
 
-# `random` and `power_of_two` (idle workers tie) spread by chance only: not held to a share
+# `random` and `power_of_two` (idle servers tie) spread by chance only: not held to a share
 @pytest.mark.parametrize("policy", ["round_robin", "least_load", "cache_aware", "min_ttft",
                                     "prefix_cache"])
 def test_follow_room_prefills_spread_unrelated_prompts_over_every_rank(policy):
@@ -106,16 +106,16 @@ def test_cache_aware_keeps_a_conversation_on_its_rank():
 
 
 def test_per_rank_loads_are_read_from_v1_loads():
-    from gateway.servers.pool import Worker
+    from gateway.servers.pool import Server
     from gateway.servers.probe import ServerFacts
 
-    worker = Worker(P1, "prefill")
-    worker.apply_facts(ServerFacts("prefill", 8998, "m", 2))
-    worker.apply_loads({"loads": [
+    server = Server(P1, "prefill")
+    server.apply_facts(ServerFacts("prefill", 8998, "m", 2))
+    server.apply_loads({"loads": [
         {"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 5, "token_usage": 0.5},
         {"dp_rank": 1, "num_running_reqs": 2, "num_waiting_reqs": 0, "token_usage": 0.1}]})
-    assert [r.load.waiting for r in worker.ranks] == [5, 0]
-    assert worker.load.running == 3 and worker.load.token_usage == 0.5
+    assert [r.load.waiting for r in server.ranks] == [5, 0]
+    assert server.load.running == 3 and server.load.token_usage == 0.5
 
 
 @pytest.mark.parametrize("field", ["routed_dp_rank", "data_parallel_rank",

@@ -1,5 +1,5 @@
 """A `/v1/loads` answer read after one of our requests ended, though the server took it
-before: the request is settled in that snapshot (workers.ServerLoad.carry).
+before: the request is settled in that snapshot (servers.ServerLoad.carry).
 
 The e2e failure this fixes (tests/e2e_sglang/test_dp.py, CI of 2026-12-01): a conversation's
 fourth turn went to the other DP rank. The poll was sent while the third turn's prefill ran
@@ -19,7 +19,7 @@ import pytest
 from gateway.health.checker import HealthChecker
 from gateway.policies import create_policy
 from gateway.scheduling.load import LoadOptions, load_scores
-from gateway.servers.pool import Worker, WorkerPool
+from gateway.servers.pool import Server, ServerPool
 from gateway.servers.probe import ServerFacts
 from tests.unit.policies.util import generate_text
 
@@ -30,13 +30,13 @@ BUSY_RANK0 = {"loads": [
 PROMPT = 410  # tokens: 0.1 of the rank's 4,096
 
 
-def dp_worker() -> Worker:
-    worker = Worker(URL, "prefill")
-    worker.apply_facts(ServerFacts("prefill", 8998, "m", 2))
-    return worker
+def dp_worker() -> Server:
+    server = Server(URL, "prefill")
+    server.apply_facts(ServerFacts("prefill", 8998, "m", 2))
+    return server
 
 
-def poll_once(worker: Worker, during=None) -> None:
+def poll_once(server: Server, during=None) -> None:
     """One `_load_of` through a transport that answers BUSY_RANK0 after `during()` ran (what
     happened while the poll was on its way)."""
     async def answer(request: httpx.Request) -> httpx.Response:
@@ -46,70 +46,70 @@ def poll_once(worker: Worker, during=None) -> None:
         return httpx.Response(200, json=BUSY_RANK0)
 
     async def go() -> None:
-        pool = WorkerPool()
-        pool.add(worker)
+        pool = ServerPool()
+        pool.add(server)
         async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
             checker = HealthChecker(pool, client, endpoint="/health", interval=1, timeout=5,
                                     failures=3, successes=2, loads_interval=0)
-            await checker._load_of(worker)
+            await checker._load_of(server)
 
     asyncio.run(go())
 
 
-def scores(worker: Worker) -> list[float]:
-    return load_scores(worker.ranks, LoadOptions(), time.monotonic())
+def scores(server: Server) -> list[float]:
+    return load_scores(server.ranks, LoadOptions(), time.monotonic())
 
 
 def test_a_request_that_ended_while_the_poll_was_on_its_way_is_not_in_its_answer() -> None:
-    worker = dp_worker()
-    rank0 = worker.ranks[0]
+    server = dp_worker()
+    rank0 = server.ranks[0]
     dispatched = time.monotonic()  # running on rank 0 when the poll is sent
-    poll_once(worker, during=lambda: rank0.load.settle(dispatched, PROMPT))
+    poll_once(server, during=lambda: rank0.load.settle(dispatched, PROMPT))
     assert rank0.load.running == 1  # the server's figure as read
-    assert scores(worker) == [pytest.approx(0.0, abs=0.05), 0.0]
+    assert scores(server) == [pytest.approx(0.0, abs=0.05), 0.0]
 
 
 def test_without_the_end_the_answer_counts_it() -> None:
-    worker = dp_worker()
-    poll_once(worker)
-    assert scores(worker)[0] == pytest.approx(1 + 32 * 0.1)
+    server = dp_worker()
+    poll_once(server)
+    assert scores(server)[0] == pytest.approx(1 + 32 * 0.1)
 
 
 def test_a_request_sent_after_the_poll_is_not_taken_off_its_answer() -> None:
     """Dispatched once the poll was on its way: the server's figures cannot hold it, so its
     end takes nothing off them (the rank stays as busy as it said)."""
-    worker = dp_worker()
-    rank0 = worker.ranks[0]
-    poll_once(worker, during=lambda: rank0.load.settle(time.monotonic(), PROMPT))
-    assert scores(worker)[0] == pytest.approx(1 + 32 * 0.1)
+    server = dp_worker()
+    rank0 = server.ranks[0]
+    poll_once(server, during=lambda: rank0.load.settle(time.monotonic(), PROMPT))
+    assert scores(server)[0] == pytest.approx(1 + 32 * 0.1)
 
 
 def test_the_snapshot_is_stamped_when_it_was_asked_for() -> None:
     """A request dispatched while the poll was on its way (after the server answered from
     its figures) and ending after the answer is read is not in the snapshot: its end takes
     nothing off (stamped at the answer instead, the snapshot would seem to hold it)."""
-    worker = dp_worker()
+    server = dp_worker()
     mid: list[float] = []
-    poll_once(worker, during=lambda: mid.append(time.monotonic()))
-    assert worker.load.updated_at < mid[0]
-    assert worker.ranks[0].load.updated_at == worker.load.updated_at
-    worker.ranks[0].load.settle(mid[0], PROMPT)
-    assert scores(worker)[0] == pytest.approx(1 + 32 * 0.1)
+    poll_once(server, during=lambda: mid.append(time.monotonic()))
+    assert server.load.updated_at < mid[0]
+    assert server.ranks[0].load.updated_at == server.load.updated_at
+    server.ranks[0].load.settle(mid[0], PROMPT)
+    assert scores(server)[0] == pytest.approx(1 + 32 * 0.1)
 
 
 def test_the_conversation_stays_on_its_rank_across_the_race() -> None:
     """The decision of the e2e test: the turn after one that ended mid-poll stays."""
-    worker = dp_worker()
-    rank0, rank1 = worker.ranks
+    server = dp_worker()
+    rank0, rank1 = server.ranks
     policy = create_policy("cache_aware", "prefill")
-    policy.on_workers_changed(worker.ranks)
+    policy.on_servers_changed(server.ranks)
     text = "system: be brief\n" + "user: tell me about harbours\nassistant: ok\n" * 30
     policy.on_dispatch(rank0, generate_text(text))  # the previous turn went to rank 0
     dispatched = time.monotonic()
-    poll_once(worker, during=lambda: rank0.load.settle(dispatched, PROMPT))
-    assert policy.pick(worker.ranks, generate_text(text + "user: and ships?\n")) is rank0
+    poll_once(server, during=lambda: rank0.load.settle(dispatched, PROMPT))
+    assert policy.pick(server.ranks, generate_text(text + "user: and ships?\n")) is rank0
     unsettled = dp_worker()
-    policy.on_workers_changed(unsettled.ranks)
+    policy.on_servers_changed(unsettled.ranks)
     policy.on_dispatch(unsettled.ranks[0], generate_text(text))
     poll_once(unsettled)  # the same answer without the end: the guard moves the turn
     assert policy.pick(unsettled.ranks, generate_text(text + "user: and ships?\n")) \
@@ -122,16 +122,16 @@ def test_a_request_whose_prefill_answer_trails_is_settled_in_every_poll_until_it
     answer is still to come (the CPU rig's prefill answers after the decode): SGLang may hold
     its KV until then, so a poll sent meanwhile shows it, and the answer forgets it. Once
     the prefill leg has ended, a poll's figures count again as they are."""
-    worker = dp_worker()
-    rank0 = worker.ranks[0]
+    server = dp_worker()
+    rank0 = server.ranks[0]
     rank0.load.trail(PROMPT)  # progressed before the poll was sent, its prefill still open
-    poll_once(worker)
-    assert scores(worker) == [pytest.approx(0.0, abs=0.05), 0.0]
-    poll_once(worker)  # the next poll too, while it trails
-    assert scores(worker)[0] == pytest.approx(0.0, abs=0.05)
+    poll_once(server)
+    assert scores(server) == [pytest.approx(0.0, abs=0.05), 0.0]
+    poll_once(server)  # the next poll too, while it trails
+    assert scores(server)[0] == pytest.approx(0.0, abs=0.05)
     rank0.load.trail(PROMPT, -1)  # the prefill answered
-    poll_once(worker)
-    assert scores(worker)[0] == pytest.approx(1 + 32 * 0.1)
+    poll_once(server)
+    assert scores(server)[0] == pytest.approx(1 + 32 * 0.1)
 
 
 def test_an_attempt_trails_on_its_server_and_its_rank() -> None:
@@ -141,16 +141,16 @@ def test_an_attempt_trails_on_its_server_and_its_rank() -> None:
     from gateway.dispatch.attempt import Attempt
     from tests.unit.policies.util import generate_text
 
-    worker = dp_worker()
-    rank0 = worker.ranks[0]
+    server = dp_worker()
+    rank0 = server.ranks[0]
     view = generate_text("hello")
-    attempt = Attempt(view, worker, Worker("http://127.0.0.1:30001", "decode"), 1, "r",
+    attempt = Attempt(view, server, Server("http://127.0.0.1:30001", "decode"), 1, "r",
                       ("r",), b"", "id", prefill_rank=0)
     attempt.prefill_target = rank0
     attempt.settle_prefill(trail=True)
     assert attempt.trailing
-    assert (worker.load.trailing, rank0.load.trailing) == (1, 1)
+    assert (server.load.trailing, rank0.load.trailing) == (1, 1)
     assert rank0.load.trailing_tokens == view.prompt_tokens
     attempt.end_trail()
     assert not attempt.trailing
-    assert (worker.load.trailing, rank0.load.trailing, rank0.load.trailing_tokens) == (0, 0, 0)
+    assert (server.load.trailing, rank0.load.trailing, rank0.load.trailing_tokens) == (0, 0, 0)

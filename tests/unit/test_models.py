@@ -11,7 +11,7 @@ from gateway.errors import BadRequest, ModelNotFound
 from gateway.request import parse_request
 from gateway.scheduling.models import Models
 from gateway.scheduling.scheduler import Scheduler
-from gateway.servers.pool import Worker, WorkerPool
+from gateway.servers.pool import Server, ServerPool
 
 SERVERS = ["--prefill", "http://p:1", "--decode", "http://d:1"]
 
@@ -20,16 +20,16 @@ def config(*argv: str):
     return load_config([*SERVERS, *argv], environ={})
 
 
-def server(url: str, role: str, model: str | None, verified: bool = True) -> Worker:
-    worker = Worker(url, role, 8998 if role == "prefill" else None, model=model)
-    worker.verified = verified
-    return worker
+def server(url: str, role: str, model: str | None, verified: bool = True) -> Server:
+    server = Server(url, role, 8998 if role == "prefill" else None, model=model)
+    server.verified = verified
+    return server
 
 
-def two_models(*argv: str, extra: tuple[Worker, ...] = ()) -> tuple[Models, Scheduler]:
+def two_models(*argv: str, extra: tuple[Server, ...] = ()) -> tuple[Models, Scheduler]:
     """alpha: 2 prefill + 1 decode; beta: 1 + 1."""
     cfg = config(*argv)
-    pool = WorkerPool()
+    pool = ServerPool()
     for w in (server("http://a-p1:1", "prefill", "alpha"), server("http://a-p2:1", "prefill",
               "alpha"), server("http://a-d1:1", "decode", "alpha"),
               server("http://b-p1:1", "prefill", "beta"), server("http://b-d1:1", "decode",
@@ -92,7 +92,7 @@ def test_no_model_with_several_and_no_default_is_400_naming_them(asked):
 
 
 def test_one_model_without_settings_is_open_and_allocates_nothing():
-    pool = WorkerPool()
+    pool = ServerPool()
     pool.add(server("http://p:1", "prefill", "only"))
     pool.add(server("http://d:1", "decode", "only"))
     cfg = config()
@@ -105,7 +105,7 @@ def test_one_model_without_settings_is_open_and_allocates_nothing():
 
 
 def test_one_model_with_aliases_rewrites_them_and_stays_lenient():
-    pool = WorkerPool()
+    pool = ServerPool()
     pool.add(server("http://p:1", "prefill", "only"))
     pool.add(server("http://d:1", "decode", "only"))
     cfg = config("--model-aliases", '{"o": "only"}')
@@ -131,12 +131,12 @@ def test_usage_labels_are_resolved_model_names(asked, expected):
 
 
 def test_usage_label_of_a_single_model_gateway_is_its_model_whatever_is_asked():
-    pool = WorkerPool()
+    pool = ServerPool()
     pool.add(server("http://p:1", "prefill", "only"))
     cfg = config()
     models = Models(pool, lambda name: build_policies(cfg, name))
     assert {models.label(asked) for asked in (None, "only", "gpt-4")} == {"only"}
-    assert Models(WorkerPool(), lambda name: build_policies(cfg, name)).label(None) == "other"
+    assert Models(ServerPool(), lambda name: build_policies(cfg, name)).label(None) == "other"
 
 
 def dispatched(scheduler, prefill, decode, view) -> None:
@@ -208,9 +208,9 @@ def test_a_configured_model_without_servers_is_503_not_404():
 def test_readiness_needs_one_model_with_both_roles():
     models, scheduler = two_models()
     assert models.ready()
-    for worker in models.known["alpha"].servers["decode"] + models.known["beta"].servers[
+    for server in models.known["alpha"].servers["decode"] + models.known["beta"].servers[
             "prefill"]:
-        worker.healthy = False  # alpha has no decode, beta no prefill: no pair anywhere
+        server.healthy = False  # alpha has no decode, beta no prefill: no pair anywhere
     assert not models.ready()
 
 
@@ -248,7 +248,7 @@ def test_a_models_own_name_wins_over_an_alias_of_that_name():
 def test_a_model_with_servers_of_one_role_is_warned_about_once(caplog):
     """One model whose roles report different names becomes two models that cannot serve:
     the log says so, naming both, once."""
-    pool = WorkerPool()
+    pool = ServerPool()
     pool.add(server("http://p:1", "prefill", "org/llama"))
     pool.add(server("http://d:1", "decode", "llama"))
     cfg = config()

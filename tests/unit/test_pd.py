@@ -292,8 +292,8 @@ def test_the_request_deadline_caps_its_attempts_and_names_itself():
             started = time.monotonic()
             r = await client.post("/generate", json={"text": "x"})
             took = time.monotonic() - started
-            worker = next(w for w in app.state.gateway.pool if w.url == P1)
-            return r, took, worker
+            server = next(w for w in app.state.gateway.pool if w.url == P1)
+            return r, took, server
 
     r, took, prefill = run(go())
     assert r.status_code == 504

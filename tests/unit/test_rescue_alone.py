@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from gateway.dispatch import rescue
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 from tests.unit.fakes import FakeCluster, FakeServer, run, served_gateway
 
 P1 = "http://127.0.0.1:30000"
@@ -24,21 +24,21 @@ class Waiting:
         self.interrupt = interrupt
 
 
-def server(url: str, role: str = "decode", model: str | None = "m") -> Worker:
-    return Worker(url, role, model=model, verified=True)
+def server(url: str, role: str = "decode", model: str | None = "m") -> Server:
+    return Server(url, role, model=model, verified=True)
 
 
-def mark_down(worker: Worker) -> None:
-    worker.healthy = False
+def mark_down(server: Server) -> None:
+    server.healthy = False
 
 
-def open_breaker(worker: Worker) -> None:
-    for _ in range(worker.breaker.failure_threshold):
-        worker.breaker.record(False)
-    assert not worker.breaker.admits
+def open_breaker(server: Server) -> None:
+    for _ in range(server.breaker.failure_threshold):
+        server.breaker.record(False)
+    assert not server.breaker.admits
 
 
-async def rescued(victim: Worker, peers: list[Worker] | None, count: int = 2) -> tuple[int, int]:
+async def rescued(victim: Server, peers: list[Server] | None, count: int = 2) -> tuple[int, int]:
     """(stopped, still waiting) of `count` attempts waiting on `victim` after a rescue."""
     from gateway.cancel import Interrupt  # noqa: PLC0415 - needs a running loop's tasks
 
@@ -109,12 +109,12 @@ def test_each_rescue_logs_its_decision(caplog):
 class Hung(Waiting):
     """The attempt whose stream got no first chunk after its KV arrived."""
 
-    def __init__(self, decode: Worker) -> None:
+    def __init__(self, decode: Server) -> None:
         super().__init__(None)
         self.decode = decode
 
 
-async def hung_stops(decode: Worker, peers: list[Worker] | None) -> tuple[int, int]:
+async def hung_stops(decode: Server, peers: list[Server] | None) -> tuple[int, int]:
     """(stopped, still waiting) of two other attempts on `decode` after `decode_hung`."""
     from gateway.cancel import Interrupt  # noqa: PLC0415 - needs a running loop's tasks
 
@@ -147,7 +147,7 @@ def test_a_hung_decode_stops_the_others_only_where_a_retry_can_go():
 # -- through the gateway (runtime wiring, dispatcher, proxy) ---------------------------------
 
 
-async def _in_flight(gw, role: str = "decode") -> Worker:
+async def _in_flight(gw, role: str = "decode") -> Server:
     """The server of `role` the request in flight waits on."""
     for _ in range(200):
         busy = [w for w in gw.pool.role(role) if w.attempts]
@@ -157,11 +157,11 @@ async def _in_flight(gw, role: str = "decode") -> Worker:
     raise AssertionError("no attempt in flight")
 
 
-def _health_marks_down(gw, worker: Worker) -> None:
+def _health_marks_down(gw, server: Server) -> None:
     """What the health checker does after enough failed checks (the runtime's `on_down`)."""
     for _ in range(gw.config.health_failures):
-        gw.health.record(worker, False)
-    assert not worker.healthy
+        gw.health.record(server, False)
+    assert not server.healthy
 
 
 def test_only_decode_marked_down_mid_request_still_answers_200():
@@ -178,10 +178,10 @@ def test_only_decode_marked_down_mid_request_still_answers_200():
     assert cluster.servers[D1].cancelled == 0 and len(cluster.servers[D1].received) == 1
 
 
-def _breaker_opens(gw, worker: Worker) -> None:
-    """What proxy.leg_done does when a failure opens the worker's breaker."""
-    open_breaker(worker)
-    assert gw.dispatcher.rescue(worker, "opened its circuit breaker") == 1
+def _breaker_opens(gw, server: Server) -> None:
+    """What proxy.leg_done does when a failure opens the server's breaker."""
+    open_breaker(server)
+    assert gw.dispatcher.rescue(server, "opened its circuit breaker") == 1
 
 
 @pytest.mark.parametrize("fault", [_health_marks_down, _breaker_opens],

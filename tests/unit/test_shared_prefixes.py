@@ -23,7 +23,7 @@ from gateway.prefix.shared import (
 from gateway.prefix.tree import Match
 from gateway.processes.shared_state import SharedState
 from gateway.request import CHAT, RequestView, parse_request
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 A, B, C = "http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"
 
@@ -167,13 +167,13 @@ def test_two_processes_policies_keep_a_conversation_on_one_server(shared):
     """Process 1 routes turn 1 (its only candidate then: the others were drained); process 2
     routes turn 2 with every server up. With the table it follows turn 1; without, it places
     the conversation by its ring, elsewhere for some conversation (the precondition)."""
-    servers = [Worker(url=u, role="prefill") for u in (A, B, C)]
+    servers = [Server(url=u, role="prefill") for u in (A, B, C)]
     prefixes = table()
     moved = deque()
     for n in range(12):
         first, second = (create_policy("cache_aware", "prefill") for _ in range(2))
         for policy in (first, second):
-            policy.on_workers_changed(servers)
+            policy.on_servers_changed(servers)
             if shared:
                 policy.share(prefixes)
         turn1 = conversation(n)

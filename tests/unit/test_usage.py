@@ -91,7 +91,7 @@ def test_the_tenants_prompt_tokens_add_up_to_the_servers_over_retries(tmp_path):
 
     report, metrics = run(go())
     assert report["tenants"]["acme"]["total"]["prompt_tokens"] == 8
-    assert f'gateway_prompt_tokens_total{{worker="{P1}"}} 8.0' in metrics
+    assert f'gateway_prompt_tokens_total{{server="{P1}"}} 8.0' in metrics
     (line,) = [json.loads(x) for x in log.read_text().splitlines()]
     assert (line["attempts"], line["retries"], line["decode"], line["status"]) == \
         (2, 1, D2, 200)

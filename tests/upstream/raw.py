@@ -17,7 +17,7 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 from gateway.upstream.aiohttp_client import AiohttpUpstream
 from gateway.upstream.client import FastUpstream, translate_errors
 
@@ -151,7 +151,7 @@ def answering(*replies: bytes, close: bool = False):
     return handler
 
 
-WORKER = Worker("http://upstream", "decode")
+WORKER = Server("http://upstream", "decode")
 
 
 async def call(up, url: str, body: bytes = b'{"text":"hi"}') -> tuple[int, bytes]:

@@ -1,4 +1,4 @@
-"""Keep the load snapshots of pre-built workers as fresh as each test means them to be."""
+"""Keep the load snapshots of pre-built servers as fresh as each test means them to be."""
 
 import pytest
 

@@ -6,7 +6,7 @@ import pytest
 
 from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
 from gateway.request import RequestView
-from tests.unit.policies.util import chat, generate_ids, worker
+from tests.unit.policies.util import chat, generate_ids, server
 
 SYSTEM = ("system", "You are a careful assistant. " * 20)  # ~600 characters, shared by all
 
@@ -22,7 +22,7 @@ def history(topic: str, turns: int) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("order", ["ab", "ba"], ids=["workers_in_order", "workers_reversed"])
 def test_conversations_follow_their_history_not_the_shared_system_prompt(order: str) -> None:
     policy = CacheAwarePolicy("prefill")
-    a, b = worker("a"), worker("b")
+    a, b = server("a"), server("b")
     candidates = [a, b] if order == "ab" else [b, a]
     policy.on_dispatch(a, chat(*history("apples", 2)))
     policy.on_dispatch(b, chat(*history("boats", 2)))
@@ -34,7 +34,7 @@ def test_conversations_follow_their_history_not_the_shared_system_prompt(order: 
 def test_first_message_alone_does_not_decide() -> None:
     """Same first user message, different later turns: the later turns decide."""
     policy = CacheAwarePolicy("prefill")
-    a, b = worker("a"), worker("b")
+    a, b = server("a"), server("b")
     first = [SYSTEM, ("user", "Plan a trip. " * 10)]
     policy.on_dispatch(a, chat(*first, ("assistant", "Paris? " * 40)))
     policy.on_dispatch(b, chat(*first, ("assistant", "Tokyo! " * 40)))
@@ -65,7 +65,7 @@ SEEN = list(range(1000))
 )
 def test_cache_or_load(a_load, b_load, query, expected) -> None:
     policy = CacheAwarePolicy("prefill")
-    a, b = worker("a", **a_load), worker("b", **b_load)
+    a, b = server("a", **a_load), server("b", **b_load)
     policy.on_dispatch(a, generate_ids(SEEN))
     assert policy.pick([a, b], generate_ids(query)).url == expected
 
@@ -85,7 +85,7 @@ def test_guard_weighs_the_uncached_work_where_it_would_go(a_load, expected) -> N
     """The imbalance guard fires (a is busy, b idle) but compares costs: a request whose 16K
     prefix a holds waits there rather than recompute it on b for no gain."""
     policy = CacheAwarePolicy("prefill")
-    a, b = worker("a", **a_load), worker("b")
+    a, b = server("a", **a_load), server("b")
     policy.on_dispatch(a, generate_ids(DOCUMENT))
     assert policy.pick([a, b], generate_ids(DOCUMENT + [1, 2, 3])).url == expected
     assert policy.stats()["decisions"]["balance"] == 1
@@ -94,7 +94,7 @@ def test_guard_weighs_the_uncached_work_where_it_would_go(a_load, expected) -> N
 def test_coincidental_overlap_counts_as_a_tie() -> None:
     """Both hold the 1000-token prefix; a's extra 10 tokens must not outweigh its load."""
     policy = CacheAwarePolicy("prefill")
-    a, b = worker("a", in_flight=4), worker("b", in_flight=1)
+    a, b = server("a", in_flight=4), server("b", in_flight=1)
     policy.on_dispatch(a, generate_ids(SEEN + list(range(7000, 7010)) + [1]))
     policy.on_dispatch(b, generate_ids(SEEN + [2]))
     assert policy.pick([a, b], generate_ids(SEEN + list(range(7000, 7010)) + [3])) is b
@@ -105,33 +105,33 @@ def test_threshold_option() -> None:
     strict = CacheAwarePolicy("prefill", CacheAwareOptions(match_threshold=0.3))
     loose = CacheAwarePolicy("prefill", CacheAwareOptions(match_threshold=0.1))
     for policy, expected in ((strict, "b"), (loose, "a")):
-        a, b = worker("a", in_flight=2), worker("b")
+        a, b = server("a", in_flight=2), server("b")
         policy.on_dispatch(a, generate_ids(SEEN))
         assert policy.pick([a, b], generate_ids(query)).url == expected
 
 
 def test_removed_worker_is_forgotten() -> None:
     policy = CacheAwarePolicy("prefill")
-    a, b = worker("a"), worker("b")
+    a, b = server("a"), server("b")
     policy.on_dispatch(a, generate_ids(SEEN))
     policy.on_dispatch(b, generate_ids(SEEN[:10]))
-    policy.on_workers_changed([b])
-    assert policy.tree.worker_sizes() == {"b": 40}  # 10 tokens, 4 size units each
+    policy.on_servers_changed([b])
+    assert policy.tree.server_sizes() == {"b": 40}  # 10 tokens, 4 size units each
     assert policy.stats()["tree_size"] == 40
 
 
 def test_tree_bound_holds_across_dispatches() -> None:
     policy = CacheAwarePolicy("prefill", CacheAwareOptions(max_tree_size=5_000))
-    workers = [worker(f"w{i}") for i in range(4)]
+    servers = [server(f"w{i}") for i in range(4)]
     for i in range(200):
         view = generate_ids(list(range(i * 100, i * 100 + 300)))
-        policy.on_dispatch(policy.pick(workers, view), view)
+        policy.on_dispatch(policy.pick(servers, view), view)
         assert policy.tree.size <= 5_000
 
 
 def test_stats_count_decisions() -> None:
     policy = CacheAwarePolicy("prefill")
-    a, b = worker("a"), worker("b")
+    a, b = server("a"), server("b")
     policy.pick([a, b], generate_ids(SEEN))
     policy.on_dispatch(a, generate_ids(SEEN))
     policy.pick([a, b], generate_ids(SEEN))
@@ -140,31 +140,31 @@ def test_stats_count_decisions() -> None:
 
 
 def test_fresh_long_prompts_are_placed_the_same_way_by_every_instance() -> None:
-    """Two policies (two workers or replicas) that share no history place a new
+    """Two policies (two servers or replicas) that share no history place a new
     conversation on the same server, and its later turns follow it there."""
-    workers = [worker(f"http://10.0.0.{i}:30000") for i in range(1, 5)]
+    servers = [server(f"http://10.0.0.{i}:30000") for i in range(1, 5)]
     system = "system: you are a careful assistant for the docs team. " * 8
     first, second = CacheAwarePolicy("prefill"), CacheAwarePolicy("prefill")
     for policy in (first, second):
-        policy.on_workers_changed(workers)
+        policy.on_servers_changed(servers)
     for n in range(20):
         turn1 = chat(("system", system), ("user", f"question {n}: how do I deploy?"))
         turn3 = chat(("system", system), ("user", f"question {n}: how do I deploy?"),
                      ("assistant", "like this"), ("user", "and then?"))
-        here = first.pick(workers, turn1)
-        assert second.pick(workers, turn1) is here
-        assert second.pick(workers, turn3) is here  # no history in `second`: the ring
+        here = first.pick(servers, turn1)
+        assert second.pick(servers, turn1) is here
+        assert second.pick(servers, turn3) is here  # no history in `second`: the ring
     assert first.stats()["decisions"]["placement"] == 20
 
 
 def test_ring_placement_spills_over_when_its_server_is_loaded() -> None:
-    workers = [worker(f"http://10.0.0.{i}:30000") for i in range(1, 4)]
+    servers = [server(f"http://10.0.0.{i}:30000") for i in range(1, 4)]
     policy = CacheAwarePolicy("prefill", CacheAwareOptions(balance_abs_threshold=1e9))
-    policy.on_workers_changed(workers)
+    policy.on_servers_changed(servers)
     view = generate_ids(list(range(5000, 5400)))
-    home = policy.pick(workers, view)
+    home = policy.pick(servers, view)
     home.in_flight = 40  # far over (1 + 0.25) x the average load
-    assert policy.pick(workers, view) is not home
+    assert policy.pick(servers, view) is not home
 
 
 FLEET = [f"http://10.0.1.{i}:30000" for i in range(1, 5)]
@@ -176,31 +176,31 @@ def conversation(n: int) -> RequestView:
 
 
 def test_a_hot_prefix_spreads_to_a_copy_and_comes_back_as_load_drops() -> None:
-    workers = [worker(url) for url in FLEET]
+    servers = [server(url) for url in FLEET]
     policy = CacheAwarePolicy("prefill")
-    policy.on_workers_changed(workers)
-    home = policy.pick(workers, conversation(0))
+    policy.on_servers_changed(servers)
+    home = policy.pick(servers, conversation(0))
     policy.on_dispatch(home, conversation(0))
-    assert policy.pick(workers, conversation(1)) is home  # idle: the cache wins
+    assert policy.pick(servers, conversation(1)) is home  # idle: the cache wins
     home.in_flight, home.in_flight_tokens = 12, 3600  # its queue outweighs a 4K miss
-    copy = policy.pick(workers, conversation(2))
+    copy = policy.pick(servers, conversation(2))
     assert copy is not home and policy.stats()["decisions"]["spread"] == 1
     policy.on_dispatch(copy, conversation(2))
-    assert policy.pick(workers, conversation(3)) is copy  # the copy takes the overflow
+    assert policy.pick(servers, conversation(3)) is copy  # the copy takes the overflow
     home.in_flight, home.in_flight_tokens = 0, 0
-    assert policy.pick(workers, conversation(4)) is home  # load dropped: back to the first
+    assert policy.pick(servers, conversation(4)) is home  # load dropped: back to the first
 
 
 def test_instances_agree_on_which_holder_takes_a_new_conversation() -> None:
     """Two processes whose trees hold the prefix on every target, with different histories
     of ties, still send a new conversation to the same target (ring order, not turns)."""
-    workers = [worker(url) for url in FLEET]
+    servers = [server(url) for url in FLEET]
     policies = [CacheAwarePolicy("prefill"), CacheAwarePolicy("prefill")]
     for policy in policies:
-        policy.on_workers_changed(workers)
-        for w in workers:
+        policy.on_servers_changed(servers)
+        for w in servers:
             policy.on_dispatch(w, conversation(0))
-    policies[1].pick(workers, generate_ids(list(range(10))))  # a different turn count
+    policies[1].pick(servers, generate_ids(list(range(10))))  # a different turn count
     for n in range(1, 20):
-        assert policies[0].pick(workers, conversation(n)) is policies[1].pick(
-            workers, conversation(n))
+        assert policies[0].pick(servers, conversation(n)) is policies[1].pick(
+            servers, conversation(n))

@@ -11,7 +11,7 @@ import pytest
 from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
 from gateway.policies.prefix_cache import PrefixCacheOptions, PrefixCachePolicy
 from gateway.prefix.tree import CHARS_PER_TOKEN
-from tests.unit.policies.util import chat, generate_ids, worker
+from tests.unit.policies.util import chat, generate_ids, server
 
 SYSTEM = ("system", "You are the support assistant of a large shop. " * 30)  # ~1,400 chars
 CAPACITY = 1000  # tokens per target: 4,000 characters of rendered chat
@@ -43,7 +43,7 @@ def turns(name: str, count: int, words: int = 80) -> list:
 
 
 def targets(capacity: int = CAPACITY) -> list:
-    return [worker(f"http://10.0.0.{i}:30000", load={"max_total_tokens": capacity})
+    return [server(f"http://10.0.0.{i}:30000", load={"max_total_tokens": capacity})
             for i in range(1, 4)]
 
 
@@ -62,7 +62,7 @@ def fill(policy, clock: Clock, target, candidates: list) -> None:
     for name in ("ann", "bob", "cid", "dan"):
         clock.now += 0.2
         serve(policy, target, name, 2)
-    assert policy.tree.worker_size(target.url) > 0.8 * CAPACITY * CHARS_PER_TOKEN
+    assert policy.tree.server_size(target.url) > 0.8 * CAPACITY * CHARS_PER_TOKEN
 
 
 @pytest.mark.parametrize("policy_class", [CacheAwarePolicy, PrefixCachePolicy],
@@ -72,7 +72,7 @@ def test_budget_bounds_each_targets_part_of_the_tree(policy_class) -> None:
     a, b, _ = targets()
     for i in range(40):
         policy.on_dispatch(a if i % 2 else b, generate_ids(list(range(i * 500, i * 500 + 300))))
-    sizes = policy.tree.worker_sizes()
+    sizes = policy.tree.server_sizes()
     assert max(sizes.values()) <= CAPACITY * CHARS_PER_TOKEN
     assert sum(sizes.values()) > CAPACITY * CHARS_PER_TOKEN  # something was kept on each
 
@@ -81,7 +81,7 @@ def test_cache_tokens_option_overrides_v1_loads() -> None:
     policy = CacheAwarePolicy("prefill", CacheAwareOptions(cache_tokens=100))
     a, _, _ = targets()
     policy.on_dispatch(a, generate_ids(list(range(1000))))
-    assert policy.tree.worker_size(a.url) == 100 * CHARS_PER_TOKEN
+    assert policy.tree.server_size(a.url) == 100 * CHARS_PER_TOKEN
 
 
 def test_hot_shared_prefix_spreads_when_its_holder_is_full(clock: Clock) -> None:
@@ -135,7 +135,7 @@ def test_continuation_stays_with_its_history_not_a_tie_band_holder(clock: Clock)
 def test_new_prompt_goes_where_there_is_room(clock: Clock) -> None:
     policy = CacheAwarePolicy("prefill")
     a, b, c = targets()
-    policy.on_workers_changed([a, b, c])
+    policy.on_servers_changed([a, b, c])
     fill(policy, clock, a, [a, b, c])
     serve(policy, b, "zed", 1)
     fresh = chat(("system", "A different assistant for the warehouse. " * 40), ("user", "go"))

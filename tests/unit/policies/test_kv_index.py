@@ -190,6 +190,6 @@ def test_remove_worker() -> None:
     index.apply_batch(A, [stored([1, 2])], now=1.0)
     index.apply_batch(A1, [stored([2, 3])], now=1.0)
     index.apply_batch(B, [stored([2])], now=1.0)
-    index.remove_worker("http://a:30000")
-    assert index.entries == 1 and index.workers() == {"http://b:30000"}
+    index.remove_server("http://a:30000")
+    assert index.entries == 1 and index.servers() == {"http://b:30000"}
     assert index.match([0] * 4, ["http://b:30000"]) == {"http://b:30000": 0}

@@ -17,43 +17,43 @@ from gateway.scheduling.load import (
     spread,
     with_uncached,
 )
-from tests.unit.policies.util import generate_text, worker
+from tests.unit.policies.util import generate_text, server
 
 OPTS = LoadOptions(token_unit=100, usage_weight=10.0, load_max_age=5.0)
 
 
 @pytest.mark.parametrize(
-    ("workers", "expected"),
+    ("servers", "expected"),
     [
-        pytest.param([worker("a", in_flight=2, tokens=300)], [5.0], id="gateway_only_requests_plus_tokens"),
+        pytest.param([server("a", in_flight=2, tokens=300)], [5.0], id="gateway_only_requests_plus_tokens"),
         pytest.param(
-            [worker("a", in_flight=1, tokens=100,
+            [server("a", in_flight=1, tokens=100,
                     load={"running": 3, "waiting": 2, "waiting_uncached_tokens": 50,
                           "token_usage": 0.5}, age=1.0)],
             [5 + 1 + 5.0], id="fresh_takes_larger_of_gateway_and_server",
         ),
         pytest.param(
-            [worker("a", in_flight=1, load={"running": 9}, age=60.0)],
+            [server("a", in_flight=1, load={"running": 9}, age=60.0)],
             [1.0], id="stale_snapshot_ignored",
         ),
         pytest.param(
-            [worker("a", in_flight=1, load={"running": 9}, age=1.0),
-             worker("b", in_flight=2)],
+            [server("a", in_flight=1, load={"running": 9}, age=1.0),
+             server("b", in_flight=2)],
             [1.0, 2.0], id="one_without_figures_puts_all_on_gateway_counters",
         ),
         pytest.param(
-            [worker("a", in_flight=4, load={"running": 1}, age=1.0),
-             worker("b", in_flight=0, load={"running": 7}, age=1.0)],
+            [server("a", in_flight=4, load={"running": 1}, age=1.0),
+             server("b", in_flight=0, load={"running": 7}, age=1.0)],
             [4.0, 7.0], id="server_sees_traffic_from_elsewhere",
         ),
     ],
 )
-def test_load_scores(workers, expected) -> None:
-    assert load_scores(workers, OPTS, time.monotonic()) == pytest.approx(expected)
+def test_load_scores(servers, expected) -> None:
+    assert load_scores(servers, OPTS, time.monotonic()) == pytest.approx(expected)
 
 
 def test_never_polled_is_not_fresh() -> None:
-    assert not all_fresh([worker("a")], time.monotonic(), 5.0)
+    assert not all_fresh([server("a")], time.monotonic(), 5.0)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,7 @@ def test_cheapest(costs, lengths, expected) -> None:
     ],
 )
 def test_spread(costs, fresh, expected) -> None:
-    candidates = [worker(name) for name in "abc"]
+    candidates = [server(name) for name in "abc"]
     assert spread(["a", "b", "c"], candidates, costs, fresh, 0, 1.2) == expected
 
 
@@ -128,7 +128,7 @@ def test_a_snapshot_forgets_our_requests_that_ended_after_it() -> None:
     token_usage) after it ended; the requests dispatched before the snapshot that have
     finished since are taken off it, those dispatched after it are not in it to begin with."""
     busy = {"running": 1, "token_usage": 0.2, "max_total_tokens": 2048}
-    w = worker("a", load=busy, age=1.0)
+    w = server("a", load=busy, age=1.0)
     assert load_scores([w], OPTS, time.monotonic()) == [pytest.approx(1 + 0.2 * 10)]
     w.load.settle(time.monotonic(), 409)  # dispatched after the snapshot: not in it
     assert load_scores([w], OPTS, time.monotonic()) == [pytest.approx(1 + 0.2 * 10)]
@@ -145,10 +145,10 @@ def test_a_conversation_stays_on_its_server_when_the_snapshot_shows_its_last_tur
     policy = create_policy("cache_aware", "prefill")
     text = "system: be brief\n" + "user: tell me about harbours\nassistant: ok\n" * 30
     for settled in (False, True):
-        holder = worker("http://h:1", load={"running": 1, "token_usage": 0.3,
+        holder = server("http://h:1", load={"running": 1, "token_usage": 0.3,
                                             "max_total_tokens": 2048}, age=1.0)
-        idle = worker("http://i:1", load={"max_total_tokens": 2048}, age=1.0)
-        policy.on_workers_changed([holder, idle])
+        idle = server("http://i:1", load={"max_total_tokens": 2048}, age=1.0)
+        policy.on_servers_changed([holder, idle])
         policy.on_dispatch(holder, generate_text(text))  # the previous turn went there
         if settled:
             holder.load.settle(holder.load.updated_at - 0.5, 600)

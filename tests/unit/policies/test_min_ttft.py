@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from gateway.policies.min_ttft import MinTtftOptions, MinTtftPolicy
-from tests.unit.policies.util import generate_ids, worker
+from tests.unit.policies.util import generate_ids, server
 
 PROMPT = list(range(1000))  # 1000 prompt tokens
 
@@ -30,8 +30,8 @@ def prefill(**options) -> MinTtftPolicy:
 )
 def test_prefill_minimises_estimated_ttft(a_queued, a_cached, b_kwargs, expected) -> None:
     policy = prefill()
-    a = worker("a", age=1.0 if b_kwargs.get("age") else None)
-    b = worker("b", **b_kwargs)
+    a = server("a", age=1.0 if b_kwargs.get("age") else None)
+    b = server("b", **b_kwargs)
     if a_cached:
         policy.on_dispatch(a, generate_ids(PROMPT[:a_cached]))
         policy.on_complete(a, policy._last[0], True)
@@ -42,14 +42,14 @@ def test_prefill_minimises_estimated_ttft(a_queued, a_cached, b_kwargs, expected
 
 def test_stale_server_queue_is_ignored() -> None:
     policy = prefill()
-    a, b = worker("a", load={"waiting_uncached_tokens": 9000}, age=60.0), worker("b")
+    a, b = server("a", load={"waiting_uncached_tokens": 9000}, age=60.0), server("b")
     policy.on_dispatch(b, generate_ids(list(range(5000, 5500))))  # b: 500 queued
     assert policy.pick([a, b], generate_ids(PROMPT)) is a
 
 
 def test_estimates_are_seconds_at_the_configured_throughput() -> None:
     policy = prefill(prefill_tokens_per_second=10_000.0)
-    a, b = worker("a"), worker("b")
+    a, b = server("a"), server("b")
     policy.on_dispatch(a, generate_ids(PROMPT[:500]))
     estimates = policy.ttft_estimates([a, b], generate_ids(PROMPT), fresh=False)
     assert estimates == pytest.approx([(500 + 500) / 10_000, 1000 / 10_000])
@@ -57,7 +57,7 @@ def test_estimates_are_seconds_at_the_configured_throughput() -> None:
 
 def test_completion_releases_the_queue() -> None:
     policy = prefill()
-    a, b = worker("a"), worker("b")
+    a, b = server("a"), server("b")
     first = generate_ids(PROMPT + list(range(5000, 5200)))
     policy.on_dispatch(a, first)
     assert policy.pick([a, b], generate_ids(PROMPT)) is b  # a still busy with 1200 tokens
@@ -73,19 +73,19 @@ def capacity(w, max_running: int) -> None:
 @pytest.mark.parametrize(
     ("a", "b", "expected"),
     [
-        pytest.param(worker("a", "decode", load={"token_usage": 0.8}, age=1.0),
-                     worker("b", "decode", load={"token_usage": 0.3}, age=1.0), "b",
+        pytest.param(server("a", "decode", load={"token_usage": 0.8}, age=1.0),
+                     server("b", "decode", load={"token_usage": 0.3}, age=1.0), "b",
                      id="lower_kv_usage"),
-        pytest.param(worker("a", "decode", load={"running": 90}, age=1.0),
-                     worker("b", "decode", load={"running": 10, "token_usage": 0.05}, age=1.0),
+        pytest.param(server("a", "decode", load={"running": 90}, age=1.0),
+                     server("b", "decode", load={"running": 10, "token_usage": 0.05}, age=1.0),
                      "b", id="fewer_running_of_max_running"),
-        pytest.param(worker("a", "decode", tokens=90_000,
+        pytest.param(server("a", "decode", tokens=90_000,
                             load={"token_usage": 0.1, "max_total_tokens": 100_000}, age=1.0),
-                     worker("b", "decode", load={"token_usage": 0.5, "max_total_tokens": 100_000},
+                     server("b", "decode", load={"token_usage": 0.5, "max_total_tokens": 100_000},
                             age=1.0),
                      "b", id="gateway_in_flight_tokens_correct_stale_usage"),
-        pytest.param(worker("a", "decode", in_flight=5, load={"token_usage": 0.0}, age=1.0),
-                     worker("b", "decode", in_flight=1, load={"token_usage": 0.9}),
+        pytest.param(server("a", "decode", in_flight=5, load={"token_usage": 0.0}, age=1.0),
+                     server("b", "decode", in_flight=1, load={"token_usage": 0.9}),
                      "b", id="without_fresh_figures_gateway_counts_decide"),
     ],
 )
@@ -97,16 +97,16 @@ def test_decode_prefers_headroom(a, b, expected) -> None:
 
 def test_decode_ties_rotate() -> None:
     policy = MinTtftPolicy("decode")
-    workers = [worker(u, "decode") for u in "abc"]
-    assert Counter(policy.pick(workers, generate_ids(PROMPT)).url for _ in range(9)) == {
+    servers = [server(u, "decode") for u in "abc"]
+    assert Counter(policy.pick(servers, generate_ids(PROMPT)).url for _ in range(9)) == {
         "a": 3, "b": 3, "c": 3}
 
 
 def test_removed_worker_is_forgotten() -> None:
     policy = prefill()
-    a, b = worker("a"), worker("b")
+    a, b = server("a"), server("b")
     policy.on_dispatch(a, generate_ids(PROMPT))
-    policy.on_workers_changed([b])
+    policy.on_servers_changed([b])
     assert policy.stats() == {"tree_size": 0, "tree_nodes": 0, "queued_uncached_tokens": {}}
 
 
@@ -114,11 +114,11 @@ def test_short_common_prefix_does_not_pin_every_request_to_one_server() -> None:
     """The bug the routing benchmark found: chats that share only their first few tokens all
     went to the server that had seen those tokens, because it looked a hair cheaper."""
     policy = MinTtftPolicy("prefill")
-    workers = [worker("a"), worker("b"), worker("c")]
+    servers = [server("a"), server("b"), server("c")]
     seen = Counter()
     for i in range(30):
         view = generate_ids([1, 2, 3] + [100 + i] * 60)
-        chosen = policy.pick(workers, view)
+        chosen = policy.pick(servers, view)
         policy.on_dispatch(chosen, view)
         policy.on_complete(chosen, view, True)
         seen[chosen.url] += 1
@@ -128,11 +128,11 @@ def test_short_common_prefix_does_not_pin_every_request_to_one_server() -> None:
 
 def test_long_shared_prefix_is_still_followed() -> None:
     policy = MinTtftPolicy("prefill")
-    workers = [worker("a"), worker("b")]
+    servers = [server("a"), server("b")]
     first = generate_ids(list(range(500)) + [7])
-    policy.on_dispatch(workers[1], first)
-    policy.on_complete(workers[1], first, True)
-    assert policy.pick(workers, generate_ids(list(range(500)) + [8])).url == "b"
+    policy.on_dispatch(servers[1], first)
+    policy.on_complete(servers[1], first, True)
+    assert policy.pick(servers, generate_ids(list(range(500)) + [8])).url == "b"
 
 
 def _loads(tokens: int, busy_us: int, rank: int = 0) -> dict:
@@ -141,7 +141,7 @@ def _loads(tokens: int, busy_us: int, rank: int = 0) -> dict:
 
 
 def test_prefill_speed_is_measured_from_the_servers_counters() -> None:
-    w = worker("a")
+    w = server("a")
     assert w.load.prefill_speed == 0.0  # never polled: the configured speed applies
     w.apply_loads({"loads": [_loads(1000, 100_000)]})  # since its start: 1k tokens in 0.1 s
     assert w.load.prefill_speed == pytest.approx(10_000.0)
@@ -155,7 +155,7 @@ def test_prefill_speed_is_measured_from_the_servers_counters() -> None:
 
 
 def test_a_dp_server_speed_is_its_ranks_together() -> None:
-    w = worker("a")
+    w = server("a")
     w.dp_size = 2
     from gateway.servers.pool import Rank  # noqa: PLC0415 - only this test builds ranks
     w.ranks = [Rank(w, 0), Rank(w, 1)]
@@ -168,7 +168,7 @@ def test_a_dp_server_speed_is_its_ranks_together() -> None:
 
 def test_a_measured_faster_server_wins_an_even_race() -> None:
     policy = prefill(prefill_tokens_per_second=10_000.0)
-    slow, fast = worker("slow"), worker("fast")
+    slow, fast = server("slow"), server("fast")
     for w, tokens in ((slow, 5_000), (fast, 40_000)):
         w.apply_loads({"loads": [_loads(0, 0)]})
         w.apply_loads({"loads": [_loads(tokens, 1_000_000)]})

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway.prefix.placement import Ring, anchor_of
-from tests.unit.policies.util import chat, worker
+from tests.unit.policies.util import chat, server
 
 URLS = [f"http://10.0.2.{i}:30000" for i in range(1, 6)]
 
@@ -31,7 +31,7 @@ def test_first_follows_the_ring_within_the_bound(among, loaded, expect) -> None:
     r = ring()
     anchor = b"some prompt"
     order = r.walk(anchor)
-    candidates = [worker(url) for url in order]  # candidate i is the i-th on the ring
+    candidates = [server(url) for url in order]  # candidate i is the i-th on the ring
     loads = [0.0] * 5
     if loaded is not None:
         loads[loaded] = 50.0  # far over (1 + 0.25) x the average + 1

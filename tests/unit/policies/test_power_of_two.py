@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from gateway.policies.power_of_two import PowerOfTwoPolicy
-from tests.unit.policies.util import chat, worker
+from tests.unit.policies.util import chat, server
 
 VIEW = chat(("user", "hello"))
 
@@ -22,20 +22,20 @@ def policy(seed: int = 7) -> PowerOfTwoPolicy:
 @pytest.mark.parametrize(
     ("pair", "expected"),
     [
-        pytest.param([worker("a", tokens=5000), worker("b", tokens=10)], "b",
+        pytest.param([server("a", tokens=5000), server("b", tokens=10)], "b",
                      id="fewer_in_flight_tokens"),
-        pytest.param([worker("a", in_flight=4), worker("b", in_flight=1)], "b",
+        pytest.param([server("a", in_flight=4), server("b", in_flight=1)], "b",
                      id="fewer_in_flight_requests"),
         pytest.param(
-            [worker("a", load={"running": 2, "waiting": 40}, age=1.0),
-             worker("b", in_flight=3, age=1.0)],
+            [server("a", load={"running": 2, "waiting": 40}, age=1.0),
+             server("b", in_flight=3, age=1.0)],
             "b", id="fresh_server_queue_corrects_gateway_view",
         ),
         # The sglang-router lesson: one candidate without figures must not be compared on
         # gateway counters against the other's server figures.
         pytest.param(
-            [worker("a", load={"running": 2, "waiting": 40}, age=1.0),
-             worker("b", in_flight=3)],
+            [server("a", load={"running": 2, "waiting": 40}, age=1.0),
+             server("b", in_flight=3)],
             "a", id="one_lacks_figures_both_compared_on_gateway_counters",
         ),
     ],
@@ -46,14 +46,14 @@ def test_less_loaded_of_the_two(pair, expected) -> None:
 
 
 def test_single_candidate() -> None:
-    only = worker("a", in_flight=100)
+    only = server("a", in_flight=100)
     assert policy().pick([only], VIEW) is only
 
 
 def test_most_loaded_never_wins_and_the_rest_share() -> None:
-    workers = [worker("hot", in_flight=50)] + [worker(f"w{i}", in_flight=i) for i in range(3)]
+    servers = [server("hot", in_flight=50)] + [server(f"w{i}", in_flight=i) for i in range(3)]
     p = policy()
-    picks = Counter(p.pick(workers, VIEW).url for _ in range(6000))
+    picks = Counter(p.pick(servers, VIEW).url for _ in range(6000))
     assert "hot" not in picks
     # w0 wins every pair it is in (1/2 of pairs), w1 the pairs without w0 (1/3), w2 only vs hot.
     assert picks["w0"] / 6000 == pytest.approx(1 / 2, abs=0.03)

@@ -11,7 +11,7 @@ import pytest
 from gateway.policies.base import build_options
 from gateway.policies.prefix_cache import PrefixCacheOptions, PrefixCachePolicy, parse_tcp
 from gateway.prefix.kv_index import block_hashes
-from tests.unit.policies.util import chat, completion, generate_ids, generate_text, worker
+from tests.unit.policies.util import chat, completion, generate_ids, generate_text, server
 
 PROMPT = list(range(1000, 1064))  # 16 blocks of 4
 A, B = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
@@ -32,7 +32,7 @@ def holds(p: PrefixCachePolicy, url: str, tokens: list[int], blocks: int | None 
 def test_exact_state_beats_routing_history() -> None:
     """The tree says a (it was sent the prompt) but the events say only b still holds it."""
     p = policy()
-    a, b = worker(A), worker(B)
+    a, b = server(A), server(B)
     p.on_dispatch(a, generate_ids(PROMPT))
     holds(p, A, [])  # a's stream is alive, and its cache no longer has the prompt
     holds(p, B, PROMPT)
@@ -42,7 +42,7 @@ def test_exact_state_beats_routing_history() -> None:
 
 def test_longest_exact_prefix_wins() -> None:
     p = policy()
-    a, b = worker(A), worker(B)
+    a, b = server(A), server(B)
     holds(p, A, PROMPT, blocks=6)
     holds(p, B, PROMPT, blocks=12)
     assert p.pick([a, b], generate_ids(PROMPT)) is b
@@ -58,7 +58,7 @@ def test_longest_exact_prefix_wins() -> None:
 )
 def test_fallback_to_tree_for_stale_workers(a_stream: str, expected: str) -> None:
     p = policy(stale_after=30.0)
-    a, b = worker(A, in_flight=2), worker(B)
+    a, b = server(A, in_flight=2), server(B)
     p.on_dispatch(a, generate_ids(PROMPT))  # the tree remembers a
     if a_stream != "never":
         holds(p, A, [])
@@ -78,7 +78,7 @@ def test_fallback_to_tree_for_stale_workers(a_stream: str, expected: str) -> Non
 )
 def test_requests_events_cannot_describe_use_the_tree(view, expected) -> None:
     p = policy()
-    a, b = worker(A), worker(B)
+    a, b = server(A), server(B)
     p.on_dispatch(a, view)
     holds(p, A, [])
     holds(p, B, PROMPT)
@@ -90,7 +90,7 @@ def test_requests_events_cannot_describe_use_the_tree(view, expected) -> None:
                          ids=["generate", "completions", "chat"])
 def test_text_matches_exactly_with_the_gateway_tokenizers_ids(text_view) -> None:
     p = policy()
-    a, b = worker(A), worker(B)
+    a, b = server(A), server(B)
     holds(p, A, [])
     holds(p, B, PROMPT)
     plain = text_view("hello")
@@ -101,7 +101,7 @@ def test_text_matches_exactly_with_the_gateway_tokenizers_ids(text_view) -> None
 
 def test_load_guard_still_applies() -> None:
     p = policy()
-    a, b = worker(A, in_flight=80), worker(B)
+    a, b = server(A, in_flight=80), server(B)
     holds(p, A, PROMPT)
     holds(p, B, [])
     assert p.pick([a, b], generate_ids(PROMPT)) is b
@@ -126,7 +126,7 @@ def test_load_guard_still_applies() -> None:
 )
 def test_event_sources(options, descriptor, dp_size, expected) -> None:
     p = policy(**options)
-    w = worker(A)
+    w = server(A)
     w.dp_size = dp_size
     if descriptor is not None:
         w.kv_events = descriptor  # what the pool would record from /server_info
@@ -138,7 +138,7 @@ def test_event_sources(options, descriptor, dp_size, expected) -> None:
 
 
 def test_ipv6_worker_host_is_bracketed() -> None:
-    sources = policy()._sources([worker("http://[fd00::5]:30000")])
+    sources = policy()._sources([server("http://[fd00::5]:30000")])
     assert [s.endpoint for s in sources] == ["tcp://[fd00::5]:5557"]
 
 
@@ -150,25 +150,25 @@ def test_its_own_tokenizer_option_is_gone() -> None:
 
 def test_workers_sharing_an_endpoint_are_not_followed() -> None:
     p = policy()
-    same_host = [worker("http://10.0.0.1:30000"), worker("http://10.0.0.1:30001"), worker(B)]
+    same_host = [server("http://10.0.0.1:30000"), server("http://10.0.0.1:30001"), server(B)]
     assert [s.url for s in p._sources(same_host)] == [B]
 
 
 def test_removed_worker_leaves_index_tree_and_subscriptions() -> None:
     p = policy()
-    a, b = worker(A), worker(B)
-    p.on_workers_changed([a, b])
+    a, b = server(A), server(B)
+    p.on_servers_changed([a, b])
     p.on_dispatch(a, generate_ids(PROMPT))
     holds(p, A, PROMPT)
-    p.on_workers_changed([b])
-    assert A not in p.index.workers() and A not in p.tree.worker_sizes()
+    p.on_servers_changed([b])
+    assert A not in p.index.servers() and A not in p.tree.server_sizes()
     assert [s.url for s in p.subscriber._wanted.values()] == [B]
 
 
 def test_start_and_stop_without_sources() -> None:
     async def run() -> None:
         p = policy(default_port=0)
-        p.on_workers_changed([worker(A)])
+        p.on_servers_changed([server(A)])
         await p.start()
         await p.stop()
 
@@ -191,7 +191,7 @@ def test_parse_tcp(value, expected) -> None:
 
 def test_candidates_not_announced_are_followed() -> None:
     p = policy()
-    a, b = worker(A), worker(B)
+    a, b = server(A), server(B)
     p.pick([a, b], generate_ids(PROMPT))
     assert sorted(s.url for s in p.subscriber._wanted.values()) == [A, B]
 
@@ -201,10 +201,10 @@ def test_each_dp_rank_matches_on_its_own_cache() -> None:
     from gateway.servers.probe import ServerFacts
 
     p = policy()
-    server = worker(A)
-    server.apply_facts(ServerFacts("prefill", 8998, "m", 4))
-    ranks = targets([server])
-    p.on_workers_changed(ranks)
+    holder = server(A)
+    holder.apply_facts(ServerFacts("prefill", 8998, "m", 4))
+    ranks = targets([holder])
+    p.on_servers_changed(ranks)
     chain = list(block_hashes(PROMPT, 4))
     p.index.apply_batch((A, 2), [{"type": "BlockStored", "block_hashes": chain,
                                   "parent_block_hash": None, "token_ids": [],
@@ -212,6 +212,6 @@ def test_each_dp_rank_matches_on_its_own_cache() -> None:
     for other in (0, 1, 3):  # events seen from every rank: all fresh
         p.index.apply_batch((A, other), [], time.monotonic())
     chosen = p.pick(ranks, generate_ids(PROMPT))
-    assert (chosen.server, chosen.rank) == (server, 2)
+    assert (chosen.server, chosen.rank) == (holder, 2)
     exact = p.index.match(PROMPT, [(A, 0), (A, 2), A])
     assert exact == {(A, 0): 0, (A, 2): len(PROMPT), A: len(PROMPT)}

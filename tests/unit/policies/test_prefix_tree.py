@@ -1,5 +1,5 @@
-"""The approximate prefix index: matching, the global bound, per-worker budgets, LRU leaf
-eviction, worker removal, and the invariants under random operations."""
+"""The approximate prefix index: matching, the global bound, per-server budgets, LRU leaf
+eviction, server removal, and the invariants under random operations."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from gateway.prefix.tree import CHARS_PER_TOKEN, PrefixTree
 
 
 def check_invariants(tree: PrefixTree) -> None:
-    """Accounting equals a recount; children hold subsets of their parent's workers; in the
+    """Accounting equals a recount; children hold subsets of their parent's servers; in the
     global order and in each worker's own order, nodes are older than their ancestors; a node
     missing from a holder's order (made by a split) has exactly one child that holder holds."""
     order = {node: i for i, node in enumerate(tree._lru)}
@@ -21,15 +21,15 @@ def check_invariants(tree: PrefixTree) -> None:
         node = stack.pop()
         for first, child in node.children.items():
             assert child.parent is node and child.label[0] == first
-            assert child.workers, "a node nobody holds must go"
+            assert child.servers, "a node nobody holds must go"
             unit = 1 if isinstance(child.label, str) else CHARS_PER_TOKEN
             assert child.size == len(child.label) * unit
             if node is not tree._root:
-                assert child.workers.keys() <= node.workers.keys()
+                assert child.servers.keys() <= node.servers.keys()
                 assert order[child] < order[node]
-            assert child.last >= max(child.workers.values())
-            size += child.size * len(child.workers)
-            for url in child.workers:
+            assert child.last >= max(child.servers.values())
+            size += child.size * len(child.servers)
+            for url in child.servers:
                 per_worker[url] = per_worker.get(url, 0) + child.size
                 if child in own[url]:
                     parent = node
@@ -38,14 +38,14 @@ def check_invariants(tree: PrefixTree) -> None:
                             assert own[url][child] < own[url][parent]
                         parent = parent.parent
                 else:
-                    assert sum(url in c.workers for c in child.children.values()) == 1
+                    assert sum(url in c.servers for c in child.children.values()) == 1
             stack.append(child)
     assert size == tree.size <= tree.max_size
-    assert per_worker == tree.worker_sizes()
+    assert per_worker == tree.server_sizes()
     assert len(order) == tree.node_count
     assert set(own) == set(per_worker)
     for url, nodes in own.items():
-        times = [node.workers[url] for node in nodes]
+        times = [node.servers[url] for node in nodes]
         assert times == sorted(times)
 
 
@@ -78,14 +78,14 @@ def test_same_key_to_two_workers_counts_twice() -> None:
     tree = PrefixTree(100)
     tree.insert("x" * 10, "a")
     tree.insert("x" * 10, "b")
-    assert tree.size == 20 and tree.worker_sizes() == {"a": 10, "b": 10}
+    assert tree.size == 20 and tree.server_sizes() == {"a": 10, "b": 10}
 
 
 def test_a_token_counts_as_four_characters() -> None:
     tree = PrefixTree(1_000)
     tree.insert(tuple(range(10)), "a")
     tree.insert("x" * 10, "a")
-    assert tree.worker_sizes() == {"a": 10 * CHARS_PER_TOKEN + 10}
+    assert tree.server_sizes() == {"a": 10 * CHARS_PER_TOKEN + 10}
 
 
 @pytest.mark.parametrize("kind", ["text", "tokens"])
@@ -148,13 +148,13 @@ def test_remove_worker() -> None:
     tree.insert("shared prefix then a", "a")
     tree.insert("shared prefix then b", "b")
     tree.insert("only a", "a")
-    tree.remove_worker("a")
+    tree.remove_server("a")
     assert tree.match("shared prefix then a") == {"b": 19}
     assert tree.match("only a") == {}
-    assert tree.worker_sizes() == {"b": 20}
+    assert tree.server_sizes() == {"b": 20}
     check_invariants(tree)
-    tree.remove_worker("missing")  # no-op
-    tree.remove_worker("b")
+    tree.remove_server("missing")  # no-op
+    tree.remove_server("b")
     assert tree.size == 0 and tree.node_count == 0
 
 
@@ -166,7 +166,7 @@ def test_budget_evicts_that_workers_least_recently_used_content_only() -> None:
     tree.insert("c" * 10, "w", now=4, budget=30)
     tree.insert("d" * 10, "w", now=5, budget=30)  # 40 > 30: w's oldest ("a") goes
     assert tree.match("a" * 10) == {}
-    assert tree.worker_sizes() == {"w": 30, "v": 10}
+    assert tree.server_sizes() == {"w": 30, "v": 10}
     tree.insert("e" * 10, "w", now=6, budget=30)  # then "b", which v still holds
     assert tree.match("b" * 10) == {"v": 10}
     assert tree.oldest("w") == 4 and tree.oldest("v") == 3 and tree.oldest("x") is None
@@ -194,7 +194,7 @@ def test_a_node_cut_by_another_worker_leaves_with_the_part_below_it() -> None:
     check_invariants(tree)
     tree.insert("qrstuvwx", "w", now=3, budget=12)  # 14 > 12: all of "abcdef" goes for w
     assert tree.match("abcdef") == {"v": 3}
-    assert tree.worker_sizes() == {"w": 8, "v": 6}
+    assert tree.server_sizes() == {"w": 8, "v": 6}
     check_invariants(tree)
 
 
@@ -227,8 +227,8 @@ def test_match_reports_the_earlier_key_it_continues(inserts, query, end, used) -
 @pytest.mark.parametrize("max_size", [1_000_000, 3_000], ids=["budgets_bind", "bound_binds"])
 def test_invariants_hold_under_random_operations(kind: str, max_size: int) -> None:
     """Random inserts (with and without budgets), matches, TTL expiry and removals: the
-    accounting and ordering invariants hold after every step, no worker exceeds its budget,
-    and while only budgets bind a worker keeps the whole key it was sent last."""
+    accounting and ordering invariants hold after every step, no server exceeds its budget,
+    and while only budgets bind a server keeps the whole key it was sent last."""
     rng = random.Random(f"{kind}/{max_size}")
     tree = PrefixTree(max_size, ttl=40.0)
     budgets = {f"w{i}": rng.choice([0, 200, 500, 1200]) for i in range(5)}
@@ -242,7 +242,7 @@ def test_invariants_hold_under_random_operations(kind: str, max_size: int) -> No
         if action < 0.75:
             tree.insert(key, url, now=float(step), budget=budgets[url])
             if budgets[url]:
-                assert tree.worker_size(url) <= budgets[url]
+                assert tree.server_size(url) <= budgets[url]
             fits = not budgets[url] or len(key) * unit <= budgets[url]
             if max_size == 1_000_000 and fits:
                 assert tree.match(key)[url] == len(key)
@@ -250,6 +250,6 @@ def test_invariants_hold_under_random_operations(kind: str, max_size: int) -> No
             found = tree.match(key)
             assert all(0 < n <= len(key) for n in found.values())
         else:
-            tree.remove_worker(url)
-            assert url not in tree.worker_sizes()
+            tree.remove_server(url)
+            assert url not in tree.server_sizes()
         check_invariants(tree)

@@ -1,4 +1,4 @@
-"""Small builders shared by the policy tests: workers with given counters, parsed request views."""
+"""Small builders shared by the policy tests: servers with given counters, parsed request views."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import orjson
 
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView, parse_request
 from gateway.servers.load import ServerLoad
-from gateway.servers.pool import Worker
+from gateway.servers.pool import Server
 
 
-def worker(url: str, role: str = "prefill", *, in_flight: int = 0, tokens: int = 0,
-           load: dict | None = None, age: float | None = None) -> Worker:
-    """A worker; `load` fields form its /v1/loads snapshot, `age` seconds old (None: never)."""
-    w = Worker(url=url, role=role)
+def server(url: str, role: str = "prefill", *, in_flight: int = 0, tokens: int = 0,
+           load: dict | None = None, age: float | None = None) -> Server:
+    """A server; `load` fields form its /v1/loads snapshot, `age` seconds old (None: never)."""
+    w = Server(url=url, role=role)
     w.in_flight, w.in_flight_tokens = in_flight, tokens
     w.load = ServerLoad(**(load or {}))
     if age is not None:
@@ -23,9 +23,9 @@ def worker(url: str, role: str = "prefill", *, in_flight: int = 0, tokens: int =
     return w
 
 
-# Workers built in `parametrize` are made at collection time; a long test run would age their
+# Servers built in `parametrize` are made at collection time; a long test run would age their
 # snapshots past the freshness limit. conftest.py re-stamps them just before each test.
-AGES: dict[int, tuple[Worker, float]] = {}
+AGES: dict[int, tuple[Server, float]] = {}
 
 
 def restamp() -> None:
