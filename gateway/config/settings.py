@@ -83,7 +83,7 @@ class GatewayConfig:
         None, "CA bundle of client certificates; when set, clients must present one (mTLS)")
 
     # Serving processes (gateway/processes/supervisor.py, docs/WORKERS.md)
-    servers: Literal["auto"] | Annotated[int, Field(ge=1, le=32)] = _opt(
+    workers: Literal["auto"] | Annotated[int, Field(ge=1, le=32)] = _opt(
         1, "serving processes on the one port; auto: one per core this process may use")
     workers_socket: Literal["shared", "reuseport"] = _opt(
         "shared", "how workers share the port: one socket the supervisor binds, or one "

@@ -33,7 +33,7 @@ WORKER_BITS = 5  # with --workers: up to 32 worker processes, each with its own 
 class RoomAllocator:
     """Rooms of one gateway process. A worker of `--workers N` puts its id in the 5 bits
     under the replica id, so its counter has 46 bits (2.2 years of microseconds before it
-    wraps within its own bits) and no two servers or replicas can make the same room."""
+    wraps within its own bits) and no two workers or replicas can make the same room."""
 
     def __init__(self, replica_id: int | None = None, start: int | None = None,
                  worker_id: int | None = None) -> None:

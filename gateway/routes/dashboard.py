@@ -62,7 +62,7 @@ async def data(request: Request) -> Response:
         counts = roles[server["role"]]
         counts["total"] += 1
         counts["usable"] += 1 if server["usable"] else 0
-    read = gw.read_metrics()  # summed over servers, if any
+    read = gw.read_metrics()  # summed over workers, if any
     families = {f.name: f for f in read}
     prompt = _totals(_family(families, "gateway_prompt_tokens"), "server")
     cached = _totals(_family(families, "gateway_cached_tokens"), "server")
