@@ -12,8 +12,8 @@ from backends.sim.deadlines import DeadlineQueue
 from backends.sim.dp import DpController, DpRank, build_ranks
 from backends.sim.job import Job
 from backends.sim.kvclient import BootstrapClient
-from backends.sim.metrics import Telemetry
 from backends.sim.stats import SimStats
+from backends.sim.telemetry import Telemetry
 
 
 @dataclass

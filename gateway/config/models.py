@@ -18,7 +18,7 @@ from gateway.config.servers import ConfigError
 from gateway.policies import REGISTRY, Policy, create_policy
 
 if TYPE_CHECKING:
-    from gateway.config.settings import GatewayConfig
+    from gateway.config.schema import GatewayConfig
 
 DEFAULT_POLICIES = {"prefill": "cache_aware", "decode": "least_load"}
 # SGLang's DEFAULT_MODEL_NAME (entrypoints/openai/protocol.py): what its OpenAI API assumes

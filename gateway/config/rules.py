@@ -1,6 +1,6 @@
 """The rules of the config that span settings (single values are checked by their types).
 
-Apart from `config.py` so that the settings' declarations stay one readable table; run by
+Apart from `settings.py` so that the settings' declarations stay one readable table; run by
 `load_config` once the `GatewayConfig` is built, before the port is bound: a broken rule is a
 ConfigError naming the settings (exit 2).
 """
@@ -11,18 +11,17 @@ import ipaddress
 import os
 from typing import TYPE_CHECKING
 
+from gateway.config.models import check_model_settings
 from gateway.config.servers import ConfigError
 from gateway.config.tenants import check_tenancy
+from gateway.policies import REGISTRY
 
 if TYPE_CHECKING:
-    from gateway.config.settings import GatewayConfig
+    from gateway.config.schema import GatewayConfig
 
 
 def validate(cfg: GatewayConfig) -> None:
     """Raise ConfigError for the first rule `cfg` breaks."""
-    from gateway.config.models import check_model_settings  # noqa: PLC0415  (as REGISTRY)
-    from gateway.policies import REGISTRY  # noqa: PLC0415  (registry imports no config)
-
     if not cfg.launch and (not (cfg.prefill or cfg.prefill_selector)
                            or not (cfg.decode or cfg.decode_selector)):
         raise ConfigError(

@@ -69,7 +69,7 @@ class ProtocolViolation(HTTPClientError):
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; serves one request at a time."""
 
-    def __init__(self, pool: HostPool) -> None:
+    def __init__(self, pool: HostPool[_Connection]) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()  # once, not per post: it costs a getpid
@@ -301,9 +301,9 @@ class HTTPClient:
         self.limit = limit
         self.pool_timeout = pool_timeout
         self.ssl_context = ssl_context
-        self._pools: dict[str, HostPool] = {}
+        self._pools: dict[str, HostPool[_Connection]] = {}
 
-    def _pool(self, base_url: str) -> HostPool:
+    def _pool(self, base_url: str) -> HostPool[_Connection]:
         pool = self._pools.get(base_url)
         if pool is None:
             parts = urlsplit(base_url)
@@ -318,7 +318,7 @@ class HTTPClient:
             self._pools[base_url] = pool
         return pool
 
-    async def _acquire(self, pool: HostPool) -> _Connection:
+    async def _acquire(self, pool: HostPool[_Connection]) -> _Connection:
         """A live connection to the pool's server: idle, new, or after waiting in line."""
         while True:
             connection = pool.take_idle()
@@ -338,7 +338,7 @@ class HTTPClient:
             if not got.closed:
                 return got
 
-    async def _connect(self, pool: HostPool) -> _Connection:
+    async def _connect(self, pool: HostPool[_Connection]) -> _Connection:
         """Open a connection on a place already counted in `pool.pending`."""
         loop = asyncio.get_running_loop()
         tls = pool.tls

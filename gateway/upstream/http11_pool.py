@@ -20,23 +20,34 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gateway.upstream.http11 import _Connection
+from typing import Generic, Protocol, TypeVar
 
 IDLE_EXPIRY = 4.0  # below uvicorn's default keep-alive timeout (5 s): SGLang closes at 5 s
 
 
-class HostPool:
+class Pooled(Protocol):
+    """What the pool needs of a connection: whether it is still usable, and how to close it.
+    The client's connection (`http11.py`) calls back `release` and `discard`."""
+
+    closed: bool
+    idle_since: float
+    transport: asyncio.Transport | None
+
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=Pooled)
+
+
+class HostPool(Generic[C]):
     def __init__(self, host: str, port: int, authority: str, limit: int) -> None:
         self.host = host
         self.port = port
         self.authority = authority  # the Host header: "host:port", "[::1]:port" for IPv6
         self.limit = limit
         self.tls: ssl.SSLContext | None = None  # https servers
-        self.idle: collections.deque[_Connection] = collections.deque()
-        self.active: set[_Connection] = set()
+        self.idle: collections.deque[C] = collections.deque()
+        self.active: set[C] = set()
         self.pending = 0  # connects in progress and places handed to a waiter
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
         self.heads: dict[str, bytes] = {}  # per path: the request head up to Content-Length
@@ -45,7 +56,7 @@ class HostPool:
     def size(self) -> int:
         return len(self.active) + len(self.idle) + self.pending
 
-    def take_idle(self) -> _Connection | None:
+    def take_idle(self) -> C | None:
         """The warmest live idle connection (now active), or None. Dead or expired ones are
         closed on the way: that is where a server's close of a kept-alive connection is
         noticed, before anything was written to it."""
@@ -61,7 +72,7 @@ class HostPool:
             return connection
         return None
 
-    def release(self, connection: _Connection) -> None:
+    def release(self, connection: C) -> None:
         """A connection that finished a response cleanly: to the first waiter, else idle."""
         self.active.discard(connection)
         while self.waiters:
@@ -73,7 +84,7 @@ class HostPool:
         connection.idle_since = time.monotonic()
         self.idle.append(connection)
 
-    def discard(self, connection: _Connection) -> None:
+    def discard(self, connection: C) -> None:
         """A connection closed (by either side); idempotent."""
         if connection in self.active:
             self.active.remove(connection)
@@ -93,7 +104,7 @@ class HostPool:
                 waiter.set_result(None)
                 return
 
-    async def wait(self, timeout: float) -> _Connection | None:
+    async def wait(self, timeout: float) -> C | None:
         """Wait in line: a connection handed over, or None for a place to connect on (already
         counted in `pending`). Raises TimeoutError after `timeout` seconds."""
         waiter = asyncio.get_running_loop().create_future()
@@ -112,7 +123,7 @@ class HostPool:
                     pass
             raise
 
-    def give_back(self, got: _Connection | None) -> None:
+    def give_back(self, got: C | None) -> None:
         if got is None:
             self.pending -= 1
             self.freed()
