@@ -5,7 +5,7 @@
     python -m loadtests.priority --targets alone,gateway,fifo --markdown out.md --out out.json
 
 One simulated PD cluster (1 prefill + 2 decode, `backends.sim` with its H100 timing model,
-`loadtests/routing_cluster.py`), then one proxy per target, each started fresh on it. The
+`loadtests/routing/cluster.py`), then one proxy per target, each started fresh on it. The
 proxy's concurrency cap (`--max-concurrency`, `--max-queue`) stands for what the servers can
 run at once: beyond it requests wait in the proxy, which is where priorities act. Two tenants
 from one key file (`KEY TENANT` lines): `app` sends a steady Poisson stream of interactive
@@ -54,10 +54,10 @@ from loadtests import peers
 from loadtests.launch import HOST, free_port, running, stop_after
 from loadtests.priority_load import SHED, Client, Load, drive
 from loadtests.priority_report import GOAL, Row, goal_lines, markdown_table, text_table
-from loadtests.routing_client import Reply
-from loadtests.routing_cluster import Cluster, SimOptions, settle, sim_cluster
-from loadtests.routing_report import percentile
-from loadtests.routing_targets import Target as Proxy
+from loadtests.routing.client import Reply
+from loadtests.routing.cluster import Cluster, SimOptions, settle, sim_cluster
+from loadtests.routing.report import percentile
+from loadtests.routing.targets import Target as Proxy
 
 APP = Client("app", "key-app-0123456789", "interactive")
 BULK = Client("bulk", "key-bulk-0123456789", "batch")

@@ -24,7 +24,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from loadtests.routing_client import Reply, stream
+from loadtests.routing.client import Reply, stream
 
 PATH = "/generate"
 # refused by admission: queue full, shed, or no slot in time (sglang-router: 408)

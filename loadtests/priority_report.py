@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loadtests.routing_report import render_markdown, render_text
+from loadtests.routing.report import render_markdown, render_text
 
 GOAL = 1.5  # interactive p99 under the flood, at most this many times its p99 alone
 BASELINE = "alone"

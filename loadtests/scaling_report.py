@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from loadtests.loadgen import Total
 from loadtests.report import fmt, table
-from loadtests.routing_report import percentile
+from loadtests.routing.report import percentile
 
 SCALING_GOAL = 0.8  # req/s(N) >= 0.8 x N x req/s(1)
 BUSY_WARNING = 0.85  # stubs or load generators busier than this may have capped the proxy

@@ -6,7 +6,7 @@ import pytest
 
 from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
 from gateway.request import RequestView
-from tests.unit.policies.util import chat, generate_ids, server
+from tests.unit.builders import chat, generate_ids, server
 
 SYSTEM = ("system", "You are a careful assistant. " * 20)  # ~600 characters, shared by all
 

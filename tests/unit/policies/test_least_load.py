@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from gateway.policies.least_load import LeastLoadOptions, LeastLoadPolicy
-from tests.unit.policies.util import chat, server
+from tests.unit.builders import chat, server
 
 VIEW = chat(("user", "hello"))
 

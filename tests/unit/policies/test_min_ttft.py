@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from gateway.policies.min_ttft import MinTtftOptions, MinTtftPolicy
-from tests.unit.policies.util import generate_ids, server
+from tests.unit.builders import generate_ids, server
 
 PROMPT = list(range(1000))  # 1000 prompt tokens
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from gateway.policies.power_of_two import PowerOfTwoPolicy
-from tests.unit.policies.util import chat, server
+from tests.unit.builders import chat, server
 
 VIEW = chat(("user", "hello"))
 

@@ -11,7 +11,7 @@ import pytest
 from gateway.policies.base import build_options
 from gateway.policies.prefix_cache import PrefixCacheOptions, PrefixCachePolicy, parse_tcp
 from gateway.prefix.kv_index import block_hashes
-from tests.unit.policies.util import chat, completion, generate_ids, generate_text, server
+from tests.unit.builders import chat, completion, generate_ids, generate_text, server
 
 PROMPT = list(range(1000, 1064))  # 16 blocks of 4
 A, B = "http://10.0.0.1:30000", "http://10.0.0.2:30000"

@@ -9,16 +9,16 @@
     python -m loadtests.routing --workload hard       # hot prompt, docqa, agents; ~13 min
     python -m loadtests.routing --workload hard --quick  # CI-sized, with the oracle
 
-Workloads (`loadtests/routing_workloads.py`): multi-turn chat with a few shared long system
+Workloads (`loadtests/routing/workloads.py`): multi-turn chat with a few shared long system
 prompts and growing per-conversation histories, and few-shot prompts with short questions.
-Servers (`loadtests/routing_cluster.py`): simulated SGLang with the H100 timing model and a
+Servers (`loadtests/routing/cluster.py`): simulated SGLang with the H100 timing model and a
 finite LRU prefix cache per prefill server, sized so that one server cannot hold every
-conversation but the cluster can. Targets (`loadtests/routing_targets.py`): our gateway per
+conversation but the cluster can. Targets (`loadtests/routing/targets.py`): our gateway per
 prefill policy, sglang-router 0.3.2 per policy, mini_lb. Every target replays the same plan
 against the same servers, whose caches are flushed and counters reset in between.
-`--workload dp` (`loadtests/routing_dp.py`): prefills with DP ranks, per-rank share of
+`--workload dp` (`loadtests/routing/dp.py`): prefills with DP ranks, per-rank share of
 unrelated prompts and the chat hit rate against one rank per server with the same cache.
-`--workload hot|docqa|agent|hard` (`loadtests/routing_hard.py`): one hot system prompt on 70%
+`--workload hot|docqa|agent|hard` (`loadtests/routing/hard.py`): one hot system prompt on 70%
 of the turns, questions about a few 16K documents, agent loops with growing contexts (hard:
 all three), each on a cluster sized for it, with the sticky oracle as the reference; not
 part of `both` (it would double the full run's time).
@@ -41,17 +41,17 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python loadtests/routing.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # `python loadtests/routing/run.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadtests import peers  # noqa: E402
-from loadtests.routing_cluster import SimOptions, sim_cluster  # noqa: E402
-from loadtests.routing_dp import add_arguments, build_dp_setup, run_dp  # noqa: E402
-from loadtests.routing_hard import HARD_WORKLOADS, build_hard_setup, run_hard  # noqa: E402
-from loadtests.routing_measure import measure  # noqa: E402
-from loadtests.routing_report import margin, text_table  # noqa: E402
-from loadtests.routing_targets import ALL, KNOWN, QUICK, Target, parse_targets  # noqa: E402
-from loadtests.routing_workloads import (  # noqa: E402
+from loadtests.routing.cluster import SimOptions, sim_cluster  # noqa: E402
+from loadtests.routing.dp import add_arguments, build_dp_setup, run_dp  # noqa: E402
+from loadtests.routing.hard import HARD_WORKLOADS, build_hard_setup, run_hard  # noqa: E402
+from loadtests.routing.measure import measure  # noqa: E402
+from loadtests.routing.report import margin, text_table  # noqa: E402
+from loadtests.routing.targets import ALL, KNOWN, QUICK, Target, parse_targets  # noqa: E402
+from loadtests.routing.workloads import (  # noqa: E402
     ChatShape,
     FewshotShape,
     chat_plan,
@@ -103,9 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         choices=("chat", "fewshot", "both", "dp", *HARD_WORKLOADS, "hard"),
                         default="both",
                         help="both: chat and fewshot; dp: prefills with DP ranks (per-rank "
-                             "share, hit ratio against one rank; see loadtests/routing_dp.py); "
+                             "share, hit ratio against one rank; see loadtests/routing/dp.py); "
                              "hot, docqa, agent, hard (all three): the harder workloads with "
-                             "the sticky oracle (loadtests/routing_hard.py)")
+                             "the sticky oracle (loadtests/routing/hard.py)")
     parser.add_argument("--targets", help=f"comma-separated, from: {', '.join(KNOWN)}")
     parser.add_argument("--duration", type=float,
                         help="seconds of arrivals per workload and target (default: chat 40, "

@@ -21,7 +21,7 @@ from gateway.policies import create_policy
 from gateway.scheduling.load import LoadOptions, load_scores
 from gateway.servers.pool import Server, ServerPool
 from gateway.servers.probe import ServerFacts
-from tests.unit.policies.util import generate_text
+from tests.unit.builders import generate_text
 
 URL = "http://127.0.0.1:30000"
 BUSY_RANK0 = {"loads": [
@@ -139,7 +139,7 @@ def test_an_attempt_trails_on_its_server_and_its_rank() -> None:
     first) starts the trail on the server and on its DP rank; `end_trail` (what
     proxy.leg_done calls as the prefill leg ends) ends it on both."""
     from gateway.dispatch.attempt import Attempt
-    from tests.unit.policies.util import generate_text
+    from tests.unit.builders import generate_text
 
     server = dp_worker()
     rank0 = server.ranks[0]

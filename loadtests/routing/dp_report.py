@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from loadtests.routing_report import Row, render_markdown, render_text
+from loadtests.routing.report import Row, render_markdown, render_text
 
 SHARE_FLOOR = 0.15  # the bound: each rank gets at least 15% of its server's requests
 RATIO_FLOOR = 0.98  # hit rate with ranks >= 0.98x the one-rank hit rate

@@ -17,8 +17,8 @@ they are what they are are in docs/BENCHMARKS.md ("Harder routing workloads").
   grow to ~12K tokens on average (18K at most with seed 0); one server's cache holds a few
   live sessions, the cluster all of them.
 
-hot and docqa are conversations (`ChatPlan`, replayed by `routing_drive.drive_chat`); agent has
-its own plan, replayed by `routing_drive.drive_agent`.
+hot and docqa are conversations (`ChatPlan`, replayed by `drive.drive_chat`); agent has
+its own plan, replayed by `drive.drive_agent`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 
 from backends.sim.tokenizer import encode
-from loadtests.routing_workloads import ChatPlan, ChatShape, chat_plan, poisson_times, words
+from loadtests.routing.workloads import ChatPlan, ChatShape, chat_plan, poisson_times, words
 
 # 4 prompts of 4,096 tokens; 70% of the conversations on the first (the rest 10% each).
 HOT = ChatShape(system_prompts=4, system_tokens=4096, weights=(0.7, 0.1, 0.1, 0.1),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.unit.policies.util import restamp
+from tests.unit.builders import restamp
 
 
 @pytest.fixture(autouse=True)

@@ -35,10 +35,10 @@ import orjson
 
 from loadtests.client import Connection, ReplyError, post
 from loadtests.routes import HOST, both_legs, new_rooms, pd_fields
-from loadtests.routing_client import Reply, stream
-from loadtests.routing_cluster import Cluster
-from loadtests.routing_hard_workloads import AgentPlan
-from loadtests.routing_workloads import ChatPlan, FewshotPlan
+from loadtests.routing.client import Reply, stream
+from loadtests.routing.cluster import Cluster
+from loadtests.routing.hard_workloads import AgentPlan
+from loadtests.routing.workloads import ChatPlan, FewshotPlan
 
 ROOM = 0.85  # share of a server's cache the placed prefixes may fill
 
@@ -138,7 +138,7 @@ def assign(plan_structure: Structure, servers: int, cache_tokens: int) -> list[i
 
 
 class Oracle:
-    """A `routing_drive.Send` that routes each session to its assigned prefill server."""
+    """A `drive.Send` that routes each session to its assigned prefill server."""
 
     def __init__(self, cluster: Cluster, plan: object, timeout: float) -> None:
         found = structure(plan)

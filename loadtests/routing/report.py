@@ -13,8 +13,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from loadtests.procstat import Usage
-from loadtests.routing_cluster import ServerFigures
-from loadtests.routing_drive import Drive
+from loadtests.routing.cluster import ServerFigures
+from loadtests.routing.drive import Drive
 
 REFERENCE = "sglang-router:cache_aware"
 

@@ -7,7 +7,7 @@ A target name is `gateway:<prefill policy>` (decode: least_load), `sglang-router
 to `http://0.0.0.0/generate` and fails every request, so it is in no default list. Every
 proxy listens on 127.0.0.1; a peer runs from the peers' venv (`loadtests/peers.py`).
 `oracle` is no proxy: the load generator routes by the plan's structure and sends both PD
-legs itself (`loadtests/routing_oracle.py`); it exists for plans with shared prefixes.
+legs itself (`loadtests/routing/oracle.py`); it exists for plans with shared prefixes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 
 from loadtests.launch import HOST, free_port
-from loadtests.routing_cluster import Cluster
+from loadtests.routing.cluster import Cluster
 
 GATEWAY_POLICIES = ("cache_aware", "prefix_cache", "min_ttft", "least_load", "round_robin",
                     "random")

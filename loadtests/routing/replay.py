@@ -1,10 +1,10 @@
 """Offline replay of the DP chat workload through a prefill policy: seconds instead of minutes.
 
-    python -m loadtests.routing_replay                       # seeds 0-7, 16,384 tokens a server
-    python -m loadtests.routing_replay --seeds 0,2,4 --cache-tokens 32768 --policy prefix_cache
-    python -m loadtests.routing_replay --workers 4 --ranks 1 --servers 4   # 1 vs 4 processes
+    python -m loadtests.routing.replay                       # seeds 0-7, 16,384 tokens a server
+    python -m loadtests.routing.replay --seeds 0,2,4 --cache-tokens 32768 --policy prefix_cache
+    python -m loadtests.routing.replay --workers 4 --ranks 1 --servers 4   # 1 vs 4 processes
 
-The same plan as `--workload dp` (`routing_workloads.chat_plan`, 6 turns/s for 20 s), replayed
+The same plan as `--workload dp` (`workloads.chat_plan`, 6 turns/s for 20 s), replayed
 in virtual time: each turn is picked and dispatched by the policy, its prompt (the simulator's
 chat template and tokenizer) is matched against and inserted into that target's
 `backends.sim.radix.RadixCache` (LRU, a quarter of the server's cache per rank), it lasts its
@@ -38,7 +38,7 @@ from gateway.prefix.shared import WORDS, SharedPrefixes
 from gateway.request import CHAT, parse_request
 from gateway.servers.pool import Server
 from gateway.servers.probe import ServerFacts
-from loadtests.routing_workloads import ChatShape, chat_plan, words
+from loadtests.routing.workloads import ChatShape, chat_plan, words
 
 START = 1000.0  # virtual monotonic time of the run's start
 PREFILL_S = (0.005, 0.00005)  # overhead, per uncached token (the sim's H100 model)
@@ -159,7 +159,7 @@ def _seeds(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.routing_replay",
+    parser = argparse.ArgumentParser(prog="python -m loadtests.routing.replay",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default="cache_aware", choices=sorted(REGISTRY))

@@ -3,9 +3,9 @@
 Each workload gets a fresh cluster of simulated servers with its own cache size per prefill
 server (`HardWorkload.sims`), sized so that the cluster holds the workload's working set and
 one server does not (docs/BENCHMARKS.md, "Harder routing workloads"). Every target replays the
-same seeded plan (`loadtests/routing_hard_workloads.py`); the oracle
-(`loadtests/routing_oracle.py`) is measured like the proxies. Prints one table per workload and
-the done-when verdicts for our default policy (`loadtests/routing_hard_report.py`).
+same seeded plan (`loadtests/routing/hard_workloads.py`); the oracle
+(`loadtests/routing/oracle.py`) is measured like the proxies. Prints one table per workload and
+the done-when verdicts for our default policy (`loadtests/routing/hard_report.py`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from loadtests.routing_cluster import SimOptions, sim_cluster
-from loadtests.routing_hard_report import text_table, verdicts
-from loadtests.routing_hard_workloads import (
+from loadtests.routing.cluster import SimOptions, sim_cluster
+from loadtests.routing.hard_report import text_table, verdicts
+from loadtests.routing.hard_workloads import (
     AGENT,
     AGENT_QUICK,
     DOCQA,
@@ -29,10 +29,10 @@ from loadtests.routing_hard_workloads import (
     docqa_plan,
     hot_plan,
 )
-from loadtests.routing_measure import measure
-from loadtests.routing_report import Row
-from loadtests.routing_targets import HARD, QUICK_HARD, Target, parse_targets
-from loadtests.routing_workloads import ChatShape
+from loadtests.routing.measure import measure
+from loadtests.routing.report import Row
+from loadtests.routing.targets import HARD, QUICK_HARD, Target, parse_targets
+from loadtests.routing.workloads import ChatShape
 
 HARD_WORKLOADS = ("hot", "docqa", "agent")
 PLANS: dict[str, Callable] = {"hot": hot_plan, "docqa": docqa_plan, "agent": agent_plan}

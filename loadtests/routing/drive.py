@@ -7,7 +7,7 @@ what is in flight then is awaited (each request is bounded by the sender's timeo
 request ends its session (the context would lack the reply).
 
 A sender (`Send`) takes the path, the body and the session's key (its index in the plan: a
-router that knows the plan's structure, `routing_oracle.Oracle`, routes on it; a proxy,
+router that knows the plan's structure, `oracle.Oracle`, routes on it; a proxy,
 `via_proxy`, ignores it).
 """
 
@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from backends.sim.tokenizer import encode
-from loadtests.routing_client import Reply, stream
-from loadtests.routing_hard_workloads import AgentPlan, AgentSession, agent_body
-from loadtests.routing_workloads import (
+from loadtests.routing.client import Reply, stream
+from loadtests.routing.hard_workloads import AgentPlan, AgentSession, agent_body
+from loadtests.routing.workloads import (
     CHAT_PATH,
     GENERATE_PATH,
     ChatPlan,

@@ -17,7 +17,7 @@ from gateway.scheduling.load import (
     spread,
     with_uncached,
 )
-from tests.unit.policies.util import generate_text, server
+from tests.unit.builders import generate_text, server
 
 OPTS = LoadOptions(token_unit=100, usage_weight=10.0, load_max_age=5.0)
 

@@ -11,7 +11,7 @@ import pytest
 from gateway.policies.cache_aware import CacheAwareOptions, CacheAwarePolicy
 from gateway.policies.prefix_cache import PrefixCacheOptions, PrefixCachePolicy
 from gateway.prefix.tree import CHARS_PER_TOKEN
-from tests.unit.policies.util import chat, generate_ids, server
+from tests.unit.builders import chat, generate_ids, server
 
 SYSTEM = ("system", "You are the support assistant of a large shop. " * 30)  # ~1,400 chars
 CAPACITY = 1000  # tokens per target: 4,000 characters of rendered chat

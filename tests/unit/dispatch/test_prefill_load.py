@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from tests.unit.dispatch.test_pd import D1, P1, gateway, run
 from tests.unit.fakes import FakeCluster, FakeServer
-from tests.unit.test_pd import D1, P1, gateway, run
 
 
 async def until(condition) -> None:

@@ -1,12 +1,12 @@
-"""The sticky oracle's plan-time assignment (`loadtests/routing_oracle.py`), no sockets."""
+"""The sticky oracle's plan-time assignment (`loadtests/routing/oracle.py`), no sockets."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests.routing_hard_workloads import AGENT_QUICK, DOCQA_QUICK, agent_plan, docqa_plan
-from loadtests.routing_oracle import Structure, assign, replicas, structure
-from loadtests.routing_workloads import zipf_weights
+from loadtests.routing.hard_workloads import AGENT_QUICK, DOCQA_QUICK, agent_plan, docqa_plan
+from loadtests.routing.oracle import Structure, assign, replicas, structure
+from loadtests.routing.workloads import zipf_weights
 
 
 def _loads(placed: dict[int, list[int]], weight: dict[int, float], servers: int) -> list[float]:

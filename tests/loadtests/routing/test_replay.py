@@ -1,4 +1,4 @@
-"""The offline DP chat replay (`loadtests/routing_replay.py`): a seed whose conversations pile
+"""The offline DP chat replay (`loadtests/routing/replay.py`): a seed whose conversations pile
 onto one rank when the policy does not know the ranks' caches (43 of 64 requests on one
 4,096-token rank, 0.84x the one-rank hit rate) spreads once it does, and keeps most of the
 one-rank hit rate."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.routing_replay import compare, compare_workers
+from loadtests.routing.replay import compare, compare_workers
 
 
 def test_knowing_the_cache_size_spreads_a_hot_prompt_over_the_ranks() -> None:

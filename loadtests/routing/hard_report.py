@@ -9,7 +9,7 @@ TTFT p50 <= 0.6x sglang-router cache_aware's; on `hot` also the busiest prefill 
 its fair share while the hit ratio stays within 5 points of the best row (the oracle
 included).
 
-`python -m loadtests.routing_hard_report results.json` prints the Markdown tables and verdicts
+`python -m loadtests.routing.hard_report results.json` prints the Markdown tables and verdicts
 of a run written with `--out` (for docs/BENCHMARKS.md).
 """
 
@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-from loadtests.routing_report import Row, render_markdown, render_text
+from loadtests.routing.report import Row, render_markdown, render_text
 
 DEFAULT = "gateway:cache_aware"
 PEER = "sglang-router:cache_aware"

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway.prefix.placement import Ring, anchor_of
-from tests.unit.policies.util import chat, server
+from tests.unit.builders import chat, server
 
 URLS = [f"http://10.0.2.{i}:30000" for i in range(1, 6)]
 

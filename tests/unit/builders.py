@@ -1,4 +1,4 @@
-"""Small builders shared by the policy tests: servers with given counters, parsed request views."""
+"""Small builders shared by the unit tests: servers with given counters, parsed request views."""
 
 from __future__ import annotations
 

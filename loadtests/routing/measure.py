@@ -22,8 +22,8 @@ import uvloop
 
 from loadtests import procstat
 from loadtests.launch import free_port, running
-from loadtests.routing_cluster import Cluster, difference, settle, snapshot
-from loadtests.routing_drive import (
+from loadtests.routing.cluster import Cluster, difference, settle, snapshot
+from loadtests.routing.drive import (
     Drive,
     Send,
     drive_agent,
@@ -31,11 +31,11 @@ from loadtests.routing_drive import (
     drive_fewshot,
     via_proxy,
 )
-from loadtests.routing_hard_workloads import AgentPlan
-from loadtests.routing_oracle import Oracle
-from loadtests.routing_report import Row, make_row
-from loadtests.routing_targets import Target
-from loadtests.routing_workloads import ChatPlan
+from loadtests.routing.hard_workloads import AgentPlan
+from loadtests.routing.oracle import Oracle
+from loadtests.routing.report import Row, make_row
+from loadtests.routing.targets import Target
+from loadtests.routing.workloads import ChatPlan
 
 
 def gateway_view(port: int) -> dict:

@@ -13,7 +13,7 @@ Three layouts of the same servers, one after the other, each a fresh cluster:
 
 Per target and DP workload: the share of its server's requests each rank served (min/max over
 every rank, the fair 1/N), the hit rate, the chat hit rate against the same target's with one
-rank, errors, TTFT p50 (`loadtests/routing_dp_report.py`).
+rank, errors, TTFT p50 (`loadtests/routing/dp_report.py`).
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from loadtests.routing_cluster import SimOptions, sim_cluster
-from loadtests.routing_dp_report import (
+from loadtests.routing.cluster import SimOptions, sim_cluster
+from loadtests.routing.dp_report import (
     DpRow,
     dp_row,
     ratio_verdicts,
     share_verdicts,
     text_table,
 )
-from loadtests.routing_measure import measure
-from loadtests.routing_report import Row
-from loadtests.routing_targets import DP, QUICK_DP, Target, parse_targets
-from loadtests.routing_workloads import ChatShape, UnrelatedShape, chat_plan, unrelated_plan
+from loadtests.routing.measure import measure
+from loadtests.routing.report import Row
+from loadtests.routing.targets import DP, QUICK_DP, Target, parse_targets
+from loadtests.routing.workloads import ChatShape, UnrelatedShape, chat_plan, unrelated_plan
 
 
 @dataclass(frozen=True)
