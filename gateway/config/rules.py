@@ -15,6 +15,7 @@ from gateway.config.models import check_model_settings
 from gateway.config.servers import ConfigError
 from gateway.config.tenants import check_tenancy
 from gateway.policies import REGISTRY
+from gateway.upstream.choices import MissingClient, upstream_class
 
 if TYPE_CHECKING:
     from gateway.config.schema import GatewayConfig
@@ -40,6 +41,10 @@ def validate(cfg: GatewayConfig) -> None:
         if key not in REGISTRY:
             raise ConfigError(f"setting 'policy_options': no policy named {key!r}")
     check_model_settings(cfg)
+    try:
+        upstream_class(cfg.upstream_client)  # its library is installed
+    except MissingClient as exc:
+        raise ConfigError(f"setting 'upstream_client': {exc}") from None
     if cfg.retry_backoff_max < cfg.retry_backoff:
         raise ConfigError("setting 'retry_backoff_max' must be >= 'retry_backoff'")
     if bool(cfg.ssl_certfile) != bool(cfg.ssl_keyfile):

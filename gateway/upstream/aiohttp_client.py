@@ -16,18 +16,44 @@ relayed as the server sent them, each chunk handed over as it arrives (`readany`
 closes the connection, which is how SGLang learns that the client left. aiohttp itself skips
 1xx interim responses, reads close-delimited bodies to EOF, brackets IPv6 hosts and raises
 `ClientPayloadError` for a body cut short.
+
+Optional (`pip install 'pd-gateway[aiohttp]'`): imported only when chosen (`choices.py`).
+Its errors are translated here into those of `errors.py`.
 """
 
 from __future__ import annotations
 
 import ssl
 import time
+from typing import TYPE_CHECKING
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
-from gateway.upstream.http11 import ConnectFailed, PoolTimeout
+from gateway.upstream.base import UpstreamSettings
+from gateway.upstream.errors import (
+    ConnectFailed,
+    ErrorTable,
+    PoolTimeout,
+    TransportError,
+    UpstreamTimeout,
+    mapped,
+)
 from gateway.upstream.http11_pool import IDLE_EXPIRY
+
+if TYPE_CHECKING:
+    import httpx
+
+# most specific first: a ServerTimeoutError is a connection error and a TimeoutError, which
+# must not pass for the caller's own deadline
+ERRORS: ErrorTable = (
+    (aiohttp.ServerTimeoutError, UpstreamTimeout),
+    (aiohttp.ClientConnectorError, ConnectFailed),
+    (aiohttp.ClientError, TransportError),
+    (HttpProcessingError, TransportError),
+)
+LIBRARY_ERRORS = (aiohttp.ClientError, HttpProcessingError)
 
 
 class _AiohttpResponse:
@@ -43,14 +69,20 @@ class _AiohttpResponse:
         return value.encode("utf-8", "surrogateescape") if value is not None else None
 
     async def next_chunk(self) -> bytes | None:
-        chunk = await self._content.readany()
+        try:
+            chunk = await self._content.readany()
+        except LIBRARY_ERRORS as exc:
+            raise mapped(exc, ERRORS) from exc
         if chunk:
             return chunk
         self._response.release()  # the whole body was read: the connection may be reused
         return None
 
     async def read(self) -> bytes:
-        return await self._response.read()
+        try:
+            return await self._response.read()
+        except LIBRARY_ERRORS as exc:
+            raise mapped(exc, ERRORS) from exc
 
     def abort(self) -> None:
         self._response.close()  # closes the connection unless it was already released
@@ -68,6 +100,14 @@ class AiohttpUpstream:
                          "User-Agent": user_agent}
         self.session: aiohttp.ClientSession | None = None
         self._urls: dict[tuple[str, str], URL] = {}  # parsed once: ~8 us a request less
+
+    @classmethod
+    async def open(cls, settings: UpstreamSettings,
+                   control: httpx.AsyncClient) -> AiohttpUpstream:
+        upstream = cls(settings.connect_timeout, settings.max_connections,
+                       settings.pool_timeout, settings.tls)
+        await upstream.start()
+        return upstream
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -104,6 +144,8 @@ class AiohttpUpstream:
                     f"no connection to {base_url} within {self.pool_timeout:g}s "
                     f"({self.max_connections} in use: --upstream-max-connections)") from None
             raise ConnectFailed(f"connect to {base_url} timed out: {exc}") from None
+        except LIBRARY_ERRORS as exc:
+            raise mapped(exc, ERRORS) from exc
         return _AiohttpResponse(response)
 
     async def close(self) -> None:

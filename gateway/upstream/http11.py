@@ -35,35 +35,18 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.upstream.errors import (
+    ConnectFailed,
+    ConnectionLost,
+    PoolTimeout,
+    ProtocolViolation,
+    TransportError,
+)
 from gateway.upstream.http11_pool import HostPool
 
 HIGH_WATER = 1 << 20  # pause reading when this many body bytes wait unconsumed
 MAX_HEAD = 64 * 1024  # bytes of status lines + headers (1xx included) before giving up
 NO_BODY_STATUSES = frozenset({204, 304})
-
-
-class HTTPClientError(Exception):
-    """Base of data-path client errors (mapped to UpstreamError by the caller)."""
-
-
-class ConnectFailed(HTTPClientError):
-    pass
-
-
-class PoolTimeout(HTTPClientError):
-    """Every allowed connection to the server stayed busy for the whole wait."""
-
-
-class ConnectionLost(HTTPClientError):
-    """The server closed or reset the connection before the response was complete."""
-
-    def __init__(self, message: str, before_response: bool) -> None:
-        super().__init__(message)
-        self.before_response = before_response
-
-
-class ProtocolViolation(HTTPClientError):
-    pass
 
 
 class _Connection(asyncio.Protocol):
@@ -94,7 +77,7 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             cause = exc.__context__
-            self._fail(cause if isinstance(cause, HTTPClientError)
+            self._fail(cause if isinstance(cause, TransportError)
                        else ProtocolViolation(f"bad HTTP response: {exc}"))
             self.close()
             return

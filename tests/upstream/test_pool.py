@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from gateway.upstream.http11 import ConnectFailed
+from gateway.upstream.errors import ConnectFailed
 from gateway.upstream.http11_pool import HostPool
 from tests.upstream.raw import run
 

@@ -1,0 +1,63 @@
+"""The interface of a data-path client: `Upstream.post` -> `UpstreamResponse`.
+
+An adapter (`fast.py`, `aiohttp_client.py`, `httpx_client.py`, chosen by name in
+`choices.py`) only turns a POST into a streamed response and raises the errors of `errors.py`;
+what an error means for the request (retry, status) is decided at the boundary (`client.py`).
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import httpx
+
+
+class UpstreamResponse(Protocol):
+    status: int
+
+    def header(self, name: bytes) -> bytes | None: ...
+
+    async def next_chunk(self) -> bytes | None: ...
+
+    async def read(self) -> bytes: ...
+
+    def abort(self) -> None: ...
+
+
+class Upstream(Protocol):
+    async def post(self, base_url: str, path: str, body: bytes, request_id: str,
+                   headers: tuple[tuple[str, str], ...] = ()) -> UpstreamResponse: ...
+    # `headers`: more request headers (the trace context), names and values already checked
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    """What every data-path client is built from (`--upstream-*`, `--connect-timeout`)."""
+
+    connect_timeout: float = 5.0
+    max_connections: int = 512  # per server; more legs wait in line
+    pool_timeout: float = 30.0  # seconds a leg may wait for a free connection
+    tls: ssl.SSLContext | None = None  # https servers (default: the system's trust store)
+
+
+class UpstreamClass(Protocol):
+    """An adapter class as the name table (`choices.py`) resolves it."""
+
+    @classmethod
+    async def open(cls, settings: UpstreamSettings,
+                   control: httpx.AsyncClient) -> Upstream: ...
+
+
+def ssl_context(ca_file: str | None = None, insecure: bool = False) -> ssl.SSLContext:
+    """The TLS settings of every upstream client: verify against `ca_file` (default: the
+    system store), or not at all when `insecure`."""
+    context = ssl.create_default_context(cafile=ca_file)
+    if insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
