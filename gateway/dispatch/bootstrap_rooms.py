@@ -77,7 +77,3 @@ class RoomAllocator:
             self._next = (self._next + 1) & self._mask
             if room % modulus == residue:  # false only when the counter wrapped just now
                 return room
-
-
-def replica_of(room: int) -> int:
-    return room >> COUNTER_BITS

@@ -198,11 +198,6 @@ class GatewayTokenizer:
 
     # ---- async API: never blocks the event loop for long ----
 
-    async def aencode_text(self, text: str) -> list[int]:
-        if isinstance(text, str) and len(text) <= INLINE_CHARS:
-            return self.encode_text(text)
-        return await self._run(self.encode_text, text)
-
     async def aencode_prompt(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str) and len(prompt) <= INLINE_CHARS:
             return self.encode_prompt(prompt)

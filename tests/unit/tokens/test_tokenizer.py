@@ -304,13 +304,13 @@ def test_async_variants_give_the_same_ids(rich):
 
     async def run():
         return await asyncio.gather(
-            rich.aencode_text("short"), rich.aencode_text(long_text),
+            rich.aencode_prompt("short"), rich.aencode_prompt(long_text),
             rich.aencode_prompt(["a", long_text]), rich.aencode_generate({"text": long_text}),
             rich.aencode_chat(body), *[rich.aencode_chat(body) for _ in range(8)])
 
     results = asyncio.run(run())
-    assert results[0] == rich.encode_text("short")
-    assert results[1] == rich.encode_text(long_text)
+    assert results[0] == rich.encode_prompt("short")
+    assert results[1] == rich.encode_prompt(long_text)
     assert results[2] == rich.encode_prompt(["a", long_text])
     assert results[3] == rich.encode_generate({"text": long_text})
     assert all(r == rich.encode_chat(body) for r in results[4:])
@@ -321,8 +321,8 @@ def test_long_work_runs_in_the_pool(rich, monkeypatch):
     real = rich.encode_text
     monkeypatch.setattr(rich, "encode_text",
                         lambda t: seen.append(threading.current_thread().name) or real(t))
-    asyncio.run(rich.aencode_text("x" * (INLINE_CHARS + 1)))
-    asyncio.run(rich.aencode_text("x"))
+    asyncio.run(rich.aencode_prompt("x" * (INLINE_CHARS + 1)))
+    asyncio.run(rich.aencode_prompt("x"))
     assert seen[0].startswith("tokenizer") and seen[1] == threading.current_thread().name
 
 
