@@ -54,16 +54,31 @@ class SimOptions:
 
 
 @dataclass
-class Server:
+class SimServer:
+    """One `backends.sim` server on loopback: its role and ports. Shared with the fault-test
+    rig (tests/rigs/faults.py), which adds its process and restarts."""
+
     role: str
     port: int
     bootstrap_port: int | None = None
-    kv_events_port: int | None = None
-    pid: int = 0
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    def argv(self, *flags: str) -> list[str]:
+        """The command that serves this role on these ports, with `flags` after."""
+        argv = [sys.executable, "-m", "backends.sim", "--mode", self.role, "--host", HOST,
+                "--port", str(self.port)]
+        if self.bootstrap_port is not None:
+            argv += ["--bootstrap-port", str(self.bootstrap_port)]
+        return argv + list(flags)
+
+
+@dataclass
+class Server(SimServer):
+    kv_events_port: int | None = None
+    pid: int = 0
 
     @property
     def kv_events_endpoint(self) -> str:
@@ -86,19 +101,17 @@ class Cluster:
 
 
 def sim_argv(server: Server, options: SimOptions) -> list[str]:
-    argv = [sys.executable, "-m", "backends.sim", "--mode", server.role, "--host", HOST,
-            "--port", str(server.port), "--log-level", "warning", "--page-size",
-            str(options.page_size), "--bootstrap-timeout", "10", "--waiting-timeout", "10"]
+    flags = ["--log-level", "warning", "--page-size", str(options.page_size),
+             "--bootstrap-timeout", "10", "--waiting-timeout", "10"]
     if server.role == "prefill":
         events = {"publisher": "zmq", "endpoint": server.kv_events_endpoint,
                   "topic": "kv-events", "bind": True}
-        argv += ["--bootstrap-port", str(server.bootstrap_port),
-                 "--cache-capacity-tokens", str(options.cache_tokens // options.dp_ranks),
-                 "--kv-events-config", orjson.dumps(events).decode()]
+        flags += ["--cache-capacity-tokens", str(options.cache_tokens // options.dp_ranks),
+                  "--kv-events-config", orjson.dumps(events).decode()]
         if options.dp_ranks > 1:
-            argv += ["--dp-size", str(options.dp_ranks)]
-            argv += ["--enable-dp-attention"] if options.attn_dp else []
-    return argv
+            flags += ["--dp-size", str(options.dp_ranks)]
+            flags += ["--enable-dp-attention"] if options.attn_dp else []
+    return server.argv(*flags)
 
 
 def free_ports(count: int, taken: set[int]) -> int:

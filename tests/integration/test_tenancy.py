@@ -23,7 +23,7 @@ import pytest
 
 from tests.integration.conftest import sim
 from tests.procs import HOST, free_port, python, running
-from tests.reliability.rig import Metrics, wait_until
+from tests.rigs.faults import Metrics, wait_until
 
 BATCH_KEY, TEAM_KEY = "kb-0123456789", "kt-0123456789"
 TENANTS = '{"batchers": {"priority": "batch", "max_priority": "batch", "weight": 1}, ' \

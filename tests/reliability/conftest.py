@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.reliability.rig import Rig, running_rig
+from tests.rigs.faults import Rig, running_rig
 
 TIMINGS = pytest.StashKey[dict]()
 

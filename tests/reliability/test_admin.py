@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from tests.procs import free_port
-from tests.reliability.load import Stream
-from tests.reliability.rig import FAST_DETECTION, wait_until
+from tests.rigs.faults import FAST_DETECTION, wait_until
+from tests.rigs.load import Stream
 
 TOKENS = 40  # 2 s of streaming at 0.05 s per token
 SIM_ARGS = ("--token-delay", "0.05")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.procs import HOST, Proc, free_port, python
-from tests.reliability.rig import running_rig, wait_until
+from tests.rigs.faults import running_rig, wait_until
 
 KEY, ADMIN_KEY = "K1", "A1"
 BURST = 8

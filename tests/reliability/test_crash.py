@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.load import Load, failures, summary
-from tests.reliability.rig import FAST_DETECTION, wait_until
+from tests.rigs.faults import FAST_DETECTION, wait_until
+from tests.rigs.load import Load, failures, summary
 
 ROUNDS = 3
 CLIENT_DEADLINE = 20.0

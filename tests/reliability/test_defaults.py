@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.load import Load, Stream, failures, summary
-from tests.reliability.rig import wait_until
+from tests.rigs.faults import wait_until
+from tests.rigs.load import Load, Stream, failures, summary
 
 CLIENT_GIVES_UP = 15.0
 LOAD_SECONDS = 12.0  # of traffic while the fault lasts

@@ -13,8 +13,8 @@ import asyncio
 import httpx
 import pytest
 
-from tests.reliability.load import request_body
-from tests.reliability.rig import FAST_DETECTION, wait_until
+from tests.rigs.faults import FAST_DETECTION, wait_until
+from tests.rigs.load import request_body
 
 CLIENTS = 30
 PATHS = ("/generate", "/v1/chat/completions")

@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.load import Load, failures, summary
-from tests.reliability.rig import FAST_DETECTION, wait_until
+from tests.rigs.faults import FAST_DETECTION, wait_until
+from tests.rigs.load import Load, failures, summary
 
 BREAKER_FAILURES = 3
 COOLDOWN = 2.0

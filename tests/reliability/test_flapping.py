@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.reliability.load import Load, failures, summary
-from tests.reliability.rig import wait_until
+from tests.rigs.faults import wait_until
+from tests.rigs.load import Load, failures, summary
 
 INTERVAL = 0.3
 FAILURES = 4

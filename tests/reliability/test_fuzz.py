@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.reliability.bodies import Case, all_cases
-from tests.reliability.rig import running_rig, wait_until
+from tests.rigs.faults import running_rig, wait_until
 
 MAX_BODY = 65_536
 GATEWAY_ARGS = ("--max-body-bytes", str(MAX_BODY), "--response-timeout", "10")

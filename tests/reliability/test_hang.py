@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.load import HTTP_ERROR, STREAM_ERROR, Load, failures
-from tests.reliability.rig import FAST_DETECTION, wait_until
+from tests.rigs.faults import FAST_DETECTION, wait_until
+from tests.rigs.load import HTTP_ERROR, STREAM_ERROR, Load, failures
 
 RESPONSE_TIMEOUT = 2.0
 GATEWAY_ARGS = (*FAST_DETECTION, "--response-timeout", str(RESPONSE_TIMEOUT),

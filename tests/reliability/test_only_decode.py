@@ -16,8 +16,8 @@ import os
 import httpx
 import pytest
 
-from tests.reliability.load import OK, SHAPES, send, summary
-from tests.reliability.rig import FAST_DETECTION, wait_until
+from tests.rigs.faults import FAST_DETECTION, wait_until
+from tests.rigs.load import OK, SHAPES, send, summary
 
 TOKENS = 50
 TOKEN_DELAY = 0.1  # every request decodes for about TOKENS * TOKEN_DELAY = 5 s

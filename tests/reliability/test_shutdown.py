@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from tests.procs import HOST, Proc, free_port, python
-from tests.reliability.load import Stream
-from tests.reliability.rig import wait_until
+from tests.rigs.faults import wait_until
+from tests.rigs.load import Stream
 
 STREAMS = 6
 TOKEN_DELAY = 0.05

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.load import Load, failures, summary
-from tests.reliability.rig import FAST_DETECTION
+from tests.rigs.faults import FAST_DETECTION
+from tests.rigs.load import Load, failures, summary
 
 DELAY = 1.0
 GATEWAY_ARGS = (*FAST_DETECTION, "--policy", "least_load", "--response-timeout", "5")

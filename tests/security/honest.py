@@ -12,68 +12,51 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 
 import orjson
 
-from tests.reliability.load import OK, SHAPES, Outcome, send
+from tests.rigs.load import Load, Outcome, failures
 from tests.security.rig import HOST, Gateway
 
 
-@dataclass
 class Honest:
-    gateway: Gateway
-    headers: dict | None = None  # default: the gateway's inference key, if any
-    loops: int = 2  # SHAPES[i]: /generate whole, /generate streamed, chat whole, chat streamed
-    minimum: int = 4  # requests that must have completed before the check
-    max_new_tokens: int = 4
-    outcomes: list[Outcome] = field(default_factory=list)
+    """`loops` client threads (SHAPES[i]: /generate whole, /generate streamed, chat whole, chat
+    streamed) through `gateway`, with its inference key unless `headers` are given; see the
+    module docstring for what leaving the `with` block checks."""
 
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True)
-                         for i in range(self.loops)]
+    def __init__(self, gateway: Gateway, headers: dict | None = None, loops: int = 2,
+                 minimum: int = 4, max_new_tokens: int = 4) -> None:
+        headers = gateway.headers if headers is None else headers
+        self.minimum = minimum  # requests that must have completed before the check
+        self.load = Load("", loops, max_new_tokens=max_new_tokens,
+                         client=lambda: gateway.client(headers))
+
+    @property
+    def outcomes(self) -> list[Outcome]:
+        return self.load.outcomes
 
     def __enter__(self) -> Honest:
-        for thread in self._threads:
-            thread.start()
+        self.load.__enter__()
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
         if kind is not None:
-            self._stop.set()
+            self.load.abandon()
             return
         self.check()
 
     def count(self) -> int:
-        with self._lock:
-            return len(self.outcomes)
+        return self.load.count()
 
     def check(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while self.count() < self.minimum and time.monotonic() < deadline:
             time.sleep(0.02)
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout)
-        assert not any(t.is_alive() for t in self._threads), "an honest client hung"
-        bad = [o for o in self.outcomes if o.kind != OK]
-        assert not bad, f"{len(bad)} of {len(self.outcomes)} honest requests failed: {bad[:3]}"
-        assert len(self.outcomes) >= self.minimum, \
-            f"only {len(self.outcomes)} honest requests completed in {timeout:g}s"
-
-    def _loop(self, number: int) -> None:
-        path, stream = SHAPES[number % len(SHAPES)]
-        headers = self.gateway.headers if self.headers is None else self.headers
-        with self.gateway.client(headers) as client:
-            n = 0
-            while not self._stop.is_set():
-                n += 1
-                prompt = f"{os.urandom(6).hex()} honest client {number} request {n}"
-                outcome = send(client, "", path, stream, prompt, self.max_new_tokens)
-                with self._lock:
-                    self.outcomes.append(outcome)
+        outcomes = self.load.stop(wait=timeout)
+        bad = failures(outcomes)
+        assert not bad, f"{len(bad)} of {len(outcomes)} honest requests failed: {bad[:3]}"
+        assert len(outcomes) >= self.minimum, \
+            f"only {len(outcomes)} honest requests completed in {timeout:g}s"
 
 
 def connect(port: int, timeout: float = 10.0, rcvbuf: int | None = None) -> socket.socket:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from tests.procs import HOST, Proc, free_port, python
-from tests.reliability.rig import Metrics
+from tests.rigs.faults import Metrics
 from tests.security.tap import WireTap
 
 START_TIMEOUT = 60.0

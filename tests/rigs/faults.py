@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtests.routing.cluster import SimServer
 from tests.procs import HOST, Proc, free_port, python
 
 # Short PD timeouts so a leg whose partner vanished fails in seconds, not minutes.
@@ -49,20 +50,13 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str,
 
 
 @dataclass
-class Server:
-    """One simulated SGLang server; `proc` is replaced when it is restarted."""
+class Server(SimServer):
+    """One simulated SGLang server of the rig; `proc` is replaced when it is restarted."""
 
-    name: str
-    role: str
-    port: int
-    argv: list[str]
-    bootstrap_port: int | None = None
+    name: str = ""
+    command: list[str] = field(default_factory=list)
     proc: Proc | None = None
     generation: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -87,15 +81,12 @@ class Rig:
     def start(self) -> Rig:
         for role, count in (("prefill", self.n_prefill), ("decode", self.n_decode)):
             for i in range(count):
-                port = free_port()
                 boot = free_port() if role == "prefill" else None
-                argv = python("-m", "backends.sim", "--mode", role, "--host", HOST,
-                              "--port", str(port), *SIM_ARGS, *self.sim_args)
-                if boot is not None:
-                    argv += ["--bootstrap-port", str(boot)]
-                self.servers.append(Server(f"{role}{i}", role, port, argv, boot))
+                server = Server(role, free_port(), boot, name=f"{role}{i}")
+                server.command = server.argv(*SIM_ARGS, *self.sim_args)
+                self.servers.append(server)
         for server in self.servers:  # all at once: startup is mostly imports
-            server.proc = Proc(server.name, server.argv, self.log_dir)
+            server.proc = Proc(server.name, server.command, self.log_dir)
         for server in self.servers:
             server.proc.wait_http(server.url + "/health", START_TIMEOUT)
         port = free_port()
@@ -149,7 +140,7 @@ class Rig:
         """Start the server again on the same ports (its log gets a new name)."""
         server.proc.stop()
         server.generation += 1
-        server.proc = Proc(f"{server.name}-{server.generation}", server.argv, self.log_dir)
+        server.proc = Proc(f"{server.name}-{server.generation}", server.command, self.log_dir)
         server.proc.wait_http(server.url + "/health", START_TIMEOUT)
 
     def freeze(self, server: Server) -> float:

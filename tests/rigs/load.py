@@ -1,6 +1,7 @@
-"""Client load for fault tests: a few loops, each sending one request after another.
+"""Client load beside a fault or an attack: a few loops, each sending one request after another.
 
-Every request is classified by what its client saw, so a test can say exactly which failures
+The fault tests count what each loop saw; the security tests (`tests/security/honest.py`) wrap
+the same loops and require every request to succeed. Every request is classified by what its client saw, so a test can say exactly which failures
 it tolerates: a non-2xx answer (with its JSON error), a stream that started and then carried an
 error event, a stream cut without `[DONE]`, or a transport error; each with its duration.
 """
@@ -11,6 +12,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -81,13 +83,17 @@ def classify_stream(raw: bytes, outcome) -> Outcome:
 
 @dataclass
 class Load:
-    """`loops` client threads sending requests until stopped; see SHAPES for their mix."""
+    """`loops` client threads sending requests until stopped; see SHAPES for their mix.
+
+    Each loop keeps one client: `client()` when given (a gateway's, with its base URL, TLS
+    settings and key), else a plain one with `timeout`; requests go to `url` + path."""
 
     url: str
     loops: int = 4
     timeout: float = 15.0
     max_new_tokens: int = 8
     outcomes: list[Outcome] = field(default_factory=list)
+    client: Callable[[], httpx.Client] | None = None
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -103,17 +109,24 @@ class Load:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def stop(self) -> list[Outcome]:
+    def stop(self, wait: float | None = None) -> list[Outcome]:
+        """End the loops after their current request; each may take `wait` seconds (default:
+        the request timeout and 5 s) before it counts as blocked."""
         self._stop.set()
         for thread in self._threads:
-            thread.join(self.timeout + 5)
+            thread.join(self.timeout + 5 if wait is None else wait)
         alive = [t.name for t in self._threads if t.is_alive()]
         assert not alive, f"client loops still blocked after their deadline: {alive}"
         return self.outcomes
 
+    def abandon(self) -> None:
+        """Let the loops end on their own: the test failed already, waiting would hide why."""
+        self._stop.set()
+
     def _loop(self, number: int) -> None:
         path, stream = SHAPES[number % len(SHAPES)]
-        with httpx.Client(timeout=self.timeout) as client:
+        client = self.client() if self.client is not None else httpx.Client(timeout=self.timeout)
+        with client:
             n = 0
             while not self._stop.is_set():
                 n += 1
