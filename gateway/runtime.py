@@ -25,6 +25,7 @@ from gateway.discovery import KubernetesDiscovery
 from gateway.dispatch.aborts import Aborts
 from gateway.dispatch.bootstrap_rooms import RoomAllocator
 from gateway.dispatch.inflight import InFlight, Tracked, new_id
+from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.parallel_samples import Samples
 from gateway.dispatch.pd import PDDispatcher, Timeouts
 from gateway.dispatch.proxy import Proxy
@@ -245,18 +246,16 @@ class Gateway:
         self.dispatcher = PDDispatcher(
             self.upstream, control, self.rooms,
             Timeouts(c.response_timeout, c.stream_idle_timeout, send=c.send_timeout),
+            # a rescue stops attempts only if a retry can go elsewhere (the role's servers)
+            Ledger(self.scheduler, self.metrics, self.pool.role),
             LatencyModel(DeadlineOptions(percentile=c.hang_percentile, factor=c.hang_factor,
                                          floor=c.hang_floor, cold=c.hang_cold)),
-            timers=self.timers)
-        self.dispatcher.forward_priority = c.forward_priority
-        self.dispatcher.peers = self.pool.role  # a rescue stops attempts only if a retry can go
+            timers=self.timers, forward_priority=c.forward_priority)
         self.aborts = Aborts(self.inflight, control, timeout=5.0)
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout,
                            failover=c.midstream_failover)
         self.samples = Samples(self.proxy)
-        self.dispatcher.on_leg_done = self.proxy.leg_done
-        self.dispatcher.on_prefill_body = self.proxy.prefill_answered
         if self.cluster is not None:
             await self.cluster.start()
         await self._probe_all()

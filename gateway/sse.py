@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import orjson
 
 DONE = b"data: [DONE]\n\n"
@@ -36,21 +38,28 @@ def frame(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def data_objects(body: bytes) -> list[dict]:
-    """All JSON objects carried by an SSE body (ignores [DONE] and non-JSON events)."""
-    splitter = EventSplitter()
-    objects = []
-    for event in splitter.feed(body + b"\n\n"):
+NOT_JSON = object()  # `parsed`: the event's data is [DONE] or not JSON
+
+
+def parsed(splitter: EventSplitter, chunk: bytes) -> Iterator[tuple[bytes, bytes | None, object]]:
+    """The complete events `chunk` ends, each as (event, its data or None when it has no
+    data line, that data's JSON value or NOT_JSON): what every reader of events transforms."""
+    for event in splitter.feed(chunk):
         payload = event_data(event)
         if payload is None or payload == b"[DONE]":
+            yield event, payload, NOT_JSON
             continue
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            objects.append(obj)
-    return objects
+            obj = NOT_JSON
+        yield event, payload, obj
+
+
+def data_objects(body: bytes) -> list[dict]:
+    """All JSON objects carried by an SSE body (ignores [DONE] and non-JSON events)."""
+    return [obj for _, _, obj in parsed(EventSplitter(), body + b"\n\n")
+            if isinstance(obj, dict)]
 
 
 def leading_failure(chunk: bytes) -> tuple[int, str] | None:

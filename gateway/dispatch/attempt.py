@@ -59,7 +59,10 @@ class Attempt:
     trailing: bool = False  # progressed by its decode, its prefill's answer still to come
     deadline: object = None  # the cancel.Deadline of the first progress
     pair_verdict: str | None = None  # a failure was blamed on "pair" or "server"
-    outcome: dict[str, bool | None] = field(default_factory=dict)
+    # how each leg ended, as decided (by the leg itself, or by the attempt's deadline before
+    # the leg was stopped): what its accounting records when it ends
+    verdict: dict[str, bool | None] = field(default_factory=dict)
+    outcome: dict[str, bool | None] = field(default_factory=dict)  # the legs accounted
     trace: object = None  # tracing.AttemptTrace with tracing on, else None
 
     def settle(self, target) -> None:

@@ -25,10 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
-import orjson
-
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
-from gateway.sse import DONE, EventSplitter, event_data, frame
+from gateway.sse import DONE, NOT_JSON, EventSplitter, frame, parsed
 
 
 def resumable(view: RequestView) -> bool:
@@ -149,16 +147,11 @@ class Continuation:
         splitter = EventSplitter()
         async for chunk in stream:
             out = []
-            for event in splitter.feed(chunk):
-                payload = event_data(event)
-                if payload is None:
-                    continue
+            for _, payload, obj in parsed(splitter, chunk):
                 if payload == b"[DONE]":
                     out.append(DONE)
                     continue
-                try:
-                    obj = orjson.loads(payload)
-                except orjson.JSONDecodeError:
+                if obj is NOT_JSON:  # (also no data line)
                     continue
                 if isinstance(obj, dict) and "error" not in obj:
                     obj = self._rewrite(obj)

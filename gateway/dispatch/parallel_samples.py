@@ -33,7 +33,7 @@ import orjson
 
 from gateway.dispatch.pd import Answer
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
-from gateway.sse import DONE, EventSplitter, event_data, frame
+from gateway.sse import DONE, NOT_JSON, EventSplitter, frame, parsed
 
 QUEUE_DEPTH = 8  # chunks a sample may be ahead of the client (backpressure beyond that)
 
@@ -217,15 +217,10 @@ class MergedStream:
         splitter = self._splitters.setdefault(j, EventSplitter())
         out = []
         failed = False
-        for event in splitter.feed(data):
-            payload = event_data(event)
-            if payload is None:
+        for event, payload, obj in parsed(splitter, data):
+            if payload is None or payload == b"[DONE]":
                 continue
-            if payload == b"[DONE]":
-                continue
-            try:
-                obj = orjson.loads(payload)
-            except orjson.JSONDecodeError:
+            if obj is NOT_JSON:
                 out.append(event + b"\n\n")
                 continue
             if not isinstance(obj, dict):

@@ -21,9 +21,7 @@ interrupts the decode (`Interrupt`, gateway/cancel.py): two legs, one extra task
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Callable
 
 import orjson
 
@@ -31,9 +29,10 @@ from gateway.cancel import Deadline, Expired, Interrupt
 from gateway.dispatch import rescue
 from gateway.dispatch.attempt import Answer, Attempt, Timeouts
 from gateway.dispatch.bootstrap_rooms import RoomAllocator
+from gateway.dispatch.chores import Chores
 from gateway.dispatch.inflight import Tracked
+from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.leg_bodies import leg_bodies
-from gateway.dispatch.prefill_tails import PrefillTails
 from gateway.dispatch.prompt_logprobs import StreamMerger, merge_body, prefill_parts
 from gateway.dispatch.relay import StreamRelay
 from gateway.errors import UpstreamError
@@ -46,9 +45,6 @@ from gateway.timers import Timers
 from gateway.upstream.client import Upstream, UpstreamResponse, status_error, translate_errors
 
 __all__ = ["Answer", "Attempt", "PDDispatcher", "Timeouts"]
-
-LegCallback = Callable[[Attempt, str, "bool | None"], None]
-
 
 class _PrefillWatch:
     """Done-callback of the prefill task: a failure interrupts the decode leg's task; a
@@ -65,7 +61,7 @@ class _PrefillWatch:
     def __call__(self, prefill: asyncio.Task) -> None:
         error = None if prefill.cancelled() else prefill.exception()  # always retrieved
         self.attempt.prefill.attempts.discard(self.attempt)
-        self.dispatcher.tails.ended(prefill)
+        self.dispatcher.chores.tails.ended(prefill)
         if error is None and not prefill.cancelled():
             self.dispatcher.progress(self.attempt, by_prefill=True)
         elif self.armed and error is not None:
@@ -77,25 +73,22 @@ REQUEST_TIMEOUT = "request_timeout"  # UpstreamError.reason: the request's deadl
 
 
 class PDDispatcher:
+    """Complete when built: `ledger` accounts each leg once, where the leg ends, and knows
+    the servers a rescue may send a retry to."""
+
     def __init__(self, upstream: Upstream, control: Upstream, rooms: RoomAllocator,
-                 timeouts: Timeouts, model: LatencyModel | None = None,
-                 timers: Timers | None = None) -> None:
+                 timeouts: Timeouts, ledger: Ledger, model: LatencyModel | None = None,
+                 timers: Timers | None = None, forward_priority: str = "off") -> None:
         self.upstream = upstream
         self.timers = timers or Timers()
-        self.control = control  # for best-effort aborts
         self.rooms = rooms
         self.timeouts = timeouts
+        self.ledger = ledger
         self.model = model or LatencyModel()
-        self.relay = StreamRelay(self)
+        self.forward_priority = forward_priority  # --forward-priority: auto, on, off
         self.suspect_seconds = 10.0  # how long a suspected hang keeps new requests away
-        self.on_leg_done: LegCallback = lambda attempt, leg, ok: None
-        self.on_prefill_body: Callable[[Attempt, bytes], None] = lambda attempt, body: None
-        self._background: set[asyncio.Task] = set()
-        self.tails = PrefillTails(self.timers, timeouts.tail, self._tail_expired)
-        self.forward_priority = "off"  # --forward-priority: auto, on, off
-        # the servers of a role (runtime: pool.role): a rescue stops attempts only if a
-        # retry can go elsewhere (rescue.rescue); None: it always stops them
-        self.peers: Callable[[str], list[Server]] | None = None
+        self.chores = Chores(control, self.timers, timeouts)  # aborts, prefill tails
+        self.relay = StreamRelay(self.model, timeouts, self.timers, self._stream_ended)
 
     # -- building the attempt -------------------------------------------------------------
 
@@ -132,8 +125,10 @@ class PDDispatcher:
 
     # -- one attempt -----------------------------------------------------------------------
 
-    async def run(self, attempt: Attempt) -> Answer:
-        """Send both legs; return the decode answer or raise the first leg failure."""
+    async def run(self, attempt: Attempt, by_policy: bool = False) -> Answer:
+        """Send both legs; return the decode answer or raise the first leg failure.
+        `by_policy`: the policy chose the prefill (its predicted cache hit is counted)."""
+        self.ledger.opened(attempt, by_policy)
         loop = self.timers.loop()  # (cached: asyncio.get_running_loop() is a system call)
         interrupt = attempt.interrupt = Interrupt(loop=loop)
         attempt.started_at = loop.time()
@@ -145,43 +140,23 @@ class PDDispatcher:
         watch = _PrefillWatch(interrupt, self, attempt)
         p_task.add_done_callback(watch)
         response: UpstreamResponse | None = None
-        handed_over = False
         deadline = attempt.deadline = Deadline(
             self.timers, interrupt, min(attempt.started_at + first, attempt.not_after))
         try:
-            if attempt.progressed:  # the prefill answered before we got here
-                limit = attempt.started_at + self.timeouts.response
-                if attempt.view.stream:
-                    limit = min(limit, loop.time() + self.model.gap_deadline(
-                        attempt.decode.url, self.timeouts.response))
-                deadline.move(min(limit, attempt.not_after))
             response, answer = await self._decode_leg(attempt)
             self.progress(attempt)
             attempt.decode.last_success = time.monotonic()  # alive: it is answering
             watch.armed = False
-            merger = None
-            if attempt.view.logprob_merge:
-                parts = prefill_parts(attempt.view.endpoint, await p_task)
-                if response is None:
-                    answer.body = merge_body(attempt.view.endpoint, answer.body, parts)
-                else:
-                    merger = StreamMerger(attempt.view.endpoint, parts)
-            deadline.cancel()
-            attempt.deadline = None
+            merger = await self._merge(attempt, p_task, response, answer) \
+                if attempt.view.logprob_merge else None
             if response is not None:
-                answer.stream = self.relay.stream(attempt, response, answer.body, merger, p_task)
-                answer.body, handed_over = b"", True
-                answer.close = self.relay.closer(attempt, response, p_task, answer.stream)
-                attempt.prefill.attempts.discard(attempt)  # it now waits on the decode only
+                self._hand_over(attempt, response, answer, merger, p_task)
+                response = p_task = None  # the relay's now
             return answer
         except asyncio.CancelledError:
-            if (reason := interrupt.reason()) is not None:
-                if isinstance(reason, Expired):
-                    raise self._expired(attempt, p_task, first, loop.time()) from None
-                if isinstance(reason, UpstreamError):
-                    rescue.suspect_if_hung(attempt, loop.time(), first, self.suspect_seconds)
-                raise reason from None
-            raise
+            if (reason := interrupt.reason()) is None:
+                raise
+            raise self._stopped(attempt, reason, p_task, first, loop.time()) from None
         except UpstreamError:
             rescue.suspect_if_hung(attempt, loop.time(), first, self.suspect_seconds)
             raise
@@ -190,10 +165,28 @@ class PDDispatcher:
             deadline.cancel()
             attempt.deadline = None
             interrupt.close()
-            if not handed_over:
+            if p_task is not None:  # not handed over: the decode leg ends here
                 attempt.decode.attempts.discard(attempt)
                 attempt.prefill.attempts.discard(attempt)
                 self._settle(attempt, p_task, response)
+
+    async def _merge(self, attempt: Attempt, p_task: asyncio.Task,
+                     response: UpstreamResponse | None, answer: Answer) -> StreamMerger | None:
+        """Prompt logprobs asked: the prefill's merged into a whole answer, or the merger
+        of a stream's events."""
+        parts = prefill_parts(attempt.view.endpoint, await p_task)
+        if response is None:
+            answer.body = merge_body(attempt.view.endpoint, answer.body, parts)
+            return None
+        return StreamMerger(attempt.view.endpoint, parts)
+
+    def _hand_over(self, attempt: Attempt, response: UpstreamResponse, answer: Answer,
+                   merger: StreamMerger | None, p_task: asyncio.Task) -> None:
+        """The stream goes to the relay; the decode leg ends when the stream does."""
+        answer.stream = self.relay.stream(attempt, response, answer.body, merger, p_task)
+        answer.body = b""
+        answer.close = self.relay.closer(attempt, response, p_task, answer.stream)
+        attempt.prefill.attempts.discard(attempt)  # it now waits on the decode only
 
     def progress(self, attempt: Attempt, by_prefill: bool = False) -> None:
         """The pair works (prefill answered, or the decode's first byte): learn how long it
@@ -209,11 +202,9 @@ class PDDispatcher:
         # request now (a conversation's next turn sent meanwhile found the prefill "busy"),
         # and the other samples of an n > 1 request may follow it now (they waited for that
         # answer and ran one after the other)
-        if "prefill" not in attempt.outcome:  # else settled as the leg ended (proxy.leg_done)
+        if "prefill" not in attempt.outcome:  # else settled as the leg ended (ledger)
             attempt.settle_prefill(trail=True)
-        future = attempt.prefill_future
-        if future is not None and not future.done():
-            future.set_result((attempt.prefill, attempt.prefill_rank))
+        _placed(attempt, True)
         now = self.timers.loop().time()
         self.model.first_progress(attempt.prefill.url, attempt.view.prompt_tokens,
                                   now - attempt.started_at)
@@ -226,31 +217,42 @@ class PDDispatcher:
 
     def rescue(self, server: Server, why: str) -> int:
         """Stop the attempts on `server` (down, breaker open) if a retry can go elsewhere."""
-        return rescue.rescue(server, f"{server.role} server {server.url} {why}",
-                             None if self.peers is None else self.peers(server.role))
+        return self.ledger.rescue(server, why)
+
+    def _stopped(self, attempt: Attempt, reason: BaseException, p_task: asyncio.Task,
+                 first: float, now: float) -> BaseException:
+        """What to raise for the interrupt that stopped the attempt's wait: its deadline
+        passed, the prefill failed, or a rescue stopped it."""
+        if isinstance(reason, Expired):
+            return self._expired(attempt, p_task, first, now)
+        if isinstance(reason, UpstreamError):
+            rescue.suspect_if_hung(attempt, now, first, self.suspect_seconds)
+        return reason
 
     def _expired(self, attempt: Attempt, p_task: asyncio.Task, first: float,
                  now: float) -> UpstreamError:
         """No answer in time. Each leg still waiting is a suspect (a hung decode keeps its
         prefill waiting too, and the reverse): both feed their breakers and both are avoided
-        by the retry. The request's own deadline passing is no server's fault."""
+        by the retry. The request's own deadline passing is no server's fault. The verdicts
+        are accounted as each leg ends (stopped now)."""
+        verdict = attempt.verdict
         if now >= attempt.not_after - self.timers.resolution:
             for leg in ("prefill", "decode"):
-                self.leg_done(attempt, leg, None)
+                verdict.setdefault(leg, None)
             return UpstreamError("the request's deadline passed", leg="both",
                                  server_url=attempt.prefill.url, retryable=False, status=504,
                                  reason=REQUEST_TIMEOUT)
         if not attempt.progressed:  # a suspected hang: its cohort on the pair too
             rescue.pair_cohort(attempt)
             rescue.suspect_if_hung(attempt, now, first, self.suspect_seconds)
-        elif attempt.view.stream and "prefill" in attempt.outcome:
+        elif attempt.view.stream and "prefill" in verdict:
             rescue.decode_hung(attempt, self.suspect_seconds,  # KV there, decode silent
-                               None if self.peers is None else self.peers("decode"))
-        late = [leg for leg in ("prefill", "decode") if leg not in attempt.outcome]
+                               self.ledger.peers_of("decode"))
+        late = [leg for leg in ("prefill", "decode") if leg not in verdict]
         if "decode" in late and p_task.done():
             late = ["decode"]
         for leg in late:
-            self.leg_done(attempt, leg, False)
+            verdict[leg] = False
         servers = " and ".join(
             f"{leg} server {(attempt.prefill if leg == 'prefill' else attempt.decode).url}"
             for leg in late) or "the pair"
@@ -263,28 +265,35 @@ class PDDispatcher:
 
     def _settle(self, attempt: Attempt, p_task: asyncio.Task,
                 response: UpstreamResponse | None) -> None:
-        """After a failure or a whole answer: stop what still runs, account every leg."""
-        decode_ok = "decode" in attempt.outcome and attempt.outcome["decode"] is True
+        """After a failure or a whole answer: stop what still runs; the decode leg ends."""
         if response is not None:  # a stream opened but never handed to a relay
             response.abort()
-        if "decode" not in attempt.outcome:
-            self.leg_done(attempt, "decode", None)
-            self.abort(attempt.decode, attempt.rid_list)
+        decided = "decode" in attempt.verdict  # else it was stopped from outside
+        ok = attempt.verdict.setdefault("decode", None)
+        self.ledger.leg_done(attempt, "decode", ok)
+        if not decided:
+            self.chores.abort(attempt.decode, attempt.rid_list)
         if not p_task.done():
-            if decode_ok and response is None:
-                self.finish_tail(attempt, p_task)
+            if ok is True and response is None:
+                self.chores.finish_tail(attempt, p_task)
             else:
                 p_task.cancel()
-                self.abort(attempt.prefill, attempt.rid_list)
+                self.chores.abort(attempt.prefill, attempt.rid_list)
 
-    def finish_tail(self, attempt: Attempt, p_task: asyncio.Task) -> None:
-        """The decode is done; give the prefill's own answer a bounded time to arrive."""
-        self.tails.add(attempt, p_task)
-
-    def _tail_expired(self, attempt: Attempt, p_task: asyncio.Task) -> None:
+    def _stream_ended(self, attempt: Attempt, response: UpstreamResponse,
+                      p_task: asyncio.Task, ok: bool | None) -> None:
+        """The relayed stream ended (`ok` None: the client left), or was closed before it
+        started: the decode leg ends. Idempotent."""
+        if "decode" in attempt.outcome:
+            return
+        if ok is not True:
+            response.abort()
+        attempt.decode.attempts.discard(attempt)
+        self.ledger.leg_done(attempt, "decode", ok)
         if not p_task.done():
-            p_task.cancel()
-            self.abort(attempt.prefill, attempt.rid_list)
+            self.chores.finish_tail(attempt, p_task)
+        if ok is None:  # the client went away mid-stream
+            self.chores.abort(attempt.decode, attempt.rid_list)
 
     # -- the legs ----------------------------------------------------------------------------
 
@@ -315,7 +324,7 @@ class PDDispatcher:
                 body = await response.read()
             response = None
             ok = True
-            self.on_prefill_body(attempt, body)
+            self.ledger.prefill_answered(attempt, body)
             return body
         except UpstreamError as exc:
             ok = False if exc.retryable else None
@@ -323,14 +332,14 @@ class PDDispatcher:
         finally:
             if response is not None:
                 response.abort()
-            self.leg_done(attempt, "prefill", ok)
-            future = attempt.prefill_future
-            if future is not None and not future.done():
-                future.set_result((attempt.prefill, attempt.prefill_rank) if ok else None)
+            # the leg's own outcome, unless the attempt's deadline gave one as it stopped it
+            self.ledger.leg_done(attempt, "prefill", attempt.verdict.setdefault("prefill", ok))
+            _placed(attempt, ok)
 
     async def _decode_leg(self, attempt: Attempt) -> tuple[UpstreamResponse | None, Answer]:
         """Non-streaming: the whole body (response None). Streaming: the open response and
-        its first chunk in `answer.body`; the relay accounts the leg when the stream ends."""
+        its first chunk in `answer.body`. The leg's outcome is decided here, accounted where
+        the leg ends (`_settle`, or `_stream_ended` for a relayed stream)."""
         response = None
         try:
             with translate_errors("decode", attempt.decode):
@@ -341,7 +350,7 @@ class PDDispatcher:
                     if attempt.unsuffix is not None:
                         body = body.replace(attempt.unsuffix, b"")
                     response = None
-                    self.leg_done(attempt, "decode", True)
+                    attempt.verdict["decode"] = True
                     return None, Answer(200, content_type, body)
                 first = await response.next_chunk()
             failure = leading_failure(first) if first else None
@@ -356,43 +365,21 @@ class PDDispatcher:
             opened, response = response, None
             return opened, Answer(200, content_type, first)
         except UpstreamError as exc:
-            self.leg_done(attempt, "decode", False if exc.retryable else None)
+            attempt.verdict.setdefault("decode", False if exc.retryable else None)
             raise
         finally:
             if response is not None:
                 response.abort()
 
-    def leg_done(self, attempt: Attempt, leg: str, ok: bool | None) -> None:
-        if leg in attempt.outcome:
-            return
-        attempt.outcome[leg] = ok
-        if attempt.trace is not None:
-            attempt.trace.leg_done(leg, ok)
-        self.on_leg_done(attempt, leg, ok)
-
-    # -- background chores ----------------------------------------------------------------------
-
-    def abort(self, server: Server, rids: tuple[str, ...]) -> None:
-        """Ask `server` to stop the attempt's items by their upstream rids (unique: random,
-        or a client's rid with a random suffix, so SGLang's prefix match hits nothing else)."""
-        for one in rids:
-            self._spawn(self._post_abort(server, one))
-
-    async def _post_abort(self, server: Server, rid: str) -> None:
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self.timeouts.abort):
-                response = await self.control.post(
-                    server.url, "/abort_request", orjson.dumps({"rid": rid}), "abort")
-                await response.read()
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def close(self) -> None:
         """Cancel background chores (prefill tails, aborts) at shutdown."""
-        tails = self.tails.cancel_all()
-        for task in [*self._background, *tails]:
-            task.cancel()
-        await asyncio.gather(*self._background, *tails, return_exceptions=True)
+        await self.chores.close()
+
+
+def _placed(attempt: Attempt, ok: bool | None) -> None:
+    """Tell the other samples of an n > 1 request (parallel_samples.Placement) where the
+    first one's prompt got cached: its prefill and rank, or None when that prefill failed.
+    The first word counts: the first progress, or the prefill leg's end."""
+    future = attempt.prefill_future
+    if future is not None and not future.done():
+        future.set_result((attempt.prefill, attempt.prefill_rank) if ok else None)

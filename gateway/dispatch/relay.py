@@ -17,15 +17,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import orjson
-
 from gateway.cancel import Interrupt
-from gateway.dispatch.attempt import Attempt
+from gateway.dispatch.attempt import Attempt, Timeouts
 from gateway.dispatch.prompt_logprobs import StreamMerger
 from gateway.errors import UpstreamError
-from gateway.sse import DONE, EventSplitter, event_data, frame
+from gateway.health.deadlines import LatencyModel
+from gateway.sse import DONE, EventSplitter, data_objects, frame, parsed
+from gateway.timers import Timers
 from gateway.upstream.client import UpstreamResponse, translated
 
 CAPTURE_LIMIT = 8 << 20  # bytes of one stream kept for a continuation
@@ -64,18 +65,7 @@ class Capture:
 
     def objects(self) -> list[dict]:
         """The JSON objects of the relayed events, in order."""
-        out = []
-        for event in EventSplitter().feed(b"".join(self.chunks)):
-            payload = event_data(event)
-            if payload is None or payload == b"[DONE]":
-                continue
-            try:
-                obj = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                out.append(obj)
-        return out
+        return data_objects(b"".join(self.chunks))
 
 
 class StreamWatchdog:
@@ -127,44 +117,32 @@ class StreamWatchdog:
         self.handle.cancel()
 
 
-class StreamRelay:
-    """The relay of one dispatcher (it accounts the decode leg when the stream ends)."""
+Ended = Callable[[Attempt, UpstreamResponse, asyncio.Task, "bool | None"], None]
 
-    def __init__(self, dispatcher) -> None:
-        self.dispatcher = dispatcher
+
+class StreamRelay:
+    """Relays decode streams under the deadlines of `model` and `timeouts`; `ended` is told
+    once a stream ends (ok True, False: the decode failed, None: the client left), and ends
+    the decode leg (pd.PDDispatcher._stream_ended)."""
+
+    def __init__(self, model: LatencyModel, timeouts: Timeouts, timers: Timers,
+                 ended: Ended) -> None:
+        self.model = model
+        self.timeouts = timeouts
+        self.timers = timers
+        self.ended = ended
 
     async def stream(self, attempt: Attempt, response: UpstreamResponse, first: bytes,
                      merger: StreamMerger | None, p_task: asyncio.Task) -> AsyncIterator[bytes]:
-        """Yield the decode's SSE events; a mid-stream failure ends with an error event, or
-        (resumable) goes on with `attempt.on_broken`'s continuation."""
-        d = self.dispatcher
+        """The decode's events, then on failure an error event or `attempt.on_broken`'s."""
         ok: bool | None = None
-        splitter = EventSplitter() if merger else None
-        url = attempt.decode.url
-        model, hard = d.model, d.timeouts.stream_idle
-
-        def idle() -> float:  # re-read at every check: the model learns while we stream
-            return model.gap_deadline(url, hard)
-
-        stalled = UpstreamError(f"decode server {url} went silent mid-stream (longer than its "
-                                "learned gap deadline)", leg="decode", server_url=url,
-                                retryable=True, status=504)
-        tracked = attempt.tracked
-        watchdog = StreamWatchdog(idle, d.timeouts.send,
-                                  tracked.interrupt if tracked is not None else None, stalled,
-                                  period=min(model.options.floor, d.timeouts.send, hard) / 2,
-                                  loop=d.timers.loop())
-        attempt.interrupt = watchdog.upstream  # a rescue now stops the relay's wait
-        loop = watchdog.loop
-        gaps = model.gaps_of(url)
-        held = b""
-        last = b""  # the last events relayed (whole events: [DONE] is in them, or missing)
-        unsuffix = attempt.unsuffix
-        capture = attempt.capture
         broken: StreamBroken | None = None
-        trace = attempt.trace  # tracing.AttemptTrace, or None (tracing off)
-        if trace is not None:
-            trace.relay_started()
+        splitter = EventSplitter() if merger else None
+        watchdog = self._start(attempt)
+        model, url, loop = self.model, attempt.decode.url, watchdog.loop
+        gaps = model.gaps_of(url)
+        held = last = b""  # last: the last events relayed (whole events, [DONE] among them)
+        unsuffix, capture, trace = attempt.unsuffix, attempt.capture, attempt.trace
         try:
             chunk: bytes | None = first
             now = loop.time()
@@ -190,88 +168,104 @@ class StreamRelay:
                 watchdog.reading = True
                 try:  # here, not in a helper coroutine: one coroutine less per chunk
                     chunk = await response.next_chunk()
-                except asyncio.CancelledError:
-                    if (reason := watchdog.upstream.reason()) is not None:
-                        raise reason from None  # the server went silent, or was rescued
-                    raise
-                except Exception as exc:  # the client's errors, as the leg's UpstreamError
-                    error = translated("decode", url, exc)
-                    if error is None:
-                        raise
-                    raise error from exc
+                except (asyncio.CancelledError, Exception) as exc:
+                    raise _failure(exc, watchdog, url)  # noqa: B904 (its own cause)
                 now = loop.time()
                 if gaps.skip:  # (`LatencyModel.gap` keeps one gap in a few: no call here)
                     gaps.skip -= 1
                 else:
                     model.gap(gaps, now - started)
-            rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter
-                           and splitter.rest().strip() else b"")
-            if rest.strip():
-                rest = last = rest if rest.endswith(b"\n\n") else rest + b"\n\n"
-                if capture is not None:
-                    capture.add(rest)
-                if trace is not None:
-                    trace.relayed(rest)
-                yield rest
+            if rest := _rest(held, splitter, merger):
+                yield (last := _noted(rest, capture, trace))
             if not last.endswith(DONE):
-                raise UpstreamError(f"decode server {url} ended the stream without [DONE]",
-                                    leg="decode", server_url=url, retryable=True)
+                raise _unfinished(url)
             ok = True
         except UpstreamError as exc:
-            ok = False
-            if exc.retryable and attempt.on_broken is not None:
-                broken = StreamBroken(exc, attempt.decode)
-            else:
+            ok, broken = False, (StreamBroken(exc, attempt.decode) if exc.retryable
+                                 and attempt.on_broken is not None else None)
+            if broken is None:
                 yield frame(exc.body()) + DONE
         finally:
-            watchdog.close()
-            watchdog.upstream.close()
-            self.end(attempt, response, p_task, ok)
-            if trace is not None:
-                trace.relay_done(ok, broken is not None)
+            self._end(attempt, response, p_task, ok, watchdog, broken)
         if broken is not None:  # this pair is done with; the rest comes from another
-            rest_of = attempt.on_broken(broken)
-            try:
+            async with contextlib.aclosing(attempt.on_broken(broken)) as rest_of:
                 async for chunk in rest_of:
                     yield chunk
-            finally:
-                await rest_of.aclose()
 
-    def end(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
-            ok: bool | None) -> None:
-        """Idempotent cleanup of a stream, whether it ran to the end or never started."""
-        if "decode" in attempt.outcome:
-            return
-        d = self.dispatcher
-        if ok is not True:
-            response.abort()
-        attempt.decode.attempts.discard(attempt)
-        d.leg_done(attempt, "decode", ok)
-        if not p_task.done():
-            d.finish_tail(attempt, p_task)
-        if ok is None:  # the client went away mid-stream
-            d.abort(attempt.decode, attempt.rid_list)
+    def _start(self, attempt: Attempt) -> StreamWatchdog:
+        """The stream's deadlines: the decode's learned gap (re-read at every check: the
+        model learns while we stream) and the client's send timeout. A rescue now stops
+        the relay's wait."""
+        url, model, hard = attempt.decode.url, self.model, self.timeouts.stream_idle
+        send = self.timeouts.send
+
+        def idle() -> float:
+            return model.gap_deadline(url, hard)
+
+        stalled = UpstreamError(f"decode server {url} went silent mid-stream (longer than its "
+                                "learned gap deadline)", leg="decode", server_url=url,
+                                retryable=True, status=504)
+        tracked = attempt.tracked
+        watchdog = StreamWatchdog(idle, send, tracked.interrupt if tracked is not None else None,
+                                  stalled, period=min(model.options.floor, send, hard) / 2,
+                                  loop=self.timers.loop())
+        attempt.interrupt = watchdog.upstream
+        if attempt.trace is not None:
+            attempt.trace.relay_started()
+        return watchdog
+
+    def _end(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
+             ok: bool | None, watchdog: StreamWatchdog, broken: StreamBroken | None) -> None:
+        watchdog.close()
+        watchdog.upstream.close()
+        self.ended(attempt, response, p_task, ok)
+        if attempt.trace is not None:
+            attempt.trace.relay_done(ok, broken is not None)
 
     def closer(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
                stream: AsyncIterator[bytes]) -> Callable[[], Awaitable[None]]:
+        """The answer's close: a stream closed before it started ends here."""
         async def close() -> None:
             await stream.aclose()
-            self.end(attempt, response, p_task, None)
+            self.ended(attempt, response, p_task, None)
 
         return close
 
 
+def _failure(exc: BaseException, watchdog: StreamWatchdog, url: str) -> BaseException:
+    """What to raise for an exception while waiting for the server's next chunk: the reason
+    of our own interrupt (the server went silent, or was rescued), the client's error as the
+    leg's UpstreamError, or the exception itself."""
+    if isinstance(exc, asyncio.CancelledError):
+        return watchdog.upstream.reason() or exc
+    return translated("decode", url, exc) or exc
+
+
+def _unfinished(url: str) -> UpstreamError:
+    return UpstreamError(f"decode server {url} ended the stream without [DONE]",
+                         leg="decode", server_url=url, retryable=True)
+
+
+def _noted(data: bytes, capture: Capture | None, trace) -> bytes:
+    """`data`, kept for a continuation and traced as relayed."""
+    if capture is not None:
+        capture.add(data)
+    if trace is not None:
+        trace.relayed(data)
+    return data
+
+
+def _rest(held: bytes, splitter: EventSplitter | None, merger: StreamMerger | None) -> bytes:
+    """What is left when the server's stream ended: a last event without its blank line
+    (completed), or nothing."""
+    rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter
+                   and splitter.rest().strip() else b"")
+    if not rest.strip():
+        return b""
+    return rest if rest.endswith(b"\n\n") else rest + b"\n\n"
+
+
 def _merge_events(splitter: EventSplitter, merger: StreamMerger, chunk: bytes) -> bytes:
-    out = []
-    for event in splitter.feed(chunk):
-        payload = event_data(event)
-        if payload is None or payload == b"[DONE]":
-            out.append(event + b"\n\n")
-            continue
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            out.append(event + b"\n\n")
-            continue
-        out.append(frame(merger.merge(obj)) if isinstance(obj, dict) else event + b"\n\n")
-    return b"".join(out)
+    """Prompt logprobs merged into each JSON event; other events pass as they are."""
+    return b"".join(frame(merger.merge(obj)) if isinstance(obj, dict) else event + b"\n\n"
+                    for event, _, obj in parsed(splitter, chunk))

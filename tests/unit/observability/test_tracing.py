@@ -82,7 +82,7 @@ async def traced_gateway(cluster, *extra):
 async def spans_of(gateway, memory) -> dict[str, list]:
     """The finished spans by name, once the prefill legs that trail their answers are done."""
     for _ in range(200):
-        if not gateway.dispatcher._background and not gateway.dispatcher.tails:
+        if not gateway.dispatcher.chores.busy():
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.01)
