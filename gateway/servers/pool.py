@@ -29,8 +29,30 @@ def bootstrap_host_of(url: str) -> str:
     return host
 
 
+class Counted:
+    """The in-flight counters of what a policy picks (a Server, or one of its DP ranks):
+    taken as a request is sent there, given back as it ends. The fields are the subclass's."""
+
+    __slots__ = ()
+    in_flight: int
+    in_flight_tokens: int
+    total_requests: int
+
+    def start(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+        self.total_requests += 1
+
+    def finish(self, tokens: int, success: bool | None = None) -> bool:
+        """Give the counters back; True when the outcome opened a breaker (a rank has none:
+        its server's breaker takes the outcome)."""
+        self.in_flight -= 1
+        self.in_flight_tokens -= tokens
+        return False
+
+
 @dataclass(eq=False)
-class Rank:
+class Rank(Counted):
     """One DP rank of a server: what the prefill policies score when a server has several.
 
     SGLang runs one scheduler per DP rank, each with its own queue and radix cache, so a
@@ -62,18 +84,9 @@ class Rank:
         """In-flight requests and prompt tokens (this process's view of the rank)."""
         return self.in_flight, self.in_flight_tokens
 
-    def start(self, tokens: int) -> None:
-        self.in_flight += 1
-        self.in_flight_tokens += tokens
-        self.total_requests += 1
-
-    def finish(self, tokens: int) -> None:
-        self.in_flight -= 1
-        self.in_flight_tokens -= tokens
-
 
 @dataclass(eq=False)
-class Server:
+class Server(Counted):
     url: str
     role: str
     bootstrap_port: int | None = None
@@ -215,9 +228,7 @@ class Server:
             state.publish(worker, slot, self.in_flight, self.in_flight_tokens)
 
     def start(self, tokens: int) -> None:
-        self.in_flight += 1
-        self.in_flight_tokens += tokens
-        self.total_requests += 1
+        Counted.start(self, tokens)
         if self.shared is not None:  # (twice per request: no call when there is no need)
             self._publish()
         if self.breaker.state is not CLOSED:
@@ -226,8 +237,7 @@ class Server:
     def finish(self, tokens: int, success: bool | None) -> bool:
         """Release counters; success None means the outcome says nothing about the server.
         Returns True when this failure opened the breaker."""
-        self.in_flight -= 1
-        self.in_flight_tokens -= tokens
+        Counted.finish(self, tokens)
         if self.shared is not None:
             self._publish()
         if success is None:
