@@ -159,7 +159,7 @@ async def _measure(config: str, endpoint: str, requests: int) -> float:
         answered += status == 200
         return True
 
-    def chunks(body: bytes) -> bool:  # as server_protocol.Chunks: written at once
+    def chunks(body: bytes) -> bool:  # as UvicornSend.chunk: written at once
         nonlocal answered
         answered += body.endswith(b"data: [DONE]\n\n")
         return True

@@ -6,7 +6,7 @@ gateway's own server protocol and upstream client.
 
 Each POST's JSON body gets a random bootstrap room and the prefill's bootstrap host and port,
 goes to the prefill (in a task) and to a decode (in turn) at once, and the decode's answer goes
-back in one write (`server_protocol.Whole`). No policies, retries, deadlines, accounting,
+back in one write (`uvicorn_send.UvicornSend.whole`). No policies, retries, deadlines, accounting,
 metrics, auth or streaming. The overhead benchmark's `python-floor` target runs it beside the
 gateway: the gap between the two is the gateway's own work, the gap between it and the Rust
 router what Python's sockets, parsers and event loop cost.

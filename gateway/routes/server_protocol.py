@@ -1,6 +1,6 @@
 """uvicorn's httptools protocol with the limits a server facing strangers needs.
 
-uvicorn (0.54) puts no bound on the size or number of request headers or on the URL, and no
+uvicorn (0.54-0.55) puts no bound on the size or number of request headers or on the URL, and no
 deadline on a request's head or body: a client can grow the gateway's memory with endless
 headers, or hold a connection (and a file descriptor) forever by sending its request one byte
 at a time (slowloris) or not at all. This subclass adds, per connection:
@@ -26,22 +26,20 @@ body, keep-alive wait) only notes when it ends, and one check per connection, ev
 of the shortest limit (at most a second, on the gateway's `Timers`), closes a connection whose
 phase ran out; `on_response_complete` is uvicorn's with that one change. A loop timer per
 phase and per keep-alive wait cost about a tenth of the gateway's CPU per request
-(docs/BENCHMARKS.md, "Cost per request").
+(docs/BENCHMARKS.md, "Gateway overhead"). What is copied from uvicorn (that
+`on_response_complete`, and answers written without uvicorn's `send`) is in one class,
+`uvicorn_send.UvicornSend`, which says which uvicorn version it follows.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import (
-    HEADER_VALUE_RE,
-    STATUS_LINE,
-    HttpToolsProtocol,
-)
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import error_body
+from gateway.routes.uvicorn_send import UvicornSend
 from gateway.timers import Timers
 
 INF = float("inf")
@@ -67,8 +65,8 @@ class ServerLimits:
 REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
 STALLED = "gateway.stalled"  # scope key set when the response stalled past send_timeout
 DEPARTURE = "gateway.departure"  # scope key: the request's `Departure`
-WHOLE = "gateway.whole"  # scope key: the request's `Whole`
-CHUNKS = "gateway.chunks"  # scope key: the request's `Chunks`
+WHOLE = "gateway.whole"  # scope key: the request's `UvicornSend.whole`
+CHUNKS = "gateway.chunks"  # scope key: the request's `UvicornSend.chunk`
 
 
 class Departure:
@@ -88,207 +86,135 @@ class Departure:
             callback()
 
 
-class Whole:
-    """Writes a complete answer that is not streamed (status line, headers, body) in one
-    `transport.write`, where uvicorn's `send` takes two messages and two writes (head, then
-    body: two send(2) calls). The header names are the gateway's own constants; the values
-    are checked with uvicorn's own value pattern (a content type relayed from a server must
-    not carry a control character). It declines (False: send as usual) once the response has
-    started, the client has gone, the write buffer is over its high-water mark (uvicorn's
-    `send` then waits for it to drain) or a value fails the check. What it sets on uvicorn's
-    `RequestResponseCycle` is what `send` sets for the same answer (uvicorn 0.54); the cycle
-    is held weakly, so the scope holding this object does not keep the cycle alive (no
-    reference cycle per request)."""
-
-    __slots__ = ("_cycle",)
-
-    def __init__(self, cycle) -> None:
-        self._cycle = weakref.ref(cycle)
-
-    def __call__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
-        cycle = self._cycle()
-        if cycle is None or cycle.response_started or cycle.disconnected \
-                or cycle.flow.write_paused:
-            return False
-        for _, value in headers:
-            if HEADER_VALUE_RE.search(value):
-                return False
-        cycle.response_started = cycle.response_complete = True
-        cycle.waiting_for_100_continue = False
-        parts = [STATUS_LINE[status]]
-        for name, value in cycle.default_headers:
-            parts += (name, b": ", value, b"\r\n")
-        for name, value in headers:
-            parts += (name, b": ", value, b"\r\n")
-        parts.append(b"content-length: %d\r\n" % len(body))
-        if not cycle.keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts += (b"\r\n", body)
-        cycle.transport.write(b"".join(parts))
-        cycle.message_event.set()
-        if not cycle.keep_alive:
-            cycle.transport.close()
-        cycle.on_response()
-        return True
-
-
-class Chunks:
-    """Writes one chunk of a streamed (chunked) body straight to the transport, where uvicorn's
-    `send` takes a message dict and a coroutine per chunk to write the same bytes (a streamed
-    answer is hundreds of chunks). It declines (False: send as usual) unless the response has
-    started with chunked encoding and is not complete, the client is still there and the write
-    buffer is below its high-water mark: uvicorn's `send` then waits for the drain, so
-    backpressure and the send deadline are those of every response. The end of the body (the
-    last, empty chunk) always goes through `send`, which completes the cycle. Held weakly, as
-    `Whole` is."""
-
-    __slots__ = ("_cycle",)
-
-    def __init__(self, cycle) -> None:
-        self._cycle = weakref.ref(cycle)
-
-    def __call__(self, body: bytes) -> bool:
-        cycle = self._cycle()
-        if cycle is None or not cycle.response_started or cycle.response_complete \
-                or cycle.disconnected or cycle.flow.write_paused or not cycle.chunked_encoding \
-                or not body:
-            return False
-        cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
-        return True
-
-
 class _Refused(Exception):
     """Raised inside a parser callback to stop parsing a request over the limits."""
 
 
-def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProtocol]:
-    """An HttpToolsProtocol class bound to `limits` and the gateway's `timers` (uvicorn
-    instantiates it per connection)."""
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits and deadlines above; `guarded_protocol`
+    binds the limits and the gateway's timers to a subclass (uvicorn takes a class)."""
 
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        _limits = limits
-        _timers = timers
+    _limits: ServerLimits
+    _timers: Timers
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._head_bytes = 0
-            self._header_count = 0
-            self._refused = False
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_bytes = 0
+        self._header_count = 0
+        self._refused = False
+        self._stall = None
+        self._waiting = False  # in the keep-alive wait between two requests
+        self._due = self._timers.loop().time() + self._limits.head_timeout
+        self._check = self._timers.after(self._limits.period, self._tick)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._check.cancel()
+        self._due = INF
+        if self._stall is not None:
+            self._stall.cancel()
             self._stall = None
-            self._waiting = False  # in the keep-alive wait between two requests
-            self._due = self._timers.loop().time() + self._limits.head_timeout
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            departure = cycle.scope.get(DEPARTURE)
+            if departure is not None:
+                departure()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self._timers.after(self._limits.send_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.scope[STALLED] = True
+        self.transport.abort()  # close() would wait for the client to read the buffer
+
+    def _phase(self, seconds: float) -> None:
+        """The current phase (head, body, keep-alive wait) ends `seconds` from now."""
+        self._due = self._timers.loop().time() + seconds
+
+    def _tick(self) -> None:
+        """The connection's periodic check: has its current phase run out?"""
+        if self.transport.is_closing():
+            return
+        if self._timers.loop().time() < self._due:
             self._check = self._timers.after(self._limits.period, self._tick)
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True  # the app sees http.disconnect
+        self.transport.close()
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._check.cancel()
-            self._due = INF
-            if self._stall is not None:
-                self._stall.cancel()
-                self._stall = None
-            cycle = self.cycle
-            super().connection_lost(exc)
-            if cycle is not None and not cycle.response_complete:
-                departure = cycle.scope.get(DEPARTURE)
-                if departure is not None:
-                    departure()
+    def _answer(self, status: int, message: str) -> None:
+        """Write a refusal in the gateway's error shape and close the connection."""
+        self._refused = True
+        self._due = INF
+        body = orjson.dumps(error_body(message, "invalid_request_error", str(status)))
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, REASONS[status], len(body), body))
+        self.transport.close()
 
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._stall is None:
-                self._stall = self._timers.after(self._limits.send_timeout, self._stalled)
+    def _refuse(self, status: int) -> None:
+        self._answer(status, REASONS[status].decode())
+        raise _Refused
 
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            if self._stall is not None:
-                self._stall.cancel()
-                self._stall = None
+    def send_400_response(self, msg: str) -> None:
+        if not self._refused:  # our own refusal already answered
+            self._answer(400, "malformed HTTP request")
 
-        def _stalled(self) -> None:
-            self._stall = None
-            if self.cycle is not None and not self.cycle.response_complete:
-                self.cycle.scope[STALLED] = True
-            self.transport.abort()  # close() would wait for the client to read the buffer
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        self._header_count = 0
+        if self._due == INF or self._waiting:  # not the connection's first head
+            self._waiting = False
+            self._phase(self._limits.head_timeout)
 
-        def _phase(self, seconds: float) -> None:
-            """The current phase (head, body, keep-alive wait) ends `seconds` from now."""
-            self._due = self._timers.loop().time() + seconds
+    def on_url(self, url: bytes) -> None:
+        self._head_bytes += len(url)
+        if self._head_bytes > self._limits.max_url_bytes:
+            self._refuse(414)
+        super().on_url(url)
 
-        def _tick(self) -> None:
-            """The connection's periodic check: has its current phase run out?"""
-            if self.transport.is_closing():
-                return
-            if self._timers.loop().time() < self._due:
-                self._check = self._timers.after(self._limits.period, self._tick)
-                return
-            if self.cycle is not None and not self.cycle.response_complete:
-                self.cycle.disconnected = True  # the app sees http.disconnect
-            self.transport.close()
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        self._header_count += 1
+        if self._header_count > self._limits.max_header_count \
+                or self._head_bytes > self._limits.max_head_bytes:
+            self._refuse(431)
+        super().on_header(name, value)
 
-        def _answer(self, status: int, message: str) -> None:
-            """Write a refusal in the gateway's error shape and close the connection."""
-            self._refused = True
-            self._due = INF
-            body = orjson.dumps(error_body(message, "invalid_request_error", str(status)))
-            self.transport.write(
-                b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%s" % (status, REASONS[status], len(body), body))
-            self.transport.close()
+    def on_headers_complete(self) -> None:
+        self._phase(self._limits.body_timeout)
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None:
+            send = UvicornSend(cycle)
+            cycle.scope[DEPARTURE] = Departure()
+            cycle.scope[WHOLE] = send.whole
+            cycle.scope[CHUNKS] = send.chunk
 
-        def _refuse(self, status: int) -> None:
-            self._answer(status, REASONS[status].decode())
-            raise _Refused
+    def on_message_complete(self) -> None:
+        self._due = INF  # the app answers now; a stalled answer has its own deadline
+        super().on_message_complete()
 
-        def send_400_response(self, msg: str) -> None:
-            if not self._refused:  # our own refusal already answered
-                self._answer(400, "malformed HTTP request")
+    def on_response_complete(self) -> None:
+        if UvicornSend.response_complete(self):
+            # the keep-alive wait: ended by the next request's first byte, or by _tick
+            self._waiting = True
+            self._phase(self.timeout_keep_alive)
 
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._head_bytes = 0
-            self._header_count = 0
-            if self._due == INF or self._waiting:  # not the connection's first head
-                self._waiting = False
-                self._phase(self._limits.head_timeout)
 
-        def on_url(self, url: bytes) -> None:
-            self._head_bytes += len(url)
-            if self._head_bytes > self._limits.max_url_bytes:
-                self._refuse(414)
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._head_bytes += len(name) + len(value) + 4
-            self._header_count += 1
-            if self._header_count > self._limits.max_header_count \
-                    or self._head_bytes > self._limits.max_head_bytes:
-                self._refuse(431)
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._phase(self._limits.body_timeout)
-            super().on_headers_complete()
-            cycle = self.cycle
-            if cycle is not None:
-                cycle.scope[DEPARTURE] = Departure()
-                cycle.scope[WHOLE] = Whole(cycle)
-                cycle.scope[CHUNKS] = Chunks(cycle)
-
-        def on_message_complete(self) -> None:
-            self._due = INF  # the app answers now; a stalled answer has its own deadline
-            super().on_message_complete()
-
-        def on_response_complete(self) -> None:
-            # uvicorn's (0.54), with the keep-alive wait checked by _tick
-            self.server_state.total_requests += 1
-            if self.transport.is_closing():
-                return
-            self._unset_keepalive_if_required()
-            self.flow.resume_reading()
-            if self.pipeline:
-                cycle, app = self.pipeline.pop()
-                self._start_asgi_task(cycle, app)
-            else:  # the keep-alive wait: ended by the next request's first byte, or by _tick
-                self._waiting = True
-                self._phase(self.timeout_keep_alive)
-
-    return GuardedHttpToolsProtocol
+def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProtocol]:
+    """A `GuardedHttpToolsProtocol` class bound to `limits` and the gateway's `timers`
+    (uvicorn instantiates it per connection)."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
+                {"_limits": limits, "_timers": timers})

@@ -1,5 +1,5 @@
-"""Streamed chunks written straight to the transport (server_protocol.Chunks), at the socket
-level: a stream is valid chunked HTTP that a client's parser reads to the end, and the
+"""Streamed chunks written straight to the transport (uvicorn_send.UvicornSend.chunk), at the
+socket level: a stream is valid chunked HTTP that a client's parser reads to the end, and the
 connection stays usable for the next request (a framing byte off would garble it); on a
 stand-in cycle, that each chunk is one write of exactly uvicorn's framing and that it declines
 whenever `send` would have to wait (backpressure: the slow-reader attack in
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.routes.server_protocol import Chunks
+from gateway.routes.uvicorn_send import UvicornSend
 from tests.security.honest import connect
 from tests.security.test_whole_answers import Answers, Cycle, check, request
 
@@ -53,7 +53,7 @@ class ChunkedCycle(Cycle):
 
 def test_each_chunk_is_one_write_framed_as_uvicorn_frames_it():
     cycle = ChunkedCycle()
-    chunks = Chunks(cycle)
+    chunks = UvicornSend(cycle).chunk
     assert chunks(b"data: {}\n\n") and chunks(b"x" * 300)
     assert cycle.transport.writes == [b"a\r\ndata: {}\n\n\r\n", b"12c\r\n" + b"x" * 300 + b"\r\n"]
     assert not cycle.response_complete and cycle.completed == 0  # the end goes through send
@@ -76,7 +76,7 @@ def test_it_declines_where_send_must_wait_or_do_more():
             cycle.chunked_encoding = False
         elif spoil == "empty":
             body = b""
-        chunks = Chunks(cycle)
+        chunks = UvicornSend(cycle).chunk
         if spoil == "gone":  # held weakly: a finished request's cycle is let go
             del cycle
             assert not chunks(body)

@@ -1,4 +1,4 @@
-"""A complete answer in one write (server_protocol.Whole), at the socket level.
+"""A complete answer in one write (uvicorn_send.UvicornSend.whole), at the socket level.
 
 The non-streamed answers of the inference endpoints bypass uvicorn's two-message `send`: the
 status line, headers and body go out in one `transport.write`. These tests hold it to what
@@ -15,7 +15,7 @@ import socket
 import httptools
 import orjson
 
-from gateway.routes.server_protocol import Whole
+from gateway.routes.uvicorn_send import UvicornSend
 from tests.security.honest import connect, read_until_closed
 
 BODY = b'{"text": "one write", "sampling_params": {"max_new_tokens": 2}}'
@@ -121,7 +121,7 @@ class Transport:
 
 
 class Cycle:
-    """The fields of uvicorn's RequestResponseCycle that Whole reads and sets."""
+    """The fields of uvicorn's RequestResponseCycle that UvicornSend reads and sets."""
 
     def __init__(self, keep_alive: bool = True) -> None:
         self.response_started = self.response_complete = self.disconnected = False
@@ -142,7 +142,7 @@ HEADERS = [(b"content-type", b"application/json"), (b"x-request-id", b"abc")]
 
 def test_one_write_with_everything_send_would_set():
     cycle = Cycle(keep_alive=False)
-    assert Whole(cycle)(200, HEADERS, b'{"a": 1}')
+    assert UvicornSend(cycle).whole(200, HEADERS, b'{"a": 1}')
     (data,) = cycle.transport.writes
     assert data == (b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 16:00:00 GMT\r\n"
                     b"content-type: application/json\r\nx-request-id: abc\r\n"
@@ -162,7 +162,7 @@ def test_it_declines_where_send_must_wait_or_refuse():
             headers = [(b"content-type", b"text/html\r\nset-cookie: x=1")]
         elif spoil != "gone":
             setattr(cycle, spoil, True)
-        whole = Whole(cycle)
+        whole = UvicornSend(cycle).whole
         if spoil == "gone":  # the cycle is held weakly: a finished request's is let go
             del cycle
             assert not whole(200, headers, b"{}")
