@@ -44,7 +44,7 @@ class Attempt:
     # there (the work it queues; gateway/scheduling/load.py), the whole prompt without a guess
     prefill_tokens: int = 0
     prefill_future: asyncio.Future | None = None  # told (server, rank) or None when done
-    policies: dict | None = None  # role -> the policy whose hooks it feeds (proxy._started)
+    policies: dict | None = None  # role -> the policy whose hooks it feeds (ledger.Ledger.opened)
     interrupt: object = None  # cancel.Interrupt of whatever waits on the servers now
     resumable: bool = False  # a broken stream may be continued on another pair
     # set by proxy.Resumed on a resumable stream: what the client got so far (relay.Capture),

@@ -8,7 +8,7 @@ processes by prometheus_client's multiprocess files like every other counter.
 Where the figures come from (docs/TENANCY.md, "Usage accounting"):
 
 * prompt tokens, split into cached and uncached: as each prefill server reports them in its
-  own answer (`proxy.Proxy.prefill_answered`), counted when that answer arrives; every
+  own answer (`ledger.Ledger.prefill_answered`), counted when that answer arrives; every
   prefill a request caused counts (a retry after a failed decode, each sample of n > 1, the
   continuation of a resumed stream), so the tenants' sum equals the servers' sum
   (`gateway_prompt_tokens`);
@@ -57,7 +57,7 @@ class RequestUsage:
     """One request's figures, written by the request path; what the access log shows.
 
     Finished when the client has its answer AND every prefill leg it started has ended (a
-    prefill's answer may arrive after the decode's, gateway/dispatch/pd.py `finish_tail`)."""
+    prefill's answer may arrive after the decode's, gateway/dispatch/chores.py `finish_tail`)."""
 
     __slots__ = ("owner", "endpoint", "request_id", "time", "started", "tenant", "model",
                  "stream", "status", "ttft", "duration", "prompt", "cached",

@@ -179,7 +179,7 @@ def test_only_decode_marked_down_mid_request_still_answers_200():
 
 
 def _breaker_opens(gw, server: Server) -> None:
-    """What proxy.leg_done does when a failure opens the server's breaker."""
+    """What ledger.Ledger.leg_done does when a failure opens the server's breaker."""
     open_breaker(server)
     assert gw.dispatcher.rescue(server, "opened its circuit breaker") == 1
 
@@ -205,7 +205,7 @@ def test_with_another_decode_the_waiting_request_moves_to_it(fault):
 
 
 def test_breaker_opening_on_the_only_decode_does_not_restart_its_requests():
-    """The breaker path (proxy.leg_done): a failure opens the only decode's breaker while
+    """The breaker path (ledger.Ledger.leg_done): a failure opens the only decode's breaker while
     another request waits there; that request is not aborted and sent back to the same
     server (panic routing), it finishes where it was."""
     decode = FakeServer("decode", delay=1.0, fail_if=lambda body: body.get("text") == "fail")

@@ -140,7 +140,7 @@ def test_usage_label_of_a_single_model_gateway_is_its_model_whatever_is_asked():
 
 
 def dispatched(scheduler, prefill, decode, view) -> None:
-    """What the proxy tells the policies when it sends a pair (proxy.Proxy._started)."""
+    """What the proxy tells the policies when it sends a pair (ledger.Ledger.opened)."""
     policies = scheduler.policies_of(prefill.server)
     policies["prefill"].on_dispatch(prefill, view)
     policies["decode"].on_dispatch(decode, view)

@@ -137,7 +137,7 @@ def test_a_request_whose_prefill_answer_trails_is_settled_in_every_poll_until_it
 def test_an_attempt_trails_on_its_server_and_its_rank() -> None:
     """`Attempt.settle_prefill(trail=True)` (what pd.progress calls when the decode answered
     first) starts the trail on the server and on its DP rank; `end_trail` (what
-    proxy.leg_done calls as the prefill leg ends) ends it on both."""
+    ledger.Ledger.leg_done calls as the prefill leg ends) ends it on both."""
     from gateway.dispatch.attempt import Attempt
     from tests.unit.builders import generate_text
 
