@@ -47,7 +47,7 @@ Decision, in order (costs and loads in load units, `load.py`):
    at most `1 + placement_epsilon` times the average) among the targets with the most room;
 4. otherwise (short prompts, little to cache) the least loaded server (ties rotate).
 Capacity unknown for any candidate (no `/v1/loads` yet, 0, no option), or nothing learned of
-reuse yet: no capacity test, as before.
+reuse yet: no capacity test (an unknown capacity is not guessed at: match and load decide).
 """
 
 from __future__ import annotations

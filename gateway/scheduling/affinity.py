@@ -10,14 +10,17 @@ The choice, for a request carrying session id S, among the usable prefill target
 DP ranks, as the prefill policy sees them):
 
 1. S's remembered target, if it is still a candidate and not overloaded: `kept`.
-   Overloaded is the cache_aware balance guard applied to it: its load exceeds the least
-   loaded candidate's by more than `BALANCE_ABS` load units AND by more than `BALANCE_REL`
-   times (load units as in policies/load.py: one per request in flight, one per 512 prompt
-   tokens, 32 for a full KV pool; the same defaults as `cache_aware`).
-2. Otherwise S is hashed onto the ring of targets (policies/placement.py, consistent hashing
-   with bounded loads: the first target clockwise whose load is at most `1 + EPSILON` times
-   the average): `placed` for a new (or expired) session, `moved` when its target became
-   unusable or overloaded. The new target is remembered.
+   Overloaded is the cache_aware balance guard (`load.imbalanced`) between it and the least
+   loaded candidate: its load exceeds the least loaded one's by more than
+   `balance_abs_threshold` load units AND by more than `balance_rel_threshold` times (load
+   units as in scheduling/load.py: one per request in flight, one per 512 prompt tokens, 32
+   for a full KV pool). The thresholds are `cache_aware`'s defaults (`CacheAwareOptions`), so
+   a session leaves its server where cache_aware would send a request elsewhere.
+2. Otherwise S is hashed onto the ring of targets (prefix/placement.py, consistent hashing
+   with bounded loads: the first target clockwise whose load is at most
+   `1 + placement_epsilon` times the average, cache_aware's default too): `placed` for a new
+   (or expired) session, `moved` when its target became unusable or overloaded. The new
+   target is remembered.
 
 Every worker process and every replica computes the same ring from the same servers and S's
 bytes, so without sharing any state they send a new session to the same server and agree
@@ -36,19 +39,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from gateway.policies.cache_aware import CacheAwareOptions
 from gateway.prefix.placement import Ring
-from gateway.scheduling.load import LoadOptions, load_scores
+from gateway.scheduling.load import imbalanced, load_scores
 
-BALANCE_ABS = 32.0  # load units (cache_aware's balance_abs_threshold)
-BALANCE_REL = 1.5  # cache_aware's balance_rel_threshold
-EPSILON = 0.25  # a ring placement's load bound, as cache_aware's placement_epsilon
 OUTCOMES = ("kept", "placed", "moved")
 
 
-def overloaded(scores: Sequence[float], index: int) -> bool:
-    """cache_aware's imbalance guard for one candidate against the least loaded."""
-    low, mine = min(scores), scores[index]
-    return mine - low > BALANCE_ABS and mine > low * BALANCE_REL
+def overloaded(scores: Sequence[float], index: int, options: CacheAwareOptions) -> bool:
+    """cache_aware's imbalance guard between one candidate and the least loaded."""
+    return imbalanced((min(scores), scores[index]), options.balance_abs_threshold,
+                      options.balance_rel_threshold)
 
 
 class SessionAffinity:
@@ -61,7 +62,7 @@ class SessionAffinity:
         self._clock = clock
         self._memory: OrderedDict[int, tuple[str, float]] = OrderedDict()  # hash -> (url, t)
         self.ring = Ring()
-        self._options = LoadOptions()
+        self._options = CacheAwareOptions()  # load scores and guard thresholds
         self.counters = counters or {}  # outcome -> BufferedCounter (metrics)
         self.counts = dict.fromkeys(OUTCOMES, 0)
 
@@ -92,7 +93,7 @@ class SessionAffinity:
             url = remembered[0]
             for index, candidate in enumerate(candidates):
                 if candidate.url == url:
-                    if not overloaded(scores, index):
+                    if not overloaded(scores, index, self._options):
                         memory[key] = (url, now)
                         memory.move_to_end(key)
                         self._count("kept")
@@ -102,7 +103,8 @@ class SessionAffinity:
                         scores = [*scores[:index], *scores[index + 1:]]
                     break
             outcome = "moved"
-        index = self.ring.place(session, candidates, scores, EPSILON)
+        index = self.ring.place(session, candidates, scores,
+                                self._options.placement_epsilon)
         if index is None:  # not on the ring yet (a target just added): the least loaded
             index = min(range(len(scores)), key=scores.__getitem__)
         chosen = candidates[index]

@@ -16,10 +16,11 @@ on the gateway counters (the lesson of sglang-router's `power_of_two.rs`).
 
 Load units: one unit is one request; `token_unit` prompt tokens add one more; a server whose KV
 pool is full adds `usage_weight`. The tokens are those still to be computed: the gateway counts
-a prefill's in-flight request by the part its policy expected uncached there (gateway/dispatch/proxy.py;
-the whole prompt without a guess), the server reports `waiting_uncached_tokens`; a cached
-prefix costs the server little, and counting it made a server holding a hot document look
-overloaded, so the guard sent its requests away from the cache (docs/BENCHMARKS.md).
+a prefill's in-flight request by the part its policy expected uncached there
+(gateway/dispatch/proxy.py; the whole prompt without a guess), the server reports
+`waiting_uncached_tokens`; a cached prefix costs the server little, and counting it would
+make a server holding a hot document look overloaded and send its requests away from the
+cache (docs/BENCHMARKS.md).
 
 A request's *cost* on a target adds its own uncached part there to the target's load
 (`with_uncached`): what it would queue. Leaving the cache for a lower cost elsewhere pays only
@@ -112,7 +113,8 @@ def rotating_argmin(values: Sequence[float], start: int) -> int:
 
 
 def imbalanced(scores: Sequence[float], abs_threshold: float, rel_threshold: float) -> bool:
-    """sglang-router's guard: max - min > abs AND max > min * rel."""
+    """sglang-router's guard: max - min > abs AND max > min * rel (cache_aware's balance
+    guard, and session affinity's test of a remembered server against the least loaded)."""
     if len(scores) < 2:
         return False
     high, low = max(scores), min(scores)

@@ -3,20 +3,22 @@
 A pair is chosen only when BOTH roles have a usable server, so one leg is never sent alone.
 On a retry the servers that just failed are avoided while others remain.
 
-Pairs: a (prefill, decode) pair quarantined for failing on its own (gateway/health/pairs.py) is not
-chosen while the prefill has another usable partner.
+Pairs: a (prefill, decode) pair quarantined for failing on its own (gateway/health/pairs.py)
+is not chosen while the prefill has another usable partner.
 
 DP ranks: a prefill server with several DP ranks is offered to the prefill policy as its
 ranks (`servers.Rank`), each with its own load and its own prefix state, so a cache-aware
 choice picks the rank that holds the prefix, and a load-aware one spreads over all ranks
-(rooms stepping by one over alternating servers left half the ranks idle). The dispatcher
+(left to the room number, rooms stepping by one over alternating servers would leave half
+the ranks idle). The dispatcher
 then steers the request to that rank. Decode ranks are left to the decode server: its own
 DataParallelController balances them (round robin by default) with figures the gateway
 only sees late, and what the decode caches is what the prefill sends it.
 
 Models: the candidates of both roles are the servers of the request's model only
-(`gateway/scheduling/models.py`), and each model's own policies choose among them, so a prefill of one
-model is never paired with a decode of another and no policy state mixes models.
+(`gateway/scheduling/models.py`), and each model's own policies choose among them, so a
+prefill of one model is never paired with a decode of another and no policy state mixes
+models.
 
 Sessions: a request with a session id (`--session-header`) takes its prefill target from
 `affinity.SessionAffinity` instead of the prefill policy (which still hears of the dispatch);
@@ -72,11 +74,12 @@ class Scheduler:
         usable, the ones that can still take a request (panic routing, as Envoy does below
         its panic threshold, where health is ignored): healthy ones with an open or busy
         half-open breaker, else the ones its health checks marked down that still accept
-        connections (`Server.in_pool`): a suspect or silent server is better than a 503.
-        Seen with real SGLang: the only decode stalled 10 s, /health included, was marked
-        down, and every request of those seconds got 503 though the server answered again a
-        second later. A request sent to a stalled server waits within its own deadlines
-        (gateway/dispatch/pd.py); one whose server refuses connections is not sent (503 at once)."""
+        connections (`Server.in_pool`): a suspect or silent server is better than a 503. A
+        server that stalls for seconds (an SGLang decode under load, /health included) is
+        marked down yet often answers again a moment later; refusing every request of that
+        stall would fail requests it could serve. A request sent to a stalled server waits
+        within its own deadlines (gateway/dispatch/pd.py); one whose server refuses
+        connections is not sent (503 at once)."""
         now = time.monotonic()
         self.pool.refresh_breakers(role, now)
         members = (model or self.models.of(view)).servers[role]

@@ -7,7 +7,9 @@ from collections import Counter
 
 import pytest
 
-from gateway.scheduling.affinity import SessionAffinity
+from gateway.policies.cache_aware import CacheAwareOptions
+from gateway.scheduling.affinity import SessionAffinity, overloaded
+from gateway.scheduling.load import imbalanced
 from gateway.servers.pool import Server
 
 URLS = [f"http://10.0.0.{i}:30000" for i in range(1, 5)]
@@ -80,6 +82,17 @@ def test_an_overloaded_server_loses_the_session_a_busy_one_keeps_it(load, kept):
     home.in_flight = 4 + load
     assert (a.pick(b"conv", servers) is home) is kept
     assert a.counts["moved"] == (0 if kept else 1)
+
+
+@pytest.mark.parametrize("scores", [[0, 40], [10, 41], [10, 43], [30, 20, 90], [5, 5]])
+def test_overloaded_is_cache_aware_s_balance_guard(scores):
+    """One guard, one set of thresholds: a remembered server is overloaded exactly when
+    cache_aware would call it and the least loaded imbalanced."""
+    options = CacheAwareOptions()
+    for index, score in enumerate(scores):
+        pair = [min(scores), score]
+        assert overloaded(scores, index, options) is imbalanced(
+            pair, options.balance_abs_threshold, options.balance_rel_threshold)
 
 
 def test_memory_is_capped_least_recently_used_first():
