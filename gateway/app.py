@@ -5,12 +5,17 @@ Every path the gateway answers is a row of `ROUTES` (path, methods, handler, rol
 inference paths are pure-ASGI endpoints reached without Starlette's router (a measurable share
 of a small request's CPU); they check the caller themselves with the same `Auth`. Everything
 else goes through Starlette with the role checked by `guarded` before the handler runs.
+
+A handler gets the request and its module's parts (`RouteParts`, built once from the
+`Gateway` here), never the gateway itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
@@ -18,15 +23,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.admission.auth import ADMIN, INFERENCE, PUBLIC, Role
+from gateway.admission.auth import ADMIN, INFERENCE, PUBLIC, Auth, Role
 from gateway.config.settings import GatewayConfig
 from gateway.request import ENDPOINT_PATHS
 from gateway.routes import admin, dashboard, info, models, operations
+from gateway.routes.admin import AdminParts
+from gateway.routes.dashboard import DashboardParts
 from gateway.routes.errors import HANDLERS
-from gateway.routes.inference import InferenceEndpoint
+from gateway.routes.fleet import Fleet
+from gateway.routes.inference import InferenceEndpoint, InferenceParts
+from gateway.routes.info import InfoParts
+from gateway.routes.operations import OperationParts
 from gateway.runtime import Gateway
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request, Any], Awaitable[Response]]
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 # An admin aborts anyone's requests (or all), an inference caller its own: either role will do,
@@ -66,12 +77,53 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
 ]
 
 
-def guarded(handler: Handler, role: Role | tuple[Role, ...]) -> Handler:
-    """The handler behind the role check; the caller is left in `request.state.caller`."""
+@dataclass(frozen=True, slots=True)
+class RouteParts:
+    """The parts of each route module, by its name: a handler of `routes/<name>.py` gets
+    `RouteParts.<name>`."""
+
+    admin: AdminParts
+    dashboard: DashboardParts
+    info: InfoParts
+    models: Fleet
+    operations: OperationParts
+
+    def of(self, handler: Handler) -> Any:
+        return getattr(self, handler.__module__.rsplit(".", 1)[1])
+
+
+def route_parts(gw: Gateway) -> RouteParts:
+    """Each route module's parts, taken from the gateway once."""
+    c = gw.config
+    fleet = Fleet(gw.pool, gw.models, gw.client, c.probe_timeout, gw.info_caches)
+    return RouteParts(
+        admin=AdminParts(fleet, gw.scheduler, gw.tokens, gw.usage, gw.siblings, gw.register,
+                         gw.unregister, gw.read_metrics, gw.learned_latency),
+        dashboard=DashboardParts(gw.pool, gw.models, gw.scheduler, gw.admission, gw.latency,
+                                 gw.state, gw.read_metrics, gw.version, gw.rooms.replica_id),
+        info=InfoParts(fleet, gw.state, gw.metrics, gw.probe_generation, gw.describe,
+                       c.health_timeout),
+        models=fleet,
+        operations=OperationParts(fleet, gw.inflight, gw.aborts, gw.siblings,
+                                  c.max_body_bytes))
+
+
+def inference_parts(gw: Gateway) -> InferenceParts:
+    c = gw.config
+    return InferenceParts(
+        auth=gw.auth, tenancy=gw.tenancy, models=gw.models, tokens=gw.tokens, limits=gw.limits,
+        context=gw.context, inflight=gw.inflight, admission=gw.admission, usage=gw.usage,
+        metrics=gw.metrics, timers=gw.timers, tracing=gw.tracing, state=gw.state,
+        serve=gw.serve, max_body_bytes=c.max_body_bytes, max_items=c.max_items)
+
+
+def guarded(handler: Handler, role: Role | tuple[Role, ...], auth: Auth, parts: Any) -> Endpoint:
+    """The handler behind the role check, given its parts; the caller is left in
+    `request.state.caller`."""
 
     async def endpoint(request: Request) -> Response:
-        request.state.caller = request.app.state.gateway.auth.caller(request.scope, role)
-        return await handler(request)
+        request.state.caller = auth.caller(request.scope, role)
+        return await handler(request, parts)
 
     endpoint.__name__ = handler.__name__
     return endpoint
@@ -96,9 +148,11 @@ class HotPaths:
         await self.app(scope, receive, send)
 
 
-def build_routes(endpoints: dict[str, InferenceEndpoint]) -> list[Route]:
+def build_routes(endpoints: dict[str, InferenceEndpoint], auth: Auth,
+                 parts: RouteParts) -> list[Route]:
     routes = [Route(path, endpoint, methods=["POST"]) for path, endpoint in endpoints.items()]
-    routes += [Route(path, guarded(handler, role), methods=list(methods))
+    routes += [Route(path, guarded(handler, role, auth, parts.of(handler)),
+                     methods=list(methods))
                for path, methods, handler, role in ROUTES]
     return routes
 
@@ -115,8 +169,10 @@ def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None 
         finally:
             await gateway.stop()
 
-    endpoints = {path: InferenceEndpoint(gateway, name) for name, path in ENDPOINT_PATHS.items()}
-    app = Starlette(routes=build_routes(endpoints), exception_handlers=HANDLERS,
-                    lifespan=lifespan)
+    inference = inference_parts(gateway)
+    endpoints = {path: InferenceEndpoint(inference, name)
+                 for name, path in ENDPOINT_PATHS.items()}
+    routes = build_routes(endpoints, gateway.auth, route_parts(gateway))
+    app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
     app.state.gateway = gateway
     return HotPaths(app, endpoints)

@@ -119,7 +119,8 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
     tune_gc()
     server = GatewayServer(uvicorn.Config(
         app, host=config.host.strip("[]"), port=config.port, loop="uvloop",
-        http=guarded_protocol(limits, app.state.gateway.timers), ws="none", lifespan="on", log_level=config.log_level,
+        http=guarded_protocol(limits, app.state.gateway.timers), ws="none", lifespan="on",
+        log_level=config.log_level,
         access_log=False, proxy_headers=False, server_header=False,
         timeout_graceful_shutdown=config.shutdown_grace, backlog=2048,
         limit_concurrency=connections, ssl_certfile=config.ssl_certfile,

@@ -1,16 +1,16 @@
 """The gateway's parts, built from the config and owned for the life of the app.
 
-`Gateway.start()` (called by the lifespan) opens the HTTP client, probes the servers, and
-starts the background loops; `Gateway.stop()` closes all of them. Nothing here is global:
-the app holds one Gateway in `app.state.gateway`.
+`Gateway.start()` (called by the lifespan) opens the data-path upstream, probes the servers,
+and starts the background loops; `Gateway.stop()` closes all of them. What changes while it
+runs (shutting down, recent errors) is its `state` (`routes/state.py`). Nothing here is global:
+the app holds one Gateway in `app.state.gateway`, and each route gets only its own parts
+(`gateway/app.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import deque
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -23,13 +23,14 @@ from gateway.config.models import build_policies, configured_names, wants_token_
 from gateway.config.settings import ConfigError, GatewayConfig
 from gateway.discovery import KubernetesDiscovery
 from gateway.dispatch.aborts import Aborts
+from gateway.dispatch.attempt import Answer
 from gateway.dispatch.bootstrap_rooms import RoomAllocator
 from gateway.dispatch.inflight import InFlight, Tracked, new_id
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.parallel_samples import Samples
 from gateway.dispatch.pd import PDDispatcher, Timeouts
 from gateway.dispatch.proxy import Proxy
-from gateway.errors import BadRequest, GatewayError
+from gateway.errors import BadRequest
 from gateway.health.checker import HealthChecker
 from gateway.health.deadlines import DeadlineOptions, LatencyModel
 from gateway.observability.access_log import AccessLog
@@ -37,7 +38,9 @@ from gateway.observability.latency_history import LatencyHistory
 from gateway.observability.metrics import Metrics
 from gateway.observability.usage import Usage
 from gateway.processes.siblings import Siblings
-from gateway.routes.info_cache import TtlCache
+from gateway.request import RequestView
+from gateway.routes.info_cache import InfoCaches
+from gateway.routes.state import RuntimeState
 from gateway.scheduling.affinity import SessionAffinity
 from gateway.scheduling.models import Models, describe
 from gateway.scheduling.scheduler import Scheduler
@@ -51,8 +54,6 @@ from gateway.upstream.aiohttp_client import AiohttpUpstream
 from gateway.upstream.client import FastUpstream, HttpxUpstream, build_client, ssl_context
 
 log = logging.getLogger("gateway")
-
-RECENT_ERRORS = 50
 
 
 class StartupError(RuntimeError):
@@ -68,17 +69,42 @@ class Gateway:
         self.transport = transport
         self.worker = worker  # worker_main.WorkerContext with --workers, else None
         self.shared = worker.shared if worker is not None else None
-        try:  # TLS of every upstream client (https servers); a bad CA bundle is a config error
-            self.tls = ssl_context(config.upstream_ca_file, config.upstream_insecure)
-        except (OSError, ValueError) as exc:  # missing, unreadable, not a certificate
-            raise ConfigError(f"upstream_ca_file {config.upstream_ca_file!r}: {exc}") from None
+        self.tls = self._tls()
         self.timers = Timers()  # the per-request deadlines (gateway/timers.py)
+        self.state = RuntimeState()
+        self.serving: dict = {}  # how the server side listens (set by the command line)
         self._flusher: asyncio.Task | None = None  # publishes buffered metrics every second
+        self._latency_task: asyncio.Task | None = None
+        self._build_routing()
+        self._build_observability()
+        self._build_admission()
+        self._build_requests()
+        self.dispatcher: PDDispatcher | None = None
+        self.proxy: Proxy | None = None
+        self.health: HealthChecker | None = None
+        self.cluster = None
+        self.discovery: KubernetesDiscovery | None = None
+        if config.launch:
+            from gateway.launch import LocalCluster  # noqa: PLC0415 - only with --launch
+
+            self.cluster = LocalCluster(config, self.pool, self._new_server)
+
+    def _tls(self):
+        """TLS of every upstream client (https servers); a bad CA bundle is a config error."""
+        c = self.config
+        try:
+            return ssl_context(c.upstream_ca_file, c.upstream_insecure)
+        except (OSError, ValueError) as exc:  # missing, unreadable, not a certificate
+            raise ConfigError(f"upstream_ca_file {c.upstream_ca_file!r}: {exc}") from None
+
+    def _build_routing(self) -> None:
+        """The servers, the metrics that read them, the models and the scheduler."""
+        config = self.config
         self.pool = ServerPool()
         for spec in config.prefill + config.decode:
             self.pool.add(self._new_server(spec.url, spec.role, spec.bootstrap_port, spec.model))
         self.registry = CollectorRegistry()
-        self.metrics = Metrics(self.registry, self.pool, multiprocess=worker is not None)
+        self.metrics = Metrics(self.registry, self.pool, multiprocess=self.worker is not None)
         self.models = Models(  # which servers serve which model; each model's own policies
             self.pool, lambda model: build_policies(
                 config, model, self.shared.prefixes if self.shared is not None else None),
@@ -87,6 +113,10 @@ class Gateway:
         self.scheduler = Scheduler(self.pool, self.models,
                                    affinity=SessionAffinity.from_config(config, self.metrics))
         self.metrics.watch_scheduler(self.scheduler)
+
+    def _build_observability(self) -> None:
+        """Tracing (when on), usage per tenant and model, the access log, the latency plots."""
+        config = self.config
         self.tracing = self._tracing() if config.otlp_endpoint else None
         self.usage = Usage(self.metrics, self.models.label)  # per tenant and model
         self.access_log = None
@@ -94,7 +124,10 @@ class Gateway:
             self.access_log = AccessLog(config.access_log, self.metrics.access_log_dropped)
             self.usage.sink = self.access_log.write
         self.latency = LatencyHistory(self.read_metrics)  # the status page's plots
-        self._latency_task: asyncio.Task | None = None
+
+    def _build_admission(self) -> None:
+        """Who may ask, how much, and in which order: keys, limits, tenants, slots."""
+        config, worker = self.config, self.worker
         self.rooms = RoomAllocator(config.replica_id,
                                    worker_id=worker.id if worker is not None else None)
         self.admission = Admission(config.max_concurrency, config.max_queue,
@@ -106,33 +139,21 @@ class Gateway:
                          config.api_key_tenants)
         self.tenancy = Tenancy(config.tenants, self.auth.tenants, config.priority_header,
                                config.deadline_header, config.session_header)
-        self.siblings = Siblings(self, worker.control if worker is not None else None)
+
+    def _build_requests(self) -> None:
+        """What requests meet on their way: the control client (the servers' other endpoints;
+        it opens connections only when used), prompt tokens, the in-flight table, aborts."""
+        c = self.config
+        self.siblings = Siblings(self, self.worker.control if self.worker is not None else None)
         self.inflight = InFlight()
         self.tokens = PromptTokens(
-            config.tokenizer_threads,
-            always=wants_token_ids(config) or config.rate_limit_tokens > 0)
-        self.context = ContextCheck(self.models, None, self.tokens)
-        self.shutting_down = False
-        self.serving: dict = {}  # how the server side listens (set by the command line)
-        self.recent_errors: deque[dict] = deque(maxlen=RECENT_ERRORS)
-        self._info_caches: dict[str, TtlCache] = {}
-        self.client: httpx.AsyncClient | None = None
-        self.dispatcher: PDDispatcher | None = None
-        self.proxy: Proxy | None = None
-        self.health: HealthChecker | None = None
-        self.cluster = None
-        self.discovery: KubernetesDiscovery | None = None
-        if config.launch:
-            from gateway.launch import LocalCluster  # noqa: PLC0415 - only with --launch
-
-            self.cluster = LocalCluster(config, self.pool, self._new_server)
-
-    def note_error(self, err: GatewayError, endpoint: str, request_id: str) -> None:
-        """Keep the last errors for the status page (bounded; no request bodies)."""
-        self.recent_errors.append({"time": time.time(), "endpoint": endpoint,
-                                   "status": err.status, "type": err.error_type,
-                                   "message": err.message[:300],
-                                   "request_id": request_id})
+            c.tokenizer_threads, always=wants_token_ids(c) or c.rate_limit_tokens > 0)
+        self.client = build_client(c.connect_timeout, c.max_connections, self.transport,
+                                   self.tls)
+        self.control = HttpxUpstream(self.client)
+        self.aborts = Aborts(self.inflight, self.control, timeout=5.0)
+        self.context = ContextCheck(self.models, self.client, self.tokens)
+        self.info_caches = InfoCaches(c.info_cache_ttl)
 
     def describe(self) -> dict:
         """The gateway's own facts for /server_info and the status page."""
@@ -171,34 +192,26 @@ class Gateway:
         self.metrics.flush()
         return list(self.registry.collect())
 
-    def info_cache(self, name: str, compute=None) -> TtlCache:
-        """The shared, time-limited answer of an endpoint that makes servers work."""
-        cache = self._info_caches.get(name)
-        if cache is None:
-            from gateway.routes import info  # noqa: PLC0415 - the routes compute the answers
-
-            compute = compute or {
-                "health_generate": lambda: info.generate_probe(self),
-                "server_info": lambda: info.collect_server_info(self),
-            }.get(name) or (lambda: info.get_from_any(self, name))
-            cache = self._info_caches[name] = TtlCache(self.config.info_cache_ttl, compute)
-        return cache
-
-    async def serve(self, view, tracked: Tracked):
+    async def serve(self, view: RequestView, tracked: Tracked) -> Answer:
         """One request: a PD dispatch with retries, or n of them for n > 1."""
         if view.n > 1:
             return await self.samples.handle(view, tracked)
         return await self.proxy.handle(view, tracked)
 
-    def tracked_probe(self) -> Tracked:
-        """The in-flight record of a request the gateway makes itself (health generation)."""
-        return Tracked(request_id=f"probe-{new_id()}", owner="gateway")
+    async def probe_generation(self, view: RequestView) -> Answer:
+        """A request the gateway makes itself (health generation), in flight as the gateway's."""
+        return await self.proxy.handle(
+            view, Tracked(request_id=f"probe-{new_id()}", owner="gateway"))
+
+    def learned_latency(self, url: str) -> dict:
+        """What the hang deadlines learned of one server (the admin listing)."""
+        return self.dispatcher.model.snapshot(url)
 
     def _tracing(self):
-        """The process's tracer (gateway/observability/tracing.py), imported only when tracing is on; a
-        missing extra is a configuration error, never a silent "off"."""
+        """The process's tracer (gateway/observability/tracing.py), imported only when tracing
+        is on; a missing extra is a configuration error, never a silent "off"."""
         try:
-            from gateway.observability.tracing import Tracing  # noqa: PLC0415 - pd-gateway[tracing]
+            from gateway.observability.tracing import Tracing  # noqa: PLC0415 - [tracing] extra
             return Tracing(self.config, self.metrics, self.scheduler.policies_of, self.version)
         except ImportError as exc:
             raise ConfigError(f"otlp_endpoint: tracing needs the OpenTelemetry packages "
@@ -230,10 +243,7 @@ class Gateway:
             log.warning("--upstream-insecure: certificates of https servers are NOT verified")
         if self.tracing is not None:
             self.tracing.start()
-        self.client = build_client(c.connect_timeout, c.max_connections, self.transport,
-                                   self.tls)
-        self.context.client = self.client
-        control = HttpxUpstream(self.client)
+        control = self.control
         if self.transport is not None or c.upstream_client == "httpx":
             self.upstream = control
         elif c.upstream_client == "aiohttp":
@@ -251,7 +261,6 @@ class Gateway:
             LatencyModel(DeadlineOptions(percentile=c.hang_percentile, factor=c.hang_factor,
                                          floor=c.hang_floor, cold=c.hang_cold)),
             timers=self.timers, forward_priority=c.forward_priority)
-        self.aborts = Aborts(self.inflight, control, timeout=5.0)
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout,
                            failover=c.midstream_failover)
@@ -346,14 +355,13 @@ class Gateway:
         return server
 
     async def stop(self) -> None:
-        self.shutting_down = True
+        self.state.shutting_down = True
         if self._flusher is not None:
             self._flusher.cancel()
         if self._latency_task is not None:
             self._latency_task.cancel()
         self.metrics.flush()
-        for cache in self._info_caches.values():
-            await cache.close()
+        await self.info_caches.close()
         if self.discovery is not None:
             await self.discovery.stop()
         await self.models.stop()
@@ -362,8 +370,7 @@ class Gateway:
         if self.dispatcher is not None:
             await self.dispatcher.close()
             await self.upstream.close()
-        if self.client is not None:
-            await self.client.aclose()
+        await self.client.aclose()
         if self.cluster is not None:
             await self.cluster.stop()
         if self.worker is not None:

@@ -36,6 +36,15 @@ class Metrics:
 
             mp.MultiProcessCollector(registry)
             own = None  # the values live in the multiprocess files
+        self._request_metrics(own)
+        self._routing_metrics(own)
+        self._client_metrics(own)
+        self._tenant_metrics(own)
+        registry.register(PoolCollector(pool))
+        self.buffer = MetricBuffer()  # the per-request updates (observability/metric_buffer.py)
+
+    def _request_metrics(self, own: CollectorRegistry | None) -> None:
+        """Requests answered, their latency and the admission wait."""
         self.requests = Counter(
             "gateway_requests", "Requests answered, by endpoint and HTTP status",
             ["endpoint", "status"], registry=own)
@@ -52,6 +61,9 @@ class Metrics:
         self.queue_time = Histogram(
             "gateway_queue_time_seconds", "Time spent waiting for an admission slot",
             buckets=LATENCY_BUCKETS, registry=own)
+
+    def _routing_metrics(self, own: CollectorRegistry | None) -> None:
+        """Where requests went: retries, failures, choices, cache figures."""
         self.retries = Counter(
             "gateway_retries", "Attempts retried on another pair, by failed leg and reason",
             ["leg", "reason"], registry=own)
@@ -80,6 +92,9 @@ class Metrics:
             "gateway_predicted_cached_tokens",
             "Prompt tokens the router expected to be cached on the chosen prefill",
             ["server"], registry=own)
+
+    def _client_metrics(self, own: CollectorRegistry | None) -> None:
+        """What the clients got: bytes, failovers, slow clients, departures."""
         self.stream_bytes = Counter(
             "gateway_streamed_bytes", "Response body bytes sent to clients",
             ["endpoint"], registry=own)
@@ -96,7 +111,10 @@ class Metrics:
         self.trace_spans_dropped = Counter(
             "gateway_trace_spans_dropped", "Trace spans not exported (tracing on), by reason: "
             "queue_full, export_failed", ["reason"], registry=own)
-        # Usage accounting per tenant and model (gateway/observability/usage.py): tenants come from the
+
+    def _tenant_metrics(self, own: CollectorRegistry | None) -> None:
+        """Usage per tenant and model, admission per tenant, the access log, sessions."""
+        # Usage per tenant and model (gateway/observability/usage.py): tenants come from the
         # key file, models from the servers; anything else is "other"
         self.tenant_requests = Counter(
             "gateway_tenant_requests", "Inference requests answered, per tenant and model",
@@ -125,8 +143,6 @@ class Metrics:
             "gateway_session_picks", "Prefill choices for requests with a session id: kept "
             "(its remembered server), placed (a new session, hashed onto the servers), moved "
             "(its server was unusable or overloaded)", ["outcome"], registry=own)
-        registry.register(PoolCollector(pool))
-        self.buffer = MetricBuffer()  # the per-request updates (gateway/observability/metric_buffer.py)
 
     def buffered_counter(self, child) -> BufferedCounter:
         return self.buffer.counter(child)

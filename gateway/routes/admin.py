@@ -1,5 +1,5 @@
-"""Admin API (admin role, see gateway/admission/auth.py): servers with state and load; add, remove and
-drain servers at runtime; the policies' figures.
+"""Admin API (admin role, see gateway/admission/auth.py): servers with state and load; add,
+remove and drain servers at runtime; the policies' figures.
 
     GET    /admin/servers                      every server with health, breaker, load
     POST   /admin/servers    {url, role, bootstrap_port?}
@@ -23,15 +23,22 @@ import asyncio
 import dataclasses
 import re
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.config.servers import ConfigError, validate_url
 from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.observability.usage import Usage
+from gateway.processes.siblings import Siblings
 from gateway.routes.asgi import read_json
-from gateway.servers.pool import ROLES
+from gateway.routes.fleet import Fleet
+from gateway.scheduling.scheduler import Scheduler
+from gateway.servers.pool import ROLES, Server
 from gateway.servers.probe import fetch_server_info
+from gateway.tokens.prompt_tokens import PromptTokens
 
 MAX_DRAIN_WAIT = 3600.0
 # scheme, then a DNS name, an IPv4 address or a bracketed IPv6 address, then an optional port
@@ -39,40 +46,55 @@ SERVER_URL = re.compile(r"https?://(?:[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}
                         r"(?::[0-9]{1,5})?/?")
 
 
-async def list_servers(request: Request) -> Response:
-    gw = request.app.state.gateway
+@dataclass(frozen=True, slots=True)
+class AdminParts:
+    """What the admin routes use; the callables are the gateway's own (register a server,
+    read the metrics, what the hang deadlines learned of a server)."""
+
+    fleet: Fleet
+    scheduler: Scheduler
+    tokens: PromptTokens
+    usage: Usage
+    siblings: Siblings  # tells the other --workers processes of a change
+    register: Callable[..., Awaitable[Server]]
+    unregister: Callable[[str], Server | None]
+    read_metrics: Callable[[], list]
+    learned_latency: Callable[[str], dict]
+
+
+async def list_servers(request: Request, parts: AdminParts) -> Response:
+    models = parts.fleet.models
     servers = []
-    for server in gw.pool:
+    for server in parts.fleet.pool:
         snapshot = server.snapshot()
-        snapshot["learned_latency"] = gw.dispatcher.model.snapshot(server.url)
-        snapshot["model"] = gw.models.name_of(server)  # the model it serves (None: not known yet)
+        snapshot["learned_latency"] = parts.learned_latency(server.url)
+        snapshot["model"] = models.name_of(server)  # the model it serves (None: not known yet)
         servers.append(snapshot)
-    return JSONResponse({"servers": servers, "pairs": gw.scheduler.pairs.snapshot(),
-                         "panic_picks": dict(gw.scheduler.panics)})
+    scheduler = parts.scheduler
+    return JSONResponse({"servers": servers, "pairs": scheduler.pairs.snapshot(),
+                         "panic_picks": dict(scheduler.panics)})
 
 
-async def list_policies(request: Request) -> Response:
-    gw = request.app.state.gateway
+async def list_policies(request: Request, parts: AdminParts) -> Response:
     def described(policies: dict) -> dict:
         return {role: {"name": policy.name, "options": dataclasses.asdict(policy.options),
                        "stats": policy.stats()} for role, policy in policies.items()}
 
-    body = described(gw.scheduler.policies)  # the default model's (the only one's)
-    if not gw.models.open:  # each model's own policies and state
-        body["models"] = {m.name: described(m.policies) for m in gw.models.known.values()}
-    body["prompt_tokens"] = gw.tokens.stats()  # the tokenizer behind exact routing, if any
+    models = parts.fleet.models
+    body = described(parts.scheduler.policies)  # the default model's (the only one's)
+    if not models.open:  # each model's own policies and state
+        body["models"] = {m.name: described(m.policies) for m in models.known.values()}
+    body["prompt_tokens"] = parts.tokens.stats()  # the tokenizer behind exact routing, if any
     return JSONResponse(body)
 
 
-async def usage(request: Request) -> Response:
+async def usage(request: Request, parts: AdminParts) -> Response:
     """The usage counters as JSON, summed over the worker processes (docs/TENANCY.md)."""
-    gw = request.app.state.gateway
-    return JSONResponse(gw.usage.report(gw.read_metrics()),
+    return JSONResponse(parts.usage.report(parts.read_metrics()),
                         headers={"cache-control": "no-store"})
 
 
-async def add_server(request: Request) -> Response:
-    gw = request.app.state.gateway
+async def add_server(request: Request, parts: AdminParts) -> Response:
     body = await read_json(request)
     role = body.get("role")
     if role not in ROLES:
@@ -89,23 +111,23 @@ async def add_server(request: Request) -> Response:
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                              or not 0 < port < 65536):
         raise BadRequest("'bootstrap_port' must be a port number")
-    if gw.pool.get(url) is not None:
+    if parts.fleet.pool.get(url) is not None:
         raise GatewayError(f"{url} is already registered", status=409)
-    await _require_sglang(gw, url, role)
+    await _require_sglang(parts.fleet, url, role)
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise BadRequest("'model' must be a model name")
-    server = await gw.register(url, role, port, require_probe=True, model=model)
-    gw.siblings.admin_change("add", url, role=role, bootstrap_port=server.bootstrap_port,
+    server = await parts.register(url, role, port, require_probe=True, model=model)
+    parts.siblings.admin_change("add", url, role=role, bootstrap_port=server.bootstrap_port,
                              model=model)
     return JSONResponse({"server": server.snapshot()}, status_code=201)
 
 
-async def _require_sglang(gw, url: str, role: str) -> None:
+async def _require_sglang(fleet: Fleet, url: str, role: str) -> None:
     """Refuse a URL whose /server_info does not name this PD role (startup lists may hold
     servers without a mode; the admin API, reachable by a stolen key, may not)."""
     try:
-        info = await fetch_server_info(gw.client, url, gw.config.probe_timeout)
+        info = await fetch_server_info(fleet.client, url, fleet.probe_timeout)
     except ConnectionError as exc:
         raise BadRequest(f"{url} did not answer as an SGLang {role} server: {exc}") from None
     mode = info.get("disaggregation_mode")
@@ -114,34 +136,32 @@ async def _require_sglang(gw, url: str, role: str) -> None:
                          f"disaggregation_mode {str(mode)[:40]!r})")
 
 
-def _server(gw, body: dict):
+def _server(fleet: Fleet, body: dict) -> Server:
     url = body.get("url")
     if not isinstance(url, str):
         raise BadRequest("'url' must be a server URL")
-    server = gw.pool.get(url.rstrip("/"))
+    server = fleet.pool.get(url.rstrip("/"))
     if server is None:
         raise NotFound(f"no server {url!r}")
     return server
 
 
-async def remove_server(request: Request) -> Response:
-    gw = request.app.state.gateway
-    server = _server(gw, await read_json(request))
-    gw.unregister(server.url)
-    gw.siblings.admin_change("remove", server.url)
+async def remove_server(request: Request, parts: AdminParts) -> Response:
+    server = _server(parts.fleet, await read_json(request))
+    parts.unregister(server.url)
+    parts.siblings.admin_change("remove", server.url)
     return JSONResponse({"removed": server.snapshot()})
 
 
-async def drain_server(request: Request) -> Response:
-    gw = request.app.state.gateway
+async def drain_server(request: Request, parts: AdminParts) -> Response:
     body = await read_json(request)
-    server = _server(gw, body)
+    server = _server(parts.fleet, body)
     timeout = body.get("timeout", 60)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not 0 <= timeout <= MAX_DRAIN_WAIT:
         raise BadRequest(f"'timeout' must be a number of seconds in 0..{MAX_DRAIN_WAIT:g}")
     server.draining = True
-    gw.siblings.admin_change("drain", server.url)
+    parts.siblings.admin_change("drain", server.url)
     deadline = time.monotonic() + timeout
     while server.totals()[0] > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -150,9 +170,8 @@ async def drain_server(request: Request) -> Response:
                         status_code=200 if idle else 202)
 
 
-async def undrain_server(request: Request) -> Response:
-    gw = request.app.state.gateway
-    server = _server(gw, await read_json(request))
+async def undrain_server(request: Request, parts: AdminParts) -> Response:
+    server = _server(parts.fleet, await read_json(request))
     server.draining = False
-    gw.siblings.admin_change("undrain", server.url)
+    parts.siblings.admin_change("undrain", server.url)
     return JSONResponse({"server": server.snapshot()})

@@ -3,8 +3,8 @@
     GET /dashboard        one self-contained HTML page (gateway/static/dashboard.html)
     GET /dashboard/data   servers, per-role counts, request totals, cache figures,
                           recent errors and TTFT / inter-token latency percentiles per 10 s
-                          over the last minutes (gateway/observability/latency_history.py), as JSON; admin
-                          role (it shows server URLs), like /admin
+                          over the last minutes (gateway/observability/latency_history.py),
+                          as JSON; admin role (it shows server URLs), like /admin
 
 The page polls /dashboard/data every 2 s and derives rates from successive totals; the
 only state the gateway keeps for it is the ring of histogram snapshots behind the latency
@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from gateway.servers.pool import ROLES
+from gateway.admission.slots import Admission
+from gateway.observability.latency_history import LatencyHistory
+from gateway.routes.state import RuntimeState
+from gateway.scheduling.models import Models
+from gateway.scheduling.scheduler import Scheduler
+from gateway.servers.pool import ROLES, ServerPool
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 PAGE = STATIC / "dashboard.html"
@@ -40,7 +45,20 @@ PAGE_HEADERS = {
 ERROR_FIELDS = ("time", "endpoint", "status", "type", "message", "request_id")
 
 
-async def page(request: Request) -> Response:
+@dataclass(frozen=True, slots=True)
+class DashboardParts:
+    pool: ServerPool
+    models: Models
+    scheduler: Scheduler
+    admission: Admission
+    latency: LatencyHistory  # the ring of histogram snapshots behind the plots
+    state: RuntimeState
+    read_metrics: Callable[[], list]  # summed over the --workers processes, if any
+    version: str
+    replica_id: int
+
+
+async def page(request: Request, parts: DashboardParts) -> Response:
     return Response(page_bytes(), media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
 
@@ -50,19 +68,19 @@ def page_bytes() -> bytes:
     text = PAGE.read_text()
     for name in INLINED:
         script = (STATIC / name).read_text()
-        text = text.replace(f'<script data-inline="{name}"></script>', f"<script>\n{script}</script>")
+        text = text.replace(f'<script data-inline="{name}"></script>',
+                            f"<script>\n{script}</script>")
     return text.encode()
 
 
-async def data(request: Request) -> Response:
-    gw = request.app.state.gateway
-    servers = [w.snapshot() for w in gw.pool]
+async def data(request: Request, parts: DashboardParts) -> Response:
+    servers = [w.snapshot() for w in parts.pool]
     roles = {role: {"total": 0, "usable": 0} for role in ROLES}
     for server in servers:
         counts = roles[server["role"]]
         counts["total"] += 1
         counts["usable"] += 1 if server["usable"] else 0
-    read = gw.read_metrics()  # summed over workers, if any
+    read = parts.read_metrics()  # summed over workers, if any
     families = {f.name: f for f in read}
     prompt = _totals(_family(families, "gateway_prompt_tokens"), "server")
     cached = _totals(_family(families, "gateway_cached_tokens"), "server")
@@ -71,21 +89,14 @@ async def data(request: Request) -> Response:
         server["cached_tokens"] = cached.get(server["url"], 0.0)
     body = {
         "time": time.time(),
-        "gateway": {
-            "version": gw.version,
-            "replica_id": gw.rooms.replica_id,
-            "prefill_policy": gw.scheduler.policies["prefill"].name,
-            "decode_policy": gw.scheduler.policies["decode"].name,
-            "shutting_down": gw.shutting_down,
-            "ready": gw.models.ready() and not gw.shutting_down,
-        },
+        "gateway": _gateway(parts),
         "roles": roles,
         "servers": servers,
         "admission": {
-            "active": gw.admission.active,
-            "queued": gw.admission.queued,
-            "limit": gw.admission.limit,
-            "max_queue": gw.admission.max_queue,
+            "active": parts.admission.active,
+            "queued": parts.admission.queued,
+            "limit": parts.admission.limit,
+            "max_queue": parts.admission.max_queue,
         },
         "requests": _request_totals(_family(families, "gateway_requests")),
         "cache": {
@@ -93,10 +104,22 @@ async def data(request: Request) -> Response:
             "cached_tokens": sum(cached.values()),
             "hit_ratio": _ratio(sum(cached.values()), sum(prompt.values())),
         },
-        "recent_errors": recent_errors(gw),
-        "latency": gw.latency.series(read),  # TTFT and ITL percentiles per 10 s
+        "recent_errors": recent_errors(parts.state),
+        "latency": parts.latency.series(read),  # TTFT and ITL percentiles per 10 s
     }
     return JSONResponse(body, headers={"cache-control": "no-store"})
+
+
+def _gateway(parts: DashboardParts) -> dict:
+    shutting_down = parts.state.shutting_down
+    return {
+        "version": parts.version,
+        "replica_id": parts.replica_id,
+        "prefill_policy": parts.scheduler.policies["prefill"].name,
+        "decode_policy": parts.scheduler.policies["decode"].name,
+        "shutting_down": shutting_down,
+        "ready": parts.models.ready() and not shutting_down,
+    }
 
 
 def _family(families: dict, name: str) -> list:
@@ -128,12 +151,12 @@ def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole else None
 
 
-def recent_errors(gw) -> list[dict]:
-    """The newest errors first, from the gateway's ring buffer when it has one.
+def recent_errors(state: RuntimeState) -> list[dict]:
+    """The newest errors first, from the gateway's ring buffer.
 
     Entries are dicts with (some of) ERROR_FIELDS; anything else is shown as its text.
     """
-    entries = list(getattr(gw, "recent_errors", None) or ())[-RECENT_ERRORS_SHOWN:]
+    entries = list(state.recent_errors)[-RECENT_ERRORS_SHOWN:]
     out = []
     for entry in reversed(entries):
         if isinstance(entry, dict):
@@ -149,8 +172,3 @@ def _plain(value):
         return value
     return str(value)
 
-
-ROUTES: list[Route] = [
-    Route("/dashboard", page, methods=["GET"]),
-    Route("/dashboard/data", data, methods=["GET"]),
-]

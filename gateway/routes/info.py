@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import httpx
 import orjson
@@ -21,49 +23,67 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.dispatch.attempt import Answer
 from gateway.errors import GatewayError, ServiceUnavailable
+from gateway.observability.metrics import Metrics
 from gateway.redact import redact
-from gateway.request import parse_request
-from gateway.upstream.client import upstream_message
+from gateway.request import RequestView, parse_request
+from gateway.routes.fleet import Fleet
+from gateway.routes.state import RuntimeState
 
 HEALTH_PROBE = b'{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}'
 
 
-async def health(request: Request) -> Response:
+@dataclass(frozen=True, slots=True)
+class InfoParts:
+    """What these routes read; `generate` runs one of the gateway's own requests (a method
+    of the gateway, called only once it serves)."""
+
+    fleet: Fleet
+    state: RuntimeState
+    metrics: Metrics
+    generate: Callable[[RequestView], Awaitable[Answer]]
+    describe: Callable[[], dict]
+    health_timeout: float
+
+
+async def health(request: Request, parts: InfoParts) -> Response:
     """The gateway process is alive (liveness)."""
     return Response(status_code=200)
 
 
-async def readiness(request: Request) -> Response:
+async def readiness(request: Request, parts: InfoParts) -> Response:
     """Ready while some model has a usable prefill and decode server (one model down must
     not take the others' traffic away with the gateway)."""
-    gw = request.app.state.gateway
+    pool, models, state = parts.fleet.pool, parts.fleet.models, parts.state
     body = {
-        "ready": gw.models.ready() and not gw.shutting_down,
-        "prefill_usable": len(gw.pool.usable("prefill")),
-        "decode_usable": len(gw.pool.usable("decode")),
-        "shutting_down": gw.shutting_down,
+        "ready": models.ready() and not state.shutting_down,
+        "prefill_usable": len(pool.usable("prefill")),
+        "decode_usable": len(pool.usable("decode")),
+        "shutting_down": state.shutting_down,
     }
-    if not gw.models.open:
+    if not models.open:
         body["models"] = {m.name: bool(m.usable("prefill") and m.usable("decode"))
-                          for m in gw.models.known.values()}
+                          for m in models.known.values()}
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 
-async def health_generate(request: Request) -> Response:
-    status, body = await request.app.state.gateway.info_cache("health_generate").get()
+async def health_generate(request: Request, parts: InfoParts) -> Response:
+    cache = parts.fleet.caches.get("health_generate", lambda: generate_probe(parts))
+    status, body = await cache.get()
     return Response(body, status_code=status, media_type="application/json")
 
 
-async def generate_probe(gw) -> tuple[int, bytes]:
+async def generate_probe(parts: InfoParts) -> tuple[int, bytes]:
     """One real one-token PD request through a pair of every model (the cached computation);
     the first failure is the answer, naming its model when there are several."""
-    listed = gw.models.listed()
-    if gw.models.open or not listed:
-        return await _generate_once(gw, parse_request("generate", HEALTH_PROBE))
+    models = parts.fleet.models
+    listed = models.listed()
+    if models.open or not listed:
+        return await _generate_once(parts, parse_request("generate", HEALTH_PROBE))
     results = await asyncio.gather(*(
-        _generate_once(gw, dataclasses.replace(parse_request("generate", HEALTH_PROBE),
-                                               model=model.name)) for model in listed))
+        _generate_once(parts, dataclasses.replace(parse_request("generate", HEALTH_PROBE),
+                                                  model=model.name)) for model in listed))
     for model, (status, body) in zip(listed, results, strict=True):
         if status != 200:
             error = orjson.loads(body)
@@ -72,10 +92,10 @@ async def generate_probe(gw) -> tuple[int, bytes]:
     return 200, b'{"healthy": true}'
 
 
-async def _generate_once(gw, view) -> tuple[int, bytes]:
+async def _generate_once(parts: InfoParts, view: RequestView) -> tuple[int, bytes]:
     try:
-        async with asyncio.timeout(gw.config.health_timeout * 4):
-            answer = await gw.proxy.handle(view, gw.tracked_probe())
+        async with asyncio.timeout(parts.health_timeout * 4):
+            answer = await parts.generate(view)
             if answer.close is not None:
                 await answer.close()
     except GatewayError as err:
@@ -86,44 +106,24 @@ async def _generate_once(gw, view) -> tuple[int, bytes]:
     return 200, b'{"healthy": true}'
 
 
-async def get_from_any(gw, path: str, model=None) -> tuple[int, bytes]:
-    """A GET relayed to the first usable server (of `model`, else of any) that answers
-    (decode first: it serves the client-visible answer)."""
-    if model is None:
-        servers = gw.pool.usable("decode") + gw.pool.usable("prefill") or list(gw.pool)
-    else:
-        servers = (model.usable("decode") + model.usable("prefill")
-                   or model.servers["decode"] + model.servers["prefill"])
-    last = "no servers registered"
-    for server in servers:
-        try:
-            response = await gw.client.get(server.url + path, timeout=gw.config.probe_timeout)
-        except httpx.HTTPError as exc:
-            last = f"{server.url}: {type(exc).__name__}"
-            continue
-        if response.status_code == 200:
-            return 200, orjson.dumps(redact(response.json()))
-        last = f"{server.url} answered {response.status_code}: {upstream_message(response.content)}"
-    err = ServiceUnavailable(f"no server could answer {path}: {last}")
-    return err.status, orjson.dumps(err.body())
-
-
-async def server_info(request: Request) -> Response:
-    status, body = await request.app.state.gateway.info_cache("server_info").get()
+async def server_info(request: Request, parts: InfoParts) -> Response:
+    cache = parts.fleet.caches.get("server_info", lambda: collect_server_info(parts))
+    status, body = await cache.get()
     return Response(body, status_code=status, media_type="application/json")
 
 
-async def collect_server_info(gw) -> tuple[int, bytes]:
+async def collect_server_info(parts: InfoParts) -> tuple[int, bytes]:
     """Each server's own info, grouped by role, plus the gateway's view."""
+    fleet = parts.fleet
 
     async def one(server):
         try:
-            r = await gw.client.get(server.url + "/server_info", timeout=gw.config.probe_timeout)
+            r = await fleet.client.get(server.url + "/server_info", timeout=fleet.probe_timeout)
             return server, (redact(r.json()) if r.status_code == 200 else {"error": r.status_code})
         except (httpx.HTTPError, ValueError) as exc:
             return server, {"error": type(exc).__name__}
 
-    results = await asyncio.gather(*(one(w) for w in gw.pool))
+    results = await asyncio.gather(*(one(w) for w in fleet.pool))
     body: dict = {"prefill": [], "decode": [], "internal_states": []}
     for server, info in results:
         if not isinstance(info, dict):
@@ -131,12 +131,10 @@ async def collect_server_info(gw) -> tuple[int, bytes]:
         body[server.role].append({"url": server.url, **info})
         if server.role == "decode" and isinstance(info.get("internal_states"), list):
             body["internal_states"].extend(info["internal_states"])
-    body["gateway"] = gw.describe()
+    body["gateway"] = parts.describe()
     return 200, orjson.dumps(body)
 
 
-async def metrics(request: Request) -> Response:
-    gw = request.app.state.gateway
-    gw.metrics.flush()
-    return Response(generate_latest(gw.registry),
-                    media_type=CONTENT_TYPE_LATEST)
+async def metrics(request: Request, parts: InfoParts) -> Response:
+    parts.metrics.flush()
+    return Response(generate_latest(parts.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -49,3 +49,25 @@ class TtlCache(Generic[T]):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+Answer = tuple[int, bytes]  # (status, JSON body) of a cached endpoint
+
+
+class InfoCaches:
+    """The cache of each endpoint's answer, by name: made on its first use (with the
+    computation given then), closed when the gateway stops."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._caches: dict[str, TtlCache[Answer]] = {}
+
+    def get(self, name: str, compute: Callable[[], Awaitable[Answer]]) -> TtlCache[Answer]:
+        cache = self._caches.get(name)
+        if cache is None:
+            cache = self._caches[name] = TtlCache(self.ttl, compute)
+        return cache
+
+    async def close(self) -> None:
+        for cache in self._caches.values():
+            await cache.close()

@@ -25,62 +25,59 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ModelNotFound
 from gateway.redact import redact
-from gateway.routes.info import get_from_any
+from gateway.routes.fleet import Fleet, get_from_any
 from gateway.scheduling.models import Model
 
 LIST = "/v1/models"
 
 
-async def list_models(request: Request) -> Response:
-    status, body = await request.app.state.gateway.info_cache(LIST, _compute(request)).get()
+async def list_models(request: Request, fleet: Fleet) -> Response:
+    status, body = await fleet.caches.get(LIST, lambda: collect_models(fleet)).get()
     return Response(body, status_code=status, media_type="application/json")
 
 
-async def model_card(request: Request) -> Response:
+async def model_card(request: Request, fleet: Fleet) -> Response:
     name = request.path_params["model"]
-    status, body = await request.app.state.gateway.info_cache(LIST, _compute(request)).get()
+    status, body = await fleet.caches.get(LIST, lambda: collect_models(fleet)).get()
     if status != 200:
         return Response(body, status_code=status, media_type="application/json")
     for card in orjson.loads(body)["data"]:
         if card.get("id") == name:
             return JSONResponse(card)
-    raise ModelNotFound(name, request.app.state.gateway.models.names())
+    raise ModelNotFound(name, fleet.models.names())
 
 
-async def model_info(request: Request) -> Response:
-    gw = request.app.state.gateway
-    model, _ = gw.models.lookup(request.query_params.get("model"))
-    key = "/model_info" if gw.models.open else f"/model_info {model.name}"
+async def model_info(request: Request, fleet: Fleet) -> Response:
+    models = fleet.models
+    model, _ = models.lookup(request.query_params.get("model"))
+    key = "/model_info" if models.open else f"/model_info {model.name}"
     # open: the one model of the moment (it can change); checked: a model object stays
-    cache = gw.info_cache(key, lambda: get_from_any(gw, "/model_info", gw.models.only or model))
+    cache = fleet.caches.get(
+        key, lambda: get_from_any(fleet, "/model_info", models.only or model))
     status, body = await cache.get()
     return Response(body, status_code=status, media_type="application/json")
 
 
-def _compute(request: Request):
-    gw = request.app.state.gateway
-    return lambda: collect_models(gw)
-
-
-async def collect_models(gw) -> tuple[int, bytes]:
+async def collect_models(fleet: Fleet) -> tuple[int, bytes]:
     """The model list (the cached computation)."""
-    listed = gw.models.listed()
-    found = await asyncio.gather(*(cards_of(gw, model) for model in listed))
+    models = fleet.models
+    listed = models.listed()
+    found = await asyncio.gather(*(cards_of(fleet, model) for model in listed))
     data = [card for cards in found for card in cards]
     bases = {model.name: cards[0] for model, cards in zip(listed, found, strict=True)}
-    for alias, target in sorted(gw.models.aliases.items()):
+    for alias, target in sorted(models.aliases.items()):
         base = bases.get(target)
-        if base is not None and alias not in gw.models.known:  # a model's own name wins
+        if base is not None and alias not in models.known:  # a model's own name wins
             data.append({**base, "id": alias, "root": target, "parent": None})
     return 200, orjson.dumps({"object": "list", "data": data})
 
 
-async def cards_of(gw, model: Model) -> list[dict]:
+async def cards_of(fleet: Fleet, model: Model) -> list[dict]:
     """The model's base card first, then its adapters: from the first server that answers,
     else from the probe's facts."""
     for server in model.usable("decode") + model.usable("prefill"):
         try:
-            response = await gw.client.get(server.url + LIST, timeout=gw.config.probe_timeout)
+            response = await fleet.client.get(server.url + LIST, timeout=fleet.probe_timeout)
             cards = response.json().get("data") if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
             continue

@@ -18,32 +18,45 @@
 
 from __future__ import annotations
 
-import asyncio
+from dataclasses import dataclass
 
 import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.dispatch.aborts import Aborts
+from gateway.dispatch.inflight import InFlight
 from gateway.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
+from gateway.processes.siblings import Siblings
 from gateway.routes.asgi import read_json, read_json_raw
+from gateway.routes.fleet import Fleet, post_all
 from gateway.servers.pool import ROLES
 from gateway.upstream.client import upstream_message
 
 
-async def relay(request: Request) -> Response:
+@dataclass(frozen=True, slots=True)
+class OperationParts:
+    fleet: Fleet
+    inflight: InFlight
+    aborts: Aborts
+    siblings: Siblings  # the other --workers processes (an abort they hold)
+    max_body_bytes: int
+
+
+async def relay(request: Request, parts: OperationParts) -> Response:
     """POST the body as is to the first usable server of its `model` that answers."""
-    gw = request.app.state.gateway
-    raw, body = await read_json_raw(request, gw.config.max_body_bytes)
+    fleet = parts.fleet
+    raw, body = await read_json_raw(request, parts.max_body_bytes)
     path = request.url.path
     last = "no usable server"
     model = body.get("model")
-    model, _ = gw.models.lookup(model if isinstance(model, str) else None)
+    model, _ = fleet.models.lookup(model if isinstance(model, str) else None)
     for server in model.usable("decode") + model.usable("prefill"):
         try:
-            response = await gw.client.post(server.url + path, content=raw,
-                                            headers={"content-type": "application/json"},
-                                            timeout=gw.config.probe_timeout)
+            response = await fleet.client.post(server.url + path, content=raw,
+                                               headers={"content-type": "application/json"},
+                                               timeout=fleet.probe_timeout)
         except httpx.HTTPError as exc:
             last = f"{server.url}: {type(exc).__name__}"
             continue
@@ -55,77 +68,61 @@ async def relay(request: Request) -> Response:
                              headers={"retry-after": "1"})
 
 
-async def abort_request(request: Request) -> Response:
-    gw = request.app.state.gateway
+async def abort_request(request: Request, parts: OperationParts) -> Response:
     caller = request.state.caller
     body = await read_json(request)
     if body.get("abort_all") is True:
         if not caller.is_admin:
             raise Forbidden("'abort_all' needs an admin key")
-        ok, results = await post_all(gw, "/abort_request", b'{"abort_all": true}', list(gw.pool))
+        fleet = parts.fleet
+        ok, results = await post_all(fleet, "/abort_request", b'{"abort_all": true}',
+                                     list(fleet.pool))
         return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)
     rid = body.get("rid")
     if not isinstance(rid, str) or not rid or len(rid) > 256:
         raise BadRequest("'rid' must be the id of a request in flight (x-request-id, "
                          "meta_info.id or your own rid)")
-    tracked = gw.inflight.find(rid)
+    tracked = parts.inflight.find(rid)
     if tracked is None or (tracked.owner != caller.owner and not caller.is_admin):
-        elsewhere = await gw.siblings.abort(rid, caller.owner, caller.is_admin)
+        elsewhere = await parts.siblings.abort(rid, caller.owner, caller.is_admin)
         if elsewhere is not None:  # another worker process holds it
             return JSONResponse({"success": True, "request_id": elsewhere["request_id"],
                                  "results": elsewhere["results"]})
         raise NotFound(f"no request {rid!r} of yours is in flight")
-    results = await gw.aborts.abort(tracked)
+    results = await parts.aborts.abort(tracked)
     return JSONResponse({"success": True, "request_id": tracked.request_id,
                          "results": results})
 
 
-async def broadcast(request: Request) -> Response:
+async def broadcast(request: Request, parts: OperationParts) -> Response:
     """The body to every server (of `?role=`, of `?model=`), with each one's result."""
-    return await _broadcast(request, one_model=False)
+    return await _broadcast(request, parts.fleet, one_model=False)
 
 
-async def update_weights(request: Request) -> Response:
+async def update_weights(request: Request, parts: OperationParts) -> Response:
     """As `broadcast`, but with several models `?model=` is required: one model's weights
     on another's servers would break them."""
-    return await _broadcast(request, one_model=True)
+    return await _broadcast(request, parts.fleet, one_model=True)
 
 
-async def _broadcast(request: Request, one_model: bool) -> Response:
-    gw = request.app.state.gateway
+async def _broadcast(request: Request, fleet: Fleet, one_model: bool) -> Response:
     body = await read_json(request)
     role = request.query_params.get("role")
     if role is not None and role not in ROLES:
         raise BadRequest("'role' must be prefill or decode")
-    servers = [w for w in gw.pool if role is None or w.role == role]
+    servers = [w for w in fleet.pool if role is None or w.role == role]
     name = request.query_params.get("model")
     if name is not None:
-        of_model = set(_model_servers(gw, name))
+        of_model = set(_model_servers(fleet, name))
         servers = [w for w in servers if w in of_model]
-    elif one_model and not gw.models.open:
+    elif one_model and not fleet.models.open:
         raise BadRequest(f"{request.url.path} with several models needs ?model=NAME: "
-                         f"{', '.join(gw.models.names())}")
-    ok, results = await post_all(gw, request.url.path, orjson.dumps(body), servers)
+                         f"{', '.join(fleet.models.names())}")
+    ok, results = await post_all(fleet, request.url.path, orjson.dumps(body), servers)
     return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)
 
 
-def _model_servers(gw, name: str) -> list:
+def _model_servers(fleet: Fleet, name: str) -> list:
     """Every registered server of the model `name` (an alias resolves; unknown: 404)."""
-    model, _ = gw.models.lookup(name)
+    model, _ = fleet.models.lookup(name)
     return [w for ws in model.servers.values() for w in ws]
-
-
-async def post_all(gw, path: str, payload: bytes, servers: list) -> tuple[bool, list[dict]]:
-    async def one(server):
-        try:
-            r = await gw.client.post(server.url + path, content=payload,
-                                     headers={"content-type": "application/json"},
-                                     timeout=gw.config.probe_timeout)
-            return {"url": server.url, "role": server.role, "status": r.status_code,
-                    "ok": r.status_code < 300, "message": upstream_message(r.content)}
-        except httpx.HTTPError as exc:
-            return {"url": server.url, "role": server.role, "status": None, "ok": False,
-                    "message": f"{type(exc).__name__}: {exc}"}
-
-    results = await asyncio.gather(*(one(w) for w in servers))
-    return all(r["ok"] for r in results), list(results)

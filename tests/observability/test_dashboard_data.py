@@ -83,18 +83,18 @@ def test_no_traffic_gives_no_hit_ratio():
 
 
 def test_recent_errors_newest_first_and_bounded():
-    """Works with the gateway's ring buffer of errors (a deque of dicts) when it has one."""
+    """Reads the gateway state's ring buffer of errors (a deque of dicts, or plain text)."""
     many = RECENT_ERRORS_SHOWN + 5
 
     async def go():
         async with gateway(three_servers()) as (client, gw):
-            gw.recent_errors = deque(maxlen=100)
+            gw.state.recent_errors = deque(maxlen=100)
             for i in range(many):
-                gw.recent_errors.append({"time": 1000.0 + i, "endpoint": "generate",
-                                         "status": 502, "type": "upstream_error",
-                                         "message": f"error {i}", "request_id": f"r{i}",
-                                         "extra": object()})
-            gw.recent_errors.append("a plain text entry")
+                gw.state.recent_errors.append({"time": 1000.0 + i, "endpoint": "generate",
+                                               "status": 502, "type": "upstream_error",
+                                               "message": f"error {i}", "request_id": f"r{i}",
+                                               "extra": object()})
+            gw.state.recent_errors.append("a plain text entry")
             return (await client.get("/dashboard/data")).json()
 
     errors = run(go())["recent_errors"]
