@@ -50,8 +50,9 @@ from gateway.servers.probe import RoleMismatch, probe
 from gateway.timers import Timers
 from gateway.tokens.context_check import ContextCheck
 from gateway.tokens.prompt_tokens import PromptTokens
-from gateway.upstream.aiohttp_client import AiohttpUpstream
-from gateway.upstream.client import FastUpstream, HttpxUpstream, build_client, ssl_context
+from gateway.upstream.base import UpstreamSettings, ssl_context
+from gateway.upstream.choices import open_upstream
+from gateway.upstream.httpx_client import HttpxUpstream, build_client
 
 log = logging.getLogger("gateway")
 
@@ -244,15 +245,10 @@ class Gateway:
         if self.tracing is not None:
             self.tracing.start()
         control = self.control
-        if self.transport is not None or c.upstream_client == "httpx":
-            self.upstream = control
-        elif c.upstream_client == "aiohttp":
-            self.upstream = AiohttpUpstream(c.connect_timeout, c.upstream_max_connections,
-                                            c.upstream_pool_timeout, self.tls)
-            await self.upstream.start()
-        else:
-            self.upstream = FastUpstream(c.connect_timeout, c.upstream_max_connections,
-                                         c.upstream_pool_timeout, self.tls)
+        name = "httpx" if self.transport is not None else c.upstream_client  # tests' transport
+        self.upstream = await open_upstream(name, UpstreamSettings(
+            c.connect_timeout, c.upstream_max_connections, c.upstream_pool_timeout, self.tls),
+            self.client)
         self.dispatcher = PDDispatcher(
             self.upstream, control, self.rooms,
             Timeouts(c.response_timeout, c.stream_idle_timeout, send=c.send_timeout),

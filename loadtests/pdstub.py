@@ -244,19 +244,19 @@ class Connection(asyncio.Protocol):
         self.url = b""
         self.body: list[bytes] = []
         self.queue: asyncio.Queue = asyncio.Queue()  # requests, answered in order
-        self.server: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None
         self.writable = asyncio.Event()
         self.writable.set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server = asyncio.get_running_loop().create_task(self._serve())
+        self.task = asyncio.get_running_loop().create_task(self._serve())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.writable.set()
-        if self.server is not None:
-            self.server.cancel()
+        if self.task is not None:
+            self.task.cancel()
 
     def pause_writing(self) -> None:
         self.writable.clear()

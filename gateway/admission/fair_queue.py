@@ -1,6 +1,6 @@
 """The order in which waiting requests get a slot: weighted fair across tenants, by class
 within a tenant. A plain data structure (no asyncio, no clock), so its discipline is tested
-on its own (tests/unit/test_fair_queue.py).
+on its own (tests/unit/admission/test_fair_queue.py).
 
 Across tenants: start-time fair queueing with virtual finish tags (as in SFQ/WF2Q, one unit
 of cost per request). Each tenant with waiters ("a flow") has a start tag; the flow with the

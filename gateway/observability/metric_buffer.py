@@ -12,8 +12,9 @@ figures are at most a second old. A worker that crashes loses at most its last s
 
 A histogram is flushed by bucket: one `inc(n)` per bucket that moved and one for the sum,
 on the histogram child's bucket and sum values (`_buckets`, `_sum`, as `observe` updates
-them; prometheus_client has no bulk observe). tests/unit/test_metric_buffer.py checks that
-the exposition equals what `observe` gives, so a change there fails a test, not a dashboard.
+them; prometheus_client has no bulk observe). tests/unit/observability/test_metric_buffer.py
+checks that the exposition equals what `observe` gives, so a change there fails a test, not a
+dashboard.
 """
 
 from __future__ import annotations

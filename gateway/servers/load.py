@@ -14,7 +14,7 @@ subtracts `settled` and `settled_tokens`, gateway/scheduling/load.py):
 
 Without them a conversation's next turn, sent as the previous one ends, found the previous
 turn's server "busy" with that very turn, and the cache-aware policy moved it off its cache
-(tests/e2e_sglang/test_dp.py, tests/unit/test_loads_poll.py).
+(tests/e2e_sglang/test_dp.py, tests/unit/servers/test_load.py).
 """
 
 from __future__ import annotations

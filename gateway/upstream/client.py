@@ -23,10 +23,8 @@ from gateway.errors import UpstreamError
 from gateway.servers.pool import Server
 from gateway.upstream.base import Upstream, UpstreamResponse, ssl_context
 from gateway.upstream.errors import ConnectFailed, PoolTimeout, TransportError, UpstreamTimeout
-from gateway.upstream.fast import FastUpstream
-from gateway.upstream.httpx_client import HttpxUpstream, build_client
 
-__all__ = ["FastUpstream", "HttpxUpstream", "Upstream", "UpstreamResponse", "build_client",
+__all__ = ["Upstream", "UpstreamResponse",
            "ssl_context", "status_error", "translate_errors", "translated", "upstream_message"]
 
 RETRYABLE_STATUSES = frozenset({408, 429})

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from gateway.servers.pool import Server
 from gateway.upstream.aiohttp_client import AiohttpUpstream
-from gateway.upstream.client import FastUpstream, translate_errors
+from gateway.upstream.client import translate_errors
+from gateway.upstream.fast import FastUpstream
 
 CLIENTS = ("fast", "aiohttp")
 WAIT = 5.0  # bound of every wait on the other side
