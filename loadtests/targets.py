@@ -1,6 +1,7 @@
 """What is measured: the floor (no proxy), our gateway in several configurations, and the peers.
 
-`gateway` is the default configuration; `gateway-own`, `gateway-aiohttp` and `gateway-httpx`
+`gateway` is the default configuration (`gateway-base`: the same, from another checkout, for an
+A/B of two commits in one run); `gateway-own`, `gateway-aiohttp` and `gateway-httpx`
 pin the data-path client (`--upstream-client fast|aiohttp|httpx`) so that one run compares
 the three side by side (`report.clients_table`). `gateway-tracing` is the default with
 tracing on for every request (sample ratio 1), exporting over OTLP/HTTP to a real collector
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -51,6 +53,18 @@ def _gateway(*extra: str):
             args += ["--decode", url]
         return args + list(extra)
     return argv
+
+
+def _gateway_base(c: Cluster, port: int, peer_python: Path | None) -> list[str]:
+    """The gateway of another checkout (`GATEWAY_BASE`: a folder holding its `gateway/`
+    package), run by this interpreter ahead of this checkout's: an A/B of two commits in one
+    run, round by round on the same CPUs."""
+    base = os.environ.get("GATEWAY_BASE")
+    if not base:
+        raise SystemExit("target gateway-base needs GATEWAY_BASE=<folder holding gateway/>")
+    start = (f"import runpy, sys; sys.path.insert(0, {str(Path(base).resolve())!r}); "
+             "runpy.run_module('gateway', run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", start, *_gateway()(c, port, peer_python)[3:]]
 
 
 def _python_floor(c: Cluster, port: int, _peer_python: Path | None) -> list[str]:
@@ -118,6 +132,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("floor", "no proxy: the load generator sends both PD legs itself", None),
     Target("gateway", "our gateway, default policies (cache_aware prefill, least_load decode)",
            _gateway(), ours=True, ready_path="/readiness"),
+    Target("gateway-base", "our gateway at another checkout (GATEWAY_BASE), default policies",
+           _gateway_base, ours=True, ready_path="/readiness"),
     Target("gateway-tokenizer", "our gateway, prefix_cache prefill with the model's tokenizer "
            "(a tiny model's): every prompt tokenized", _gateway_tokenizer, ours=True,
            ready_path="/readiness"),
