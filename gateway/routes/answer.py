@@ -136,40 +136,18 @@ class StreamedAnswer:
         self.meter, self.usage, self.view = meter, usage, view
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send every chunk (one write per chunk under our server protocol: `direct`), timing
+        the first and the gaps. The loop is here, not in a helper coroutine: every frame
+        between the endpoint and the relay is resumed once per chunk."""
         self.headers.append((b"cache-control", b"no-cache"))
         self.headers.append((b"x-accel-buffering", b"no"))
         await send({"type": "http.response.start", "status": self.answer.status,
                     "headers": self.headers})
-        interrupt = self.watch.interrupt
-        error: GatewayError | None = None
-        try:
-            sent = await self._relay(scope.get(CHUNKS), send)
-        except asyncio.CancelledError:
-            if not interrupt.fired:  # the server is shutting down: end the stream properly
-                await end_stream_early(send, self.usage.request_id)
-                raise
-            reason = interrupt.reason()  # ours: taken back here, told to the client below
-            if not isinstance(reason, GatewayError):
-                raise
-            error = reason
-        except GatewayError as err:
-            error = err
-        self.watch.done = True
-        if error is not None:
-            await end_stream_early(send, self.usage.request_id, error)
-            raise StreamCut(error)
-        await send({"type": "http.response.body", "body": b""})
-        self.meter.bytes.pending += sent
-
-    async def _relay(self, direct, send: Send) -> int:
-        """Send every chunk (one write per chunk under our server protocol: `direct`),
-        timing the first and the gaps; the bytes sent."""
-        usage, itl = self.usage, self.meter.itl
-        sent = 0
-        last = 0.0
+        direct, usage, itl = scope.get(CHUNKS), self.usage, self.meter.itl
         meter = usage.meter = StreamTokens.of(self.view)  # None for most: read at the end
         marks = meter.marks if meter is not None else None
-        previous = final = b""
+        sent, last, previous, final = 0, 0.0, b"", b""
+        error: GatewayError | None = None
         try:
             async for chunk in self.answer.stream:
                 if marks is not None and (marks[0] in chunk or marks[1] in chunk):
@@ -188,9 +166,23 @@ class StreamedAnswer:
                 last = now
                 sent += len(chunk)
                 previous, final = final, chunk
+        except asyncio.CancelledError:
+            if not self.watch.interrupt.fired:  # shutting down: end the stream properly
+                await end_stream_early(send, usage.request_id)
+                raise
+            error = self.watch.interrupt.reason()  # ours: told to the client below
+            if not isinstance(error, GatewayError):
+                raise
+        except GatewayError as err:
+            error = err
         finally:
             usage.tail = previous + final  # the final events: completion tokens
-        return sent
+        self.watch.done = True
+        if error is not None:
+            await end_stream_early(send, usage.request_id, error)
+            raise StreamCut(error)
+        await send({"type": "http.response.body", "body": b""})
+        self.meter.bytes.pending += sent
 
 
 async def end_stream_early(send: Send, request_id: str, err: GatewayError | None = None) -> None:

@@ -104,7 +104,7 @@ class InferenceEndpoint:
         usage = parts.usage.begin(self.endpoint, request_id, started)
         try:
             try:
-                status = await self._handle(scope, receive, send, interrupt, trace, usage)
+                status = await self._serve(scope, receive, send, interrupt, trace, usage)
             except asyncio.CancelledError:
                 reason = interrupt.reason()
                 if reason is None:
@@ -132,25 +132,6 @@ class InferenceEndpoint:
                 trace.finish(status)
             parts.usage.finish(usage, status)
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, interrupt: Interrupt,
-                      trace, usage) -> int:
-        """Check, read and parse the request, then serve it in the in-flight table."""
-        parts = self.parts
-        caller = parts.auth.caller(scope, INFERENCE)
-        usage.tenant = caller.tenant
-        ticket = parts.tenancy.classify(scope["headers"], caller.key_index)
-        view = await self._view(scope, receive, caller, ticket, usage)
-        tracked = Tracked(usage.request_id, caller.owner, view.rids or (), interrupt=interrupt,
-                          trace=trace, usage=usage, not_after=ticket.deadline)
-        if trace is not None:
-            trace.admitted(caller, view)
-        parts.inflight.add(tracked)
-        try:
-            return await self._serve(view, tracked, ticket, scope, receive, send)
-        finally:
-            parts.inflight.remove(tracked)
-            tracked.attempts.clear()  # attempt -> tracked -> attempts: no cycle left
-
     async def _view(self, scope: Scope, receive: Receive, caller: Caller, ticket: Ticket,
                     usage) -> RequestView:
         """The request parsed once, its model resolved, its tokens counted and limited."""
@@ -172,24 +153,40 @@ class InferenceEndpoint:
             await counting
         return view
 
-    async def _serve(self, view: RequestView, tracked: Tracked, ticket: Ticket, scope: Scope,
-                     receive: Receive, send: Send) -> int:
-        """Wait for a slot, run the request and send its answer, the client watched."""
-        admission = self.parts.admission
-        with ClientWatch(tracked.interrupt, scope, receive) as watch:
-            await admission.acquire(ticket.tenant, ticket.klass, ticket.deadline)
-            try:
-                answer = await self.parts.serve(view, tracked)
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, interrupt: Interrupt,
+                     trace, usage) -> int:
+        """Check, read and parse the request, then, in the in-flight table, wait for a slot,
+        run it and send its answer, the client watched. One coroutine frame from the
+        endpoint to the answer: a streamed answer resumes every frame on it per chunk."""
+        parts = self.parts
+        caller = parts.auth.caller(scope, INFERENCE)
+        usage.tenant = caller.tenant
+        ticket = parts.tenancy.classify(scope["headers"], caller.key_index)
+        view = await self._view(scope, receive, caller, ticket, usage)
+        tracked = Tracked(usage.request_id, caller.owner, view.rids or (), interrupt=interrupt,
+                          trace=trace, usage=usage, not_after=ticket.deadline)
+        if trace is not None:
+            trace.admitted(caller, view)
+        parts.inflight.add(tracked)
+        admission = parts.admission
+        try:
+            with ClientWatch(interrupt, scope, receive) as watch:
+                await admission.acquire(ticket.tenant, ticket.klass, ticket.deadline)
                 try:
-                    response = answer_response(answer, tracked.request_id, watch, self._meter,
-                                               tracked.usage, view)
-                    await response(scope, receive, send)
-                    return answer.status
+                    answer = await parts.serve(view, tracked)
+                    try:
+                        response = answer_response(answer, tracked.request_id, watch,
+                                                   self._meter, usage, view)
+                        await response(scope, receive, send)
+                        return answer.status
+                    finally:
+                        if answer.close is not None:
+                            await answer.close()
                 finally:
-                    if answer.close is not None:
-                        await answer.close()
-            finally:
-                admission.release()
+                    admission.release()
+        finally:
+            parts.inflight.remove(tracked)
+            tracked.attempts.clear()  # attempt -> tracked -> attempts: no cycle left
 
     async def _internal_error(self, send: Send, request_id: str) -> None:
         log.exception("unexpected error on %s (request %s)", self.endpoint, request_id)
