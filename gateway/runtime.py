@@ -119,11 +119,11 @@ class Gateway:
         """Tracing (when on), usage per tenant and model, the access log, the latency plots."""
         config = self.config
         self.tracing = self._tracing() if config.otlp_endpoint else None
-        self.usage = Usage(self.metrics, self.models.label)  # per tenant and model
         self.access_log = None
         if config.access_log:
             self.access_log = AccessLog(config.access_log, self.metrics.access_log_dropped)
-            self.usage.sink = self.access_log.write
+        self.usage = Usage(self.metrics, self.models.label,  # per tenant and model
+                           self.access_log.write if self.access_log is not None else None)
         self.latency = LatencyHistory(self.read_metrics)  # the status page's plots
 
     def _build_admission(self) -> None:
@@ -319,9 +319,11 @@ class Gateway:
             model = None
         servers = [w.url for ws in model.servers.values() for w in ws if w.healthy] \
             if model is not None else []
-        await self.tokens.load(self.config.tokenizer, self.client, servers)
+        serves = None
         if model is not None and model.name:
-            self.tokens.serves = lambda view: models.open or models.of(view) is model
+            def serves(view) -> bool:
+                return models.open or models.of(view) is model
+        await self.tokens.load(self.config.tokenizer, self.client, servers, serves)
 
     async def register(self, url: str, role: str, bootstrap_port: int | None,
                        require_probe: bool = False, model: str | None = None) -> Server:

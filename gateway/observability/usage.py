@@ -115,10 +115,11 @@ class RequestUsage:
 class Usage:
     """The accountant: labels, counters, the access log sink, the admin report."""
 
-    def __init__(self, metrics, label: Callable[[str | None], str]) -> None:
+    def __init__(self, metrics, label: Callable[[str | None], str],
+                 sink: Callable[[RequestUsage], None] | None = None) -> None:
         self.metrics = metrics
         self.label = label  # a request's `model` -> its model's label (models.Models.label)
-        self.sink: Callable[[RequestUsage], None] | None = None  # the access log, if on
+        self.sink = sink  # the access log, if on
         self._children: dict[tuple[str, str], _Children] = {}
 
     def begin(self, endpoint: str, request_id: str, started: float) -> RequestUsage:

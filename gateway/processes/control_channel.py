@@ -116,11 +116,11 @@ class Control:
 class Hub:
     """The supervisor's side: relays between the workers' channels."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_ready: Callable[[int], None] = lambda worker: None) -> None:
         self.writers: dict[int, asyncio.StreamWriter] = {}
         self.ready: set[int] = set()
         self._asks: dict[tuple[int, int], dict] = {}
-        self.on_ready: Callable[[int], None] = lambda worker: None
+        self.on_ready = on_ready  # told each time a worker says it serves
 
     async def attach(self, worker: int, sock: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=sock)

@@ -59,7 +59,8 @@ class Supervisor:
         self.procs: dict[int, subprocess.Popen] = {}
         self.backoff: dict[int, float] = {}
         self.spawned: dict[int, float] = {}
-        self.hub = Hub()
+        self.hub = Hub(self._announce)
+        self._announced = False
         self.stopping = False
         self.started_at = time.monotonic()
 
@@ -104,24 +105,21 @@ class Supervisor:
         self.argv = [*self.argv, *extra]
         return launcher
 
+    def _announce(self, worker: int) -> None:
+        """One line once every worker serves (what tests and scripts wait for)."""
+        if not self._announced and len(self.hub.ready) == self.count:
+            self._announced = True
+            print(f"gateway: {self.count} workers serving "
+                  f"http{'s' if self.config.ssl_certfile else ''}://{self.config.host}:"
+                  f"{self.config.port} ({self.config.workers_socket} socket)",
+                  file=sys.stderr, flush=True)
+
     async def _main(self, name: str, workdir: str) -> int:
         loop = asyncio.get_running_loop()
         done = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, done.set)
         launcher = await self._launch() if self.config.launch else None
-        announced = False
-
-        def on_ready(worker: int) -> None:
-            nonlocal announced
-            if not announced and len(self.hub.ready) == self.count:
-                announced = True
-                print(f"gateway: {self.count} workers serving "
-                      f"http{'s' if self.config.ssl_certfile else ''}://{self.config.host}:"
-                      f"{self.config.port} ({self.config.workers_socket} socket)",
-                      file=sys.stderr, flush=True)
-
-        self.hub.on_ready = on_ready
         for worker in range(self.count):
             await self._spawn(worker, name, workdir)
         while not done.is_set():

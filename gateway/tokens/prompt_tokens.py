@@ -56,9 +56,13 @@ class PromptTokens:
         self.serves: Callable[[RequestView], bool] = lambda view: True
 
     async def load(self, path: str | None, client: httpx.AsyncClient | None,
-                   servers: list[str]) -> None:
+                   servers: list[str],
+                   serves: Callable[[RequestView], bool] | None = None) -> None:
         """Load `path`, else the tokenizer the first answering server reports; a broken
-        explicit path is an error, a reported path that is not readable here is not."""
+        explicit path is an error, a reported path that is not readable here is not.
+        `serves`: which requests it is for (those of its model; default: all)."""
+        if serves is not None:
+            self.serves = serves
         explicit = path is not None
         if path is None and client is not None:
             path = await _reported_path(client, servers)
