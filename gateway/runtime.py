@@ -145,7 +145,6 @@ class Gateway:
         """What requests meet on their way: the control client (the servers' other endpoints;
         it opens connections only when used), prompt tokens, the in-flight table, aborts."""
         c = self.config
-        self.siblings = Siblings(self, self.worker.control if self.worker is not None else None)
         self.inflight = InFlight()
         self.tokens = PromptTokens(
             c.tokenizer_threads, always=wants_token_ids(c) or c.rate_limit_tokens > 0)
@@ -155,6 +154,9 @@ class Gateway:
         self.aborts = Aborts(self.inflight, self.control, timeout=5.0)
         self.context = ContextCheck(self.models, self.client, self.tokens)
         self.info_caches = InfoCaches(c.info_cache_ttl)
+        self.siblings = Siblings(self.worker.control if self.worker is not None else None,
+                                 self.pool, self.register, self.unregister, self.inflight,
+                                 self.aborts)
 
     def describe(self) -> dict:
         """The gateway's own facts for /server_info and the status page."""

@@ -11,14 +11,20 @@ Without workers (`control` None) every call here does nothing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("gateway.processes.siblings")
 
 
 class Siblings:
-    def __init__(self, gateway, control) -> None:
-        self.gw = gateway
+    """Given the parts it changes or reads: the server pool with its register/unregister
+    (the runtime's, which also start and stop health checks), the in-flight table, aborts."""
+
+    def __init__(self, control, pool, register: Callable[..., Awaitable[object]],
+                 unregister: Callable[[str], object], inflight, aborts) -> None:
         self.control = control
+        self.pool, self.register, self.unregister = pool, register, unregister
+        self.inflight, self.aborts = inflight, aborts
         if control is not None:
             control.on("admin", self._apply)
             control.on("abort", self._abort)
@@ -29,18 +35,18 @@ class Siblings:
             self.control.tell_all({"kind": "admin", "op": op, "url": url, **extra})
 
     async def _apply(self, msg: dict) -> None:
-        gw, op, url = self.gw, msg.get("op"), msg.get("url")
-        worker = gw.pool.get(url)
-        if op == "add" and worker is None:
+        op, url = msg.get("op"), msg.get("url")
+        server = self.pool.get(url)
+        if op == "add" and server is None:
             try:
-                await gw.register(url, msg["role"], msg.get("bootstrap_port"),
-                                  model=msg.get("model"))
+                await self.register(url, msg["role"], msg.get("bootstrap_port"),
+                                    model=msg.get("model"))
             except Exception as exc:  # noqa: BLE001 - it was accepted by a sibling
                 log.warning("could not add %s as the other workers did: %s", url, exc)
-        elif op == "remove" and worker is not None:
-            gw.unregister(url)
-        elif op in ("drain", "undrain") and worker is not None:
-            worker.draining = op == "drain"
+        elif op == "remove" and server is not None:
+            self.unregister(url)
+        elif op in ("drain", "undrain") and server is not None:
+            server.draining = op == "drain"
 
     async def abort(self, rid: str, owner: str, admin: bool) -> dict | None:
         """Abort `rid` in whichever other worker holds it; its answer, or None."""
@@ -53,8 +59,8 @@ class Siblings:
         return None
 
     async def _abort(self, msg: dict) -> dict:
-        tracked = self.gw.inflight.find(msg["rid"])
+        tracked = self.inflight.find(msg["rid"])
         if tracked is None or (tracked.owner != msg["owner"] and not msg.get("admin")):
             return {"found": False}
-        results = await self.gw.aborts.abort(tracked)
+        results = await self.aborts.abort(tracked)
         return {"found": True, "request_id": tracked.request_id, "results": results}
