@@ -16,6 +16,7 @@ import httptools
 import orjson
 
 from gateway.routes.uvicorn_send import UvicornSend
+from tests.rigs.transport import Transport
 from tests.security.honest import connect, read_until_closed
 
 BODY = b'{"text": "one write", "sampling_params": {"max_new_tokens": 2}}'
@@ -108,16 +109,6 @@ class Flow:
     write_paused = False
 
 
-class Transport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    def close(self) -> None:
-        self.closed = True
 
 
 class Cycle:

@@ -16,6 +16,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from gateway.routes.uvicorn_send import UVICORN_VERSIONS, UvicornSend
+from tests.rigs.transport import Transport
 
 DATE = [(b"date", b"Tue, 01 Dec 2026 16:00:00 GMT"), (b"server", b"uvicorn")]
 HEADERS = [(b"content-type", b"application/json"), (b"x-request-id", b"abc")]
@@ -23,16 +24,8 @@ STATE = ("response_started", "response_complete", "waiting_for_100_continue", "k
          "disconnected")
 
 
-class Transport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    def close(self) -> None:
-        self.closed = True
+class UvicornTransport(Transport):
+    """What uvicorn's cycle also asks of its transport."""
 
     def is_closing(self) -> bool:
         return self.closed
@@ -46,7 +39,7 @@ class Transport:
 
 def cycle(keep_alive: bool = True) -> RequestResponseCycle:
     """A real uvicorn cycle on a recording transport, as the protocol makes one."""
-    transport = Transport()
+    transport = UvicornTransport()
     made = RequestResponseCycle(
         scope={"type": "http", "method": "POST", "path": "/generate", "http_version": "1.1",
                "headers": [], "client": None, "query_string": b""},
