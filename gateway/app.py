@@ -174,5 +174,8 @@ def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None 
                  for name, path in ENDPOINT_PATHS.items()}
     routes = build_routes(endpoints, gateway.auth, route_parts(gateway))
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
+    # a path with a trailing slash is a 404 in the error shape, not a redirect to a URL built
+    # from the client's own Host header (docs/SECURITY.md, "Paths")
+    app.router.redirect_slashes = False
     app.state.gateway = gateway
     return HotPaths(app, endpoints)

@@ -82,9 +82,7 @@ class ModelNotFound(NotFound):
                          f"{', '.join(available) or 'none'}{pending}", code="model_not_found")
 
     def body(self) -> dict:
-        body = super().body()
-        body["error"]["param"] = "model"
-        return body
+        return error_body(self.message, self.error_type, self.code or "404", "model")
 
 
 class TooManyRequests(GatewayError):
@@ -136,8 +134,11 @@ class UpstreamError(GatewayError):
             self.error_type = "timeout_error"
 
 
-def error_body(message: str, error_type: str, code: str | int) -> dict:
-    return {"error": {"message": message, "type": error_type, "code": code}}
+def error_body(message: str, error_type: str, code: str, param: str | None = None) -> dict:
+    """OpenAI's error object. `code` is always a string (OpenAI's schema types it string or
+    null, and typed clients decode it as one): a name such as `model_not_found` where the
+    gateway has one, else the HTTP status as digits ("503"); `param` is always present."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_bytes(err: GatewayError, request_id: str | None = None) -> bytes:

@@ -28,7 +28,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
     kind = "invalid_request_error" if status < 500 else "internal_error"
     headers = dict(getattr(exc, "headers", None) or {})
     return Response(orjson.dumps(error_body(f"{request.method} {request.url.path}: {detail}",
-                                            kind, status)),
+                                            kind, str(status))),
                     status_code=status, media_type="application/json", headers=headers)
 
 
