@@ -77,11 +77,18 @@ def suspect_if_hung(attempt: Attempt, now: float, first: float, seconds: float) 
 
 
 def elsewhere(server: Server, peers: Iterable[Server] | None) -> bool:
-    """Whether the retry of an attempt stopped on `server` has somewhere to go (`rescue`);
-    `peers` None: not known, assumed so."""
-    return peers is None or any(
-        other is not server and other.role == server.role and other.model == server.model
-        and other.usable for other in peers)
+    """Whether the retry of an attempt stopped on `server` has somewhere to go (`rescue`):
+    another server of its role and model that is usable, or whose health checks pass while
+    its breaker is still open from earlier failures and which is no suspect itself (the
+    scheduler sends a retry there when the usable ones are suspects: a recovering server is
+    a better bet than a hung one). `peers` None: not known, assumed so."""
+    if peers is None:
+        return True
+    now = time.monotonic()
+    return any(other is not server and other.role == server.role
+               and other.model == server.model
+               and (other.usable or (other.serving and other.suspect_until <= now))
+               for other in peers)
 
 
 def decode_hung(attempt: Attempt, seconds: float,

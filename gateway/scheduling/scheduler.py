@@ -79,7 +79,12 @@ class Scheduler:
         marked down yet often answers again a moment later; refusing every request of that
         stall would fail requests it could serve. A request sent to a stalled server waits
         within its own deadlines (gateway/dispatch/pd.py); one whose server refuses
-        connections is not sent (503 at once)."""
+        connections is not sent (503 at once).
+
+        Trust, in this order: usable servers that are not suspected hung; when every one of
+        them is a suspect or just failed this request (`avoid`), a server whose health checks
+        pass but whose breaker is still open from earlier failures (recovering): the request
+        is its probe, and a success closes the breaker; else the suspects themselves."""
         now = time.monotonic()
         self.pool.refresh_breakers(role, now)
         members = (model or self.models.of(view)).servers[role]
@@ -88,17 +93,18 @@ class Scheduler:
             servers = [w for w in members if w.serving] or [w for w in members if w.in_pool]
             if servers:
                 self.panics[role] += 1
+        cornered = False  # every candidate just failed this request
         if avoid:
             fresh = [w for w in servers if w not in avoid]
+            cornered = not fresh
             if fresh:
                 servers = fresh
-        for suspect in servers:
-            if suspect.suspect_until > now:
-                trusted = [w for w in servers if w.suspect_until <= now]
-                if trusted:  # a suspected hang: keep new requests off it while others serve
-                    servers = trusted
-                break
-        return servers
+        trusted = [w for w in servers if w.suspect_until <= now]
+        if trusted and not cornered:  # a suspected hang: new requests keep off it
+            return trusted
+        recovering = [w for w in members if w.serving and w.suspect_until <= now
+                      and w not in servers and w not in avoid]
+        return recovering or trusted or servers
 
     def pick(self, view: RequestView, avoid: Collection[Server] = (),
              prefer: tuple[Server, int | None] | None = None) -> tuple[Target, Server]:

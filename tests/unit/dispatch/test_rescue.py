@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -71,14 +72,28 @@ def test_the_only_decode_keeps_its_waiting_attempts(fault):
     assert run(rescued(victim, [victim])) == (0, 2)
 
 
-@pytest.mark.parametrize("unusable", [mark_down, open_breaker,
+def suspected(server: Server) -> None:
+    open_breaker(server)
+    server.suspect_until = time.monotonic() + 60
+
+
+@pytest.mark.parametrize("unusable", [mark_down, suspected,
                                       lambda w: setattr(w, "draining", True)],
-                         ids=["down", "breaker-open", "draining"])
+                         ids=["down", "breaker-open-and-suspect", "draining"])
 def test_another_decode_that_is_not_usable_does_not_count(unusable):
     victim, other = server(D1), server(D2)
     mark_down(victim)
     unusable(other)
     assert run(rescued(victim, [victim, other])) == (0, 2)
+
+
+def test_a_recovering_decode_counts_when_its_health_checks_pass():
+    """Breaker still open from earlier failures, health checks passing, no suspect: the
+    scheduler sends a retry there rather than back to a hung server, so a rescue may too."""
+    victim, recovering = server(D1), server(D2)
+    mark_down(victim)
+    open_breaker(recovering)
+    assert run(rescued(victim, [victim, recovering])) == (2, 0)
 
 
 def test_a_usable_server_of_another_role_or_model_does_not_count():
