@@ -106,14 +106,15 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
     except ValueError as exc:
         print(f"gateway: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    # per serving process: what it bounds is the process's own file descriptors, and the
+    # kernel does not spread connections evenly over workers (a share of limit/N per worker
+    # answered 503 while the gateway as a whole had room: docs/WORKERS.md). The protocol
+    # bounds them (a JSON 503 with Retry-After), not uvicorn's limit_concurrency.
+    connections = connection_limit(config.max_client_connections)
     limits = ServerLimits(head_timeout=config.head_timeout, body_timeout=config.body_timeout,
                           max_header_count=config.max_header_count,
                           max_head_bytes=config.max_header_bytes,
-                          send_timeout=config.send_timeout)
-    # per serving process: what it bounds is the process's own file descriptors, and the
-    # kernel does not spread connections evenly over workers (a share of limit/N per worker
-    # answered 503 while the gateway as a whole had room: docs/WORKERS.md)
-    connections = connection_limit(config.max_client_connections)
+                          send_timeout=config.send_timeout, max_connections=connections)
     app.state.gateway.serving = {"connections": connections, "tls": bool(config.ssl_certfile),
                                  "mtls": bool(config.ssl_ca_certs)}
     tune_gc()
@@ -123,7 +124,7 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
         log_level=config.log_level,
         access_log=False, proxy_headers=False, server_header=False,
         timeout_graceful_shutdown=config.shutdown_grace, backlog=2048,
-        limit_concurrency=connections, ssl_certfile=config.ssl_certfile,
+        ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs,
         ssl_cert_reqs=ssl.CERT_REQUIRED if config.ssl_ca_certs else ssl.CERT_NONE),
         app.state.gateway)

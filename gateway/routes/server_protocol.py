@@ -17,8 +17,15 @@ at a time (slowloris) or not at all. This subclass adds, per connection:
   count a slow client and abort both PD legs. This holds for every response, streamed or not,
   whatever the relay's own watchdog does.
 
-Refusals (400 for a request httptools cannot parse, 414, 431) answer in the gateway's error
-shape and close the connection. Everything else (parsing, flow control, keep-alive,
+It also bounds the client connections served at once, `max_connections`, in place of
+uvicorn's `limit_concurrency` (whose refusal is a `text/plain` 503 without Retry-After, and
+which counts every open connection, the refused ones too, so a burst of connections beyond the
+limit was refused whole): a connection takes a slot with its first request and keeps it until
+it closes; a request on a connection without a slot while all are taken is answered 503
+`service_unavailable` with `Retry-After` and its connection closed.
+
+Refusals (400 for a request httptools cannot parse, 414, 431, 503) answer in the gateway's
+error shape and close the connection. Everything else (parsing, flow control, keep-alive,
 pipelining) stays uvicorn's. The limits are tested at the socket level in tests/security/.
 
 The deadlines, and uvicorn's own keep-alive wait, cost nothing per request: each phase (head,
@@ -38,7 +45,7 @@ from dataclasses import dataclass
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.errors import error_body
+from gateway.errors import ServiceUnavailable, error_body
 from gateway.routes.uvicorn_send import UvicornSend
 from gateway.timers import Timers
 
@@ -54,6 +61,7 @@ class ServerLimits:
     max_url_bytes: int = 8 * 1024
     send_timeout: float = 30.0
     keep_alive: float = 5.0  # uvicorn's default timeout_keep_alive (gateway/cli.py keeps it)
+    max_connections: int = 0  # client connections served at once (0: no bound)
 
     @property
     def period(self) -> float:
@@ -62,7 +70,9 @@ class ServerLimits:
         return min(1.0, self.head_timeout, self.body_timeout, self.keep_alive) / 4
 
 
-REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large",
+           503: b"Service Unavailable"}
+BUSY_RETRY_AFTER = b"1"  # seconds: a connection slot frees when any client's request ends
 STALLED = "gateway.stalled"  # scope key set when the response stalled past send_timeout
 DEPARTURE = "gateway.departure"  # scope key: the request's `Departure`
 WHOLE = "gateway.whole"  # scope key: the request's `UvicornSend.whole`
@@ -86,6 +96,15 @@ class Departure:
             callback()
 
 
+class ConnectionSlots:
+    """The `max_connections` slots of one serving process, shared by its connections."""
+
+    __slots__ = ("taken",)
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+
 class _Refused(Exception):
     """Raised inside a parser callback to stop parsing a request over the limits."""
 
@@ -96,6 +115,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     _limits: ServerLimits
     _timers: Timers
+    _slots: ConnectionSlots
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -104,10 +124,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = False
         self._stall = None
         self._waiting = False  # in the keep-alive wait between two requests
+        self._slot = False  # holds one of the max_connections slots
         self._due = self._timers.loop().time() + self._limits.head_timeout
         self._check = self._timers.after(self._limits.period, self._tick)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._slot:
+            self._slot = False
+            self._slots.taken -= 1
         self._check.cancel()
         self._due = INF
         if self._stall is not None:
@@ -152,15 +176,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.cycle.disconnected = True  # the app sees http.disconnect
         self.transport.close()
 
-    def _answer(self, status: int, message: str) -> None:
+    def _answer(self, status: int, message: str, body: dict | None = None,
+                extra: bytes = b"") -> None:
         """Write a refusal in the gateway's error shape and close the connection."""
         self._refused = True
         self._due = INF
-        body = orjson.dumps(error_body(message, "invalid_request_error", str(status)))
+        data = orjson.dumps(body or error_body(message, "invalid_request_error", str(status)))
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (status, REASONS[status], len(body), body))
+            b"%sconnection: close\r\n\r\n%s" % (status, REASONS[status], len(data), extra, data))
         self.transport.close()
+
+    def _admitted(self) -> bool:
+        """Whether this connection has (or now takes) one of the `max_connections` slots."""
+        if self._slot or not self._limits.max_connections:
+            return True
+        if self._slots.taken >= self._limits.max_connections:
+            return False
+        self._slots.taken += 1
+        self._slot = True
+        return True
 
     def _refuse(self, status: int) -> None:
         self._answer(status, REASONS[status].decode())
@@ -193,6 +228,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if not self._admitted():
+            err = ServiceUnavailable(f"the gateway is serving its limit of "
+                                     f"{self._limits.max_connections} client connections; "
+                                     "retry shortly")
+            self._answer(503, err.message, err.body(),
+                         b"retry-after: %s\r\n" % BUSY_RETRY_AFTER)
+            raise _Refused
         self._phase(self._limits.body_timeout)
         super().on_headers_complete()
         cycle = self.cycle
@@ -217,4 +259,4 @@ def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProt
     """A `GuardedHttpToolsProtocol` class bound to `limits` and the gateway's `timers`
     (uvicorn instantiates it per connection)."""
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
-                {"_limits": limits, "_timers": timers})
+                {"_limits": limits, "_timers": timers, "_slots": ConnectionSlots()})
