@@ -73,7 +73,8 @@ class SimApp:
 
     def _faulty(self) -> bool:
         f = self.state.config.faults
-        return bool(f.error_rate or f.hang or f.crash_after or f.fail_bootstrap_port)
+        return bool(f.error_rate or f.hang or f.crash_after or f.fail_bootstrap_port
+                    or f.truncate_rate or f.stall_after)
 
 
 def build_app(state: SimState) -> SimApp:

@@ -44,6 +44,9 @@ class Faults:
     health_fail: bool = False
     first_token_delay: float = 0.0
     fail_bootstrap_port: int = 0  # 500 for requests paired with this bootstrap port (0: off)
+    truncate_rate: float = 0.0  # that fraction of 200 answers is cut off, then the socket closed
+    stall_after: int = 0  # answers stop after N stream chunks, the socket left open (0: off)
+    withhold_kv: bool = False  # prefill: take the room, never send the KV, never answer
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply a JSON body of knob changes; unknown names raise ValueError."""
@@ -60,8 +63,8 @@ class Faults:
                 if number < 0:
                     raise ValueError(f"fault knob {raw_name!r} must be >= 0")
                 setattr(self, name, number)
-        if self.error_rate > 1:
-            raise ValueError("error_rate must be within [0, 1]")
+        if self.error_rate > 1 or self.truncate_rate > 1:
+            raise ValueError("error_rate and truncate_rate must be within [0, 1]")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

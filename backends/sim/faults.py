@@ -8,6 +8,8 @@ fail_bootstrap_port (POST /sim/faults only)  requests whose bootstrap_port is th
                   500 as SGLang answers a broken transfer session between one prefill and
                   one decode (SGLang issue #13054): a pair fault, the server is fine otherwise
 --first-token-delay S, --slow-start S, --health-fail act in flows.py/state.py
+truncate_rate, stall_after (POST /sim/faults only) break a 200 answer mid-body: cuts.py
+withhold_kv (POST /sim/faults only) a prefill that never sends its KV: flows.py
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ async def before_generation(state: SimState, request: Request, endpoint: str) ->
     if f.error_rate > 0 and state.rng.random() < f.error_rate:
         await request.body()
         state.stats.record(endpoint, "", None, "failed", "error-rate fault")
+        state.stats.faulted("error_rate")
         message = "Simulated internal server error (--error-rate)"
         return JSONResponse({"object": "error", "message": message, "type": "500", "param": None,
                              "code": 500}, status_code=500)
     if f.hang:
         await request.body()
+        state.stats.faulted("hang")
         return _Hang(state, endpoint)
     if f.fail_bootstrap_port:
         try:
@@ -64,6 +68,7 @@ async def before_generation(state: SimState, request: Request, endpoint: str) ->
         port = body.get("bootstrap_port") if isinstance(body, dict) else None
         if f.fail_bootstrap_port in (port if isinstance(port, list) else [port]):
             state.stats.record(endpoint, "", None, "failed", "pair fault")
+            state.stats.faulted("pair")
             message = (f"Decode transfer failed for request rank=0 with exception KVTransferError: "
                        f"transfer session to {body.get('bootstrap_host')}:{f.fail_bootstrap_port} "
                        "is broken (pair fault)")

@@ -172,6 +172,8 @@ async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
     if job.error is not None:
         raise job.error
     job.phase = "transfer"
+    if state.config.faults.withhold_kv:
+        await _withhold(state, job)
     seconds = (cfg.transfer_overhead_ms + cfg.transfer_ms_per_token * job.prompt_tokens) / 1e3
     if seconds > 0:
         await asyncio.sleep(seconds)
@@ -184,6 +186,17 @@ async def _run_prefill(state: SimState, job: Job, leg: _Leg) -> None:
         _check_room(room, spec.rid)
     engine.release(job)
     job.finish({"type": "length", "length": 0})
+
+
+async def _withhold(state: SimState, job: Job) -> None:
+    """--withhold-kv: never send the KV and never answer, until the client leaves.
+
+    mirrors a KV sender stuck mid-transfer (a wedged RDMA/NIXL queue, a lost transfer
+    completion): the prefill took the request and its decode joined the room, /health still
+    passes, the decode waits for KV until its --waiting-timeout."""
+    state.stats.faulted("withheld_kv")
+    while True:
+        await job.wait()
 
 
 def _place_room(state: SimState, job: Job, number: int) -> None:
@@ -251,6 +264,7 @@ async def _run_decode(state: SimState, job: Job, leg: _Leg) -> None:
                             f"bootstrap host or port. req.rid={spec.rid!r}")
     decode_rooms = state.ranks[job.rank].decode_rooms
     if number in decode_rooms:
+        state.stats.rooms_reused += 1
         raise SimError(500, handshake_failed(spec.rid, number, DUPLICATE_DECODE))
     decode_rooms.add(number)
     leg.decode_room = number

@@ -214,12 +214,18 @@ async def sim_stats(request: Request) -> Response:
                   for key in ("size_tokens", "capacity_tokens", "evicted_tokens")},
         "kv_events_published": sum(r["kv_events_published"] for r in per_rank),
         "dp_ranks": per_rank,
+        "rooms_reused": state.stats.rooms_reused + sum(
+            r.registry.reused for r in state.ranks if r.registry is not None),
     }
     return JSONResponse(state.stats.snapshot(state.config.mode, len(state.jobs), extra))
 
 
 async def sim_reset(request: Request) -> Response:
-    _state(request).stats.reset()
+    state = _state(request)
+    state.stats.reset()
+    for rank in state.ranks:
+        if rank.registry is not None:
+            rank.registry.reused = 0
     return JSONResponse({"ok": True})
 
 

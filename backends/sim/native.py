@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from backends.sim import faults, flows
+from backends.sim import cuts, faults, flows
 from backends.sim.job import Job
 from backends.sim.outputs import native_output
 from backends.sim.requests import BadRequest, InternalError, ParsedRequest, parse_generate
@@ -134,7 +134,7 @@ async def generate(request: Request) -> ASGIApp:
 
     async def answer(scope: Scope, receive: Receive, send: Send) -> None:
         await answer_generate(state, body, scope, receive, send)
-    return answer
+    return cuts.shape(state, answer, ENDPOINT)
 
 
 async def answer_generate(state: SimState, body: bytes, scope: Scope, receive: Receive,

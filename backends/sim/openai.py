@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from backends.sim import faults, tokenizer
+from backends.sim import cuts, faults, tokenizer
 from backends.sim.job import Job, SimError
 from backends.sim.native import make_jobs, read_json
 from backends.sim.outputs import input_logprobs, output_logprobs, output_top_logprobs, usage
@@ -234,7 +234,8 @@ async def _serve(request: Request, endpoint: str, chat: bool) -> ASGIApp:
         state.stats.record(endpoint, "", None, "failed", str(exc))
         return JSONResponse(openai_error(500, f"Internal server error: {exc}",
                                          "InternalServerError"), status_code=500)
-    return respond(state, jobs, formatter, parsed.stream, endpoint, warmups)
+    return cuts.shape(state, respond(state, jobs, formatter, parsed.stream, endpoint, warmups),
+                      endpoint)
 
 
 def _header_rank(value: str) -> int | JSONResponse:

@@ -52,6 +52,7 @@ class RoomRegistry:
         self.rooms: OrderedDict[int, Room] = OrderedDict()
         self.open_ttl = open_ttl
         self.dp_rank = dp_rank
+        self.reused = 0  # claims of a room a prefill or decode request already held
 
     def _notify(self, room: Room) -> None:
         listeners = room.listeners
@@ -97,6 +98,7 @@ class RoomRegistry:
         if room is None:
             room = self._create(number)
         elif room.terminal or room.prefill_rid is not None:
+            self.reused += room.prefill_rid is not None  # not a tombstone: a second owner
             return DUPLICATE_PREFILL
         room.prefill_rid = rid
         self._notify(room)
@@ -112,6 +114,8 @@ class RoomRegistry:
         writes to it, and it waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT.
         """
         room = self.rooms.get(number)
+        if room is not None and room.decode_rid is not None:
+            self.reused += 1  # a second decode request for one room
         if room is None:
             room = self._create(number)
         elif room.state == "failed":

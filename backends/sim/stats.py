@@ -28,6 +28,11 @@ class SimStats:
         self.rooms: deque[dict[str, Any]] = deque(maxlen=_RECENT_ROOMS)
         self.traces: deque[dict[str, Any]] = deque(maxlen=_RECENT_ROOMS)
         self.priorities: Counter[str] = Counter()  # requests by `priority` sent ("None")
+        self.faults_applied: Counter[str] = Counter()  # answers a fault knob changed, by kind
+        self.rooms_reused = 0  # a decode room this sim already held, offered again
+
+    def faulted(self, kind: str) -> None:
+        self.faults_applied[kind] += 1
 
     def received(self, endpoint: str) -> None:
         self.requests[endpoint] += 1
@@ -60,5 +65,6 @@ class SimStats:
             "rooms": list(self.rooms),
             "traces": list(self.traces),
             "priorities": dict(self.priorities),
+            "faults_applied": dict(self.faults_applied),
             **extra,
         }
