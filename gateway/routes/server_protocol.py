@@ -20,9 +20,10 @@ at a time (slowloris) or not at all. This subclass adds, per connection:
 It also bounds the client connections served at once, `max_connections`, in place of
 uvicorn's `limit_concurrency` (whose refusal is a `text/plain` 503 without Retry-After, and
 which counts every open connection, the refused ones too, so a burst of connections beyond the
-limit was refused whole): a connection takes a slot with its first request and keeps it until
-it closes; a request on a connection without a slot while all are taken is answered 503
-`service_unavailable` with `Retry-After` and its connection closed.
+limit was refused whole): a connection takes a slot when it opens (or, if none was free then,
+with its first request) and keeps it until it closes; a request on a connection without a
+slot while all are taken is answered 503 `service_unavailable` with `Retry-After` and its
+connection closed.
 
 Refusals (400 for a request httptools cannot parse, 414, 431, 503) answer in the gateway's
 error shape and close the connection. Everything else (parsing, flow control, keep-alive,
@@ -125,6 +126,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._stall = None
         self._waiting = False  # in the keep-alive wait between two requests
         self._slot = False  # holds one of the max_connections slots
+        self._admitted()  # a slot from the start, if one is free: an idle connection counts
         self._due = self._timers.loop().time() + self._limits.head_timeout
         self._check = self._timers.after(self._limits.period, self._tick)
 

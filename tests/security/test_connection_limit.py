@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import socket
+import time
 
 import orjson
 import pytest
@@ -83,13 +84,22 @@ def test_the_limit_is_exact_and_its_refusal_is_json_with_retry_after(port):
             assert answer(sock)[0] == 200
 
 
-def test_a_burst_beyond_the_limit_is_served_up_to_the_limit(port):
-    """uvicorn's own limit counted the refused connections too: a burst of more connections
-    than the limit was refused whole. A slot is taken by a served connection only."""
+def burst(port: int, count: int) -> collections.Counter:
+    """`count` connections opened before any sends its request: their statuses."""
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.create_connection((HOST, port), timeout=10))
-                 for _ in range(5 * LIMIT)]
-        for sock in socks:  # every connection open before any request
+                 for _ in range(count)]
+        for sock in socks:
             sock.sendall(ASK)
-        statuses = collections.Counter(answer(sock)[0] for sock in socks)
-    assert statuses == {200: LIMIT, 503: 4 * LIMIT}, statuses
+        return collections.Counter(answer(sock)[0] for sock in socks)
+
+
+def test_a_burst_beyond_the_limit_is_served_up_to_the_limit(port):
+    """uvicorn's own limit counted the refused connections too: a burst of more connections
+    than the limit was refused whole. Only served connections hold a slot. (Retried until a
+    deadline only because the gateway sees the previous test's connections close a moment
+    after the client closed them.)"""
+    deadline = time.monotonic() + 5
+    while (statuses := burst(port, 5 * LIMIT)) != {200: LIMIT, 503: 4 * LIMIT}:
+        assert time.monotonic() < deadline, statuses
+        time.sleep(0.1)
