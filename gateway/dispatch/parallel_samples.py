@@ -32,9 +32,11 @@ from collections.abc import AsyncIterator
 import orjson
 
 from gateway.dispatch.pd import Answer
+from gateway.errors import UpstreamError
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
 from gateway.sse import DONE, NOT_JSON, EventSplitter, frame, parsed
 
+IDENTITY = ("id", "created", "model")  # an OpenAI chunk's fields naming its stream
 QUEUE_DEPTH = 8  # chunks a sample may be ahead of the client (backpressure beyond that)
 
 
@@ -75,8 +77,7 @@ class Samples:
             await _close_all(tasks)
             raise
         if not view.stream:
-            bodies = [orjson.loads(a.body) for a in answers]
-            merged = merge_bodies(view, bodies)
+            merged = merge_bodies(view, sample_bodies(view, answers))
             return Answer(answers[0].status, answers[0].content_type, orjson.dumps(merged))
         stream = MergedStream(view, answers, tracked)
         return Answer(200, answers[0].content_type, stream=stream.events(), close=stream.close)
@@ -137,6 +138,25 @@ async def _close_all(tasks: list[asyncio.Task]) -> None:
 
 # -- merging whole answers --------------------------------------------------------------------
 
+def sample_bodies(view: RequestView, answers: list[Answer]) -> list:
+    """Each sample's answer parsed; one that is not the JSON its endpoint answers (a body cut
+    off by a failing decode) is the server's failure, a 502, not the gateway's own 500."""
+    bodies = []
+    for j, answer in enumerate(answers):
+        try:
+            body = orjson.loads(answer.body)
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict) and not (view.endpoint == GENERATE
+                                               and isinstance(body, list)):
+            raise UpstreamError(f"sample {j} of {view.n}: the decode server's answer "
+                                f"({len(answer.body)} bytes) is not a complete JSON "
+                                "answer", leg="decode", server_url="", retryable=False,
+                                reason="malformed")
+        bodies.append(body)
+    return bodies
+
+
 def merge_bodies(view: RequestView, bodies: list) -> object:
     n = view.n
     if view.endpoint == GENERATE:
@@ -185,6 +205,7 @@ class MergedStream:
         self.pumps: list[asyncio.Task] = []
         self.usages: dict[int, dict] = {}
         self._splitters: dict[int, EventSplitter] = {}
+        self._ident: tuple | None = None  # (id, created, model) of the first chunk sent
 
     async def events(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
@@ -246,12 +267,23 @@ class MergedStream:
         else:
             for choice in obj.get("choices") or []:
                 choice["index"] = int(choice.get("index") or 0) * n + j
+            self._one_stream(obj)
+        return obj
+
+    def _one_stream(self, obj: dict) -> dict:
+        """One stream, one identity: every OpenAI chunk carries the `id`, `created` and
+        `model` of the first chunk sent (each sample's server named its own)."""
+        if self._ident is None:
+            self._ident = tuple(obj.get(key) for key in IDENTITY)
+        for key, value in zip(IDENTITY, self._ident, strict=True):
+            if key in obj or value is not None:
+                obj[key] = value
         return obj
 
     def _usage_chunk(self) -> dict:
         first = self.usages.get(0) or next(iter(self.usages.values()))
         usages = [self.usages.get(j, {}).get("usage") for j in range(len(self.answers))]
-        return {**first, "usage": merge_usage(usages) or first.get("usage")}
+        return self._one_stream({**first, "usage": merge_usage(usages) or first.get("usage")})
 
     async def close(self) -> None:
         for pump in self.pumps:

@@ -224,3 +224,56 @@ def test_items_limit_counts_batch_times_n(n):
 
     r = run(go())
     assert r.status_code == (200 if n == 1 else 400)
+
+
+def identified_chunks(ident: str, created: int) -> list[bytes]:
+    """A chat stream whose chunks name their own stream, as each sample's server does."""
+    return [b"data: " + orjson.dumps({**obj, "id": ident, "created": created,
+                                      "model": f"model-{ident}"}) + b"\n\n"
+            if chunk.startswith(b"data: {") and (obj := orjson.loads(chunk[6:])) else chunk
+            for chunk in chat_chunks()]
+
+
+@pytest.mark.parametrize("usage", [True, False], ids=["with usage chunk", "without"])
+def test_stream_n2_has_one_id_created_and_model(usage):
+    cluster = FakeCluster({P1: FakeServer("prefill"),
+                           D1: FakeServer("decode", chunks=identified_chunks("one", 1)),
+                           D2: FakeServer("decode", chunks=identified_chunks("two", 2))})
+
+    async def go():
+        async with gateway(cluster) as client:
+            return await client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2,
+                "stream": True, "stream_options": {"include_usage": usage}})
+
+    r = run(go())
+    assert r.status_code == 200
+    assert len(legs(cluster, "decode")) == 2 and all(  # both servers named their stream
+        s.received for s in cluster.servers.values())
+    events = [e for e in r.text.split("\n\n") if e.strip() and e != "data: [DONE]"]
+    objects = [json.loads(e[6:]) for e in events]
+    assert {(o["id"], o["created"], o["model"]) for o in objects} in (
+        {("one", 1, "model-one")}, {("two", 2, "model-two")}), objects
+    assert {c["index"] for o in objects for c in o["choices"]} == {0, 1}
+
+
+def test_a_sample_with_a_cut_off_body_is_a_502_not_a_500():
+    """A decode that answered 200 with half a JSON body: the merge must not raise
+    JSONDecodeError (the gateway's 500 "internal gateway error")."""
+    from gateway.dispatch.parallel_samples import Samples
+    from gateway.dispatch.pd import Answer
+    from gateway.errors import UpstreamError
+    from gateway.request import parse_request
+
+    whole = orjson.dumps({"id": "a", "choices": [{"index": 0, "text": "x"}]})
+    bodies = iter([whole, whole[: len(whole) // 2]])
+
+    class Proxy:
+        async def handle(self, view, tracked, placement=None):
+            return Answer(200, b"application/json", next(bodies))
+
+    view = parse_request("completions", orjson.dumps({"prompt": "hi", "n": 2}))
+    with pytest.raises(UpstreamError) as info:
+        run(Samples(Proxy()).handle(view, None))
+    assert info.value.status == 502 and info.value.leg == "decode"
+    assert "sample 1 of 2" in info.value.message
