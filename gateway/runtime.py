@@ -137,7 +137,7 @@ class Gateway:
         self.limits = KeyLimits(len(config.api_keys), config.rate_limit, config.rate_burst,
                                 config.rate_limit_tokens, self.metrics, shared=self.shared)
         self.auth = Auth(config.api_keys, config.admin_api_keys, self.limits,
-                         config.api_key_tenants)
+                         config.api_key_tenants, (config.host, *config.allowed_hosts))
         self.tenancy = Tenancy(config.tenants, self.auth.tenants, config.priority_header,
                                config.deadline_header, config.session_header)
 

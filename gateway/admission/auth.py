@@ -23,6 +23,10 @@ address (`anonymous@<ip>`), so with inference open one stranger still cannot abo
 another's. Inference keys may carry limits of requests per second and prompt tokens per
 minute (gateway/admission/key_limits.py; buckets exist only for configured keys, so their number is
 bounded).
+
+A page in a browser is a stranger even on loopback: every admin and abort request, once its
+caller is known, passes `browser.BrowserGuard` (Host, Sec-Fetch-Site, Origin, JSON content
+type), here, so that no route can forget it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import hmac
 import ipaddress
 from dataclasses import dataclass
 
+from gateway.admission.browser import BrowserGuard
 from gateway.admission.key_limits import KeyLimits
 from gateway.errors import Forbidden, Unauthorized
 
@@ -137,7 +142,8 @@ class Auth:
     """Identifies callers and enforces the role a route needs."""
 
     def __init__(self, inference_keys: tuple[str, ...], admin_keys: tuple[str, ...],
-                 limits: KeyLimits | None = None, tenants: tuple[str, ...] = ()) -> None:
+                 limits: KeyLimits | None = None, tenants: tuple[str, ...] = (),
+                 hosts: tuple[str, ...] = ()) -> None:
         self.inference = _KeySet(inference_keys)
         self.admin = _KeySet(admin_keys)
         self.limits = limits or KeyLimits(len(inference_keys))
@@ -145,6 +151,7 @@ class Auth:
             tenants = ("default",) * len(inference_keys)
         self.tenants = tenants  # the tenant of each inference key
         self._keyless_callers: dict[str, Caller] = {}
+        self.browser = BrowserGuard(hosts)  # `hosts`: the names this gateway answers to
 
     @property
     def inference_open(self) -> bool:
@@ -156,11 +163,21 @@ class Auth:
 
     def caller(self, scope: dict, needed: Role | tuple[Role, ...]) -> Caller:
         """The caller of `scope`, or an error if it lacks role `needed` (a tuple: the first
-        of those roles it has, else the error of the last one)."""
+        of those roles it has, else the error of the last one). A route that needs the admin
+        role, or takes it as one of its roles (abort), also refuses pages in browsers."""
+        caller = self._identify(scope, needed)
+        if needed is ADMIN or (needed.__class__ is tuple and ADMIN in needed):
+            # trusted for being on this host (no admin key exists, it presented no valid
+            # key): a DNS-rebinding page is on this host too, so its Host must name the gateway
+            self.browser.check(scope, caller.loopback and caller.key_id is None
+                               and not self.admin_keys_set)
+        return caller
+
+    def _identify(self, scope: dict, needed: Role | tuple[Role, ...]) -> Caller:
         if isinstance(needed, tuple):
             for role in needed[:-1]:
                 try:
-                    return self.caller(scope, role)
+                    return self._identify(scope, role)
                 except (Unauthorized, Forbidden):
                     continue
             needed = needed[-1]

@@ -25,6 +25,8 @@ Port = Annotated[int, Field(gt=0, lt=65536)]
 Count = Annotated[int, Field(ge=1, le=1_000_000)]
 OptionalCount = Annotated[int, Field(ge=0, le=1_000_000)]  # 0: unlimited / off
 Bytes = Annotated[int, Field(ge=1024, le=1 << 34)]
+# a DNS name (letters, digits, '-', '_', dots; no port, no scheme, no wildcard)
+HostName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_.])?$")]
 OTLP_URL = r"^https?://[^\s/?#]+(/[^\s?#]*)?$"  # a collector: scheme, host[:port], path
 
 
@@ -161,6 +163,11 @@ class GatewayConfig:
         "status data); without any, those routes answer only loopback clients", kind="list",
         aliases=("--admin-api-key",))
     admin_api_key_file: str | None = _opt(None, "file with one admin API key per line")
+    allowed_hosts: tuple[HostName, ...] = _opt(
+        (), "names besides 'localhost', --host and IP addresses that loopback clients may "
+        "call this gateway by (the Host header) on admin and abort routes while no admin key "
+        "is set: a DNS-rebinding guard (docs/SECURITY.md, 'Browsers'); inference takes any Host",
+        kind="list", aliases=("--allowed-host",))
     rate_limit: Annotated[float, Field(ge=0, le=1e6)] = _opt(
         0.0, "requests/s allowed per API key (0 = unlimited)")
     rate_burst: Annotated[int, Field(ge=1, le=1_000_000)] = _opt(

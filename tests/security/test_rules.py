@@ -59,7 +59,7 @@ async def in_process(*args: str, environ: dict | None = None):
     async with app.router.lifespan_context(app):
         def client(address):
             transport = httpx.ASGITransport(app=app, client=address)
-            return httpx.AsyncClient(transport=transport, base_url="http://gateway")
+            return httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1")
         yield client
 
 
