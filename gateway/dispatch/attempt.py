@@ -56,6 +56,7 @@ class Attempt:
     dispatched_at: float = 0.0  # time.monotonic() when its counters were taken (proxy)
     not_after: float = float("inf")  # the request's own deadline (loop time), over retries
     progressed: bool = False  # the prefill answered or the decode sent its first byte
+    kv_at: float = 0.0  # loop time of the prefill's answer when it was the first progress
     trailing: bool = False  # progressed by its decode, its prefill's answer still to come
     deadline: object = None  # the cancel.Deadline of the first progress
     pair_verdict: str | None = None  # a failure was blamed on "pair" or "server"

@@ -35,6 +35,7 @@ from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.leg_bodies import leg_bodies
 from gateway.dispatch.prompt_logprobs import StreamMerger, merge_body, prefill_parts
 from gateway.dispatch.relay import StreamRelay
+from gateway.dispatch.whole_body import read_whole
 from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
 from gateway.request import RequestView
@@ -42,6 +43,7 @@ from gateway.servers.pool import Server
 from gateway.servers.probe import FOLLOW_ROOM
 from gateway.sse import leading_failure
 from gateway.timers import Timers
+from gateway.tokens.context_check import requested_new_tokens
 from gateway.upstream.client import Upstream, UpstreamResponse, status_error, translate_errors
 
 __all__ = ["Answer", "Attempt", "PDDispatcher", "Timeouts"]
@@ -210,9 +212,12 @@ class PDDispatcher:
                                   now - attempt.started_at)
         if attempt.deadline is not None:
             limit = attempt.started_at + self.timeouts.response
-            if by_prefill and attempt.view.stream:
-                limit = min(limit, now + self.model.gap_deadline(attempt.decode.url,
-                                                                 self.timeouts.response))
+            if by_prefill:  # the decode's own silence from now on is bounded by what it learned
+                attempt.kv_at = now
+                url, hard = attempt.decode.url, self.timeouts.response
+                limit = min(limit, now + (
+                    self.model.gap_deadline(url, hard) if attempt.view.stream else
+                    self.model.answer_deadline(url, requested_new_tokens(attempt.view), hard)))
             attempt.deadline.move(min(limit, attempt.not_after))
 
     def rescue(self, server: Server, why: str) -> int:
@@ -245,7 +250,7 @@ class PDDispatcher:
         if not attempt.progressed:  # a suspected hang: its cohort on the pair too
             rescue.pair_cohort(attempt)
             rescue.suspect_if_hung(attempt, now, first, self.suspect_seconds)
-        elif attempt.view.stream and "prefill" in verdict:
+        elif "prefill" in verdict:
             rescue.decode_hung(attempt, self.suspect_seconds,  # KV there, decode silent
                                self.ledger.peers_of("decode"))
         late = [leg for leg in ("prefill", "decode") if leg not in verdict]
@@ -258,7 +263,8 @@ class PDDispatcher:
             for leg in late) or "the pair"
         leg = late[0] if len(late) == 1 else "both"
         url = attempt.decode.url if leg == "decode" else attempt.prefill.url
-        limit = (f"{self.timeouts.response:g}s" if attempt.progressed
+        limit = (f"its deadline (at most {self.timeouts.response:g}s; learned from its "
+                 "speed once its KV was there or its answer began)" if attempt.progressed
                  else f"{first:.3g}s (the deadline learned for this server and prompt size)")
         return UpstreamError(f"{servers} gave no answer within {limit}",
                              leg=leg, server_url=url, retryable=True, status=504)
@@ -346,7 +352,9 @@ class PDDispatcher:
                 response = await self._open(attempt, "decode", attempt.decode)
                 content_type = response.header(b"content-type") or b"application/json"
                 if not attempt.view.stream:
-                    body = await response.read()
+                    self.progress(attempt)  # its answer began: bounded by its gaps now
+                    body = await read_whole(attempt, response, self.model, self.timeouts,
+                                            self.timers.loop())
                     if attempt.unsuffix is not None:
                         body = body.replace(attempt.unsuffix, b"")
                     response = None

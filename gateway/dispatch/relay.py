@@ -20,12 +20,14 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import orjson
+
 from gateway.cancel import Interrupt
 from gateway.dispatch.attempt import Attempt, Timeouts
 from gateway.dispatch.prompt_logprobs import StreamMerger
 from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
-from gateway.sse import DONE, EventSplitter, data_objects, frame, parsed
+from gateway.sse import DONE, EventSplitter, data_objects, event_data, frame, parsed
 from gateway.timers import Timers
 from gateway.upstream.client import UpstreamResponse, translated
 
@@ -175,7 +177,7 @@ class StreamRelay:
                     gaps.skip -= 1
                 else:
                     model.gap(gaps, now - started)
-            if rest := _rest(held, splitter, merger):
+            if rest := _rest(held, splitter, merger, url):
                 yield (last := _noted(rest, capture, trace))
             if not last.endswith(DONE):
                 raise _unfinished(url)
@@ -255,13 +257,26 @@ def _noted(data: bytes, capture: Capture | None, trace) -> bytes:
     return data
 
 
-def _rest(held: bytes, splitter: EventSplitter | None, merger: StreamMerger | None) -> bytes:
+def _rest(held: bytes, splitter: EventSplitter | None, merger: StreamMerger | None,
+          url: str) -> bytes:
     """What is left when the server's stream ended: a last event without its blank line
-    (completed), or nothing."""
-    rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter
-                   and splitter.rest().strip() else b"")
-    if not rest.strip():
+    (completed, when its data is whole), or nothing. A data line cut short (the server or a
+    proxy closed mid-event) is the decode's failure, never relayed: the client's stream stays
+    well formed, and a resumable one goes on elsewhere."""
+    partial = held + (splitter.rest() if splitter else b"")
+    if not partial.strip():
         return b""
+    payload = event_data(partial.strip(b"\r\n"))
+    if payload is None:  # no data line (a comment, or a field cut short): nothing to relay
+        return b""
+    if payload != b"[DONE]":
+        try:
+            orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(f"decode server {url} ended the stream inside an event (its "
+                                "data cut off)", leg="decode", server_url=url,
+                                retryable=True) from None
+    rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter else b"")
     return rest if rest.endswith(b"\n\n") else rest + b"\n\n"
 
 

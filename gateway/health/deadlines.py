@@ -157,11 +157,25 @@ class LatencyModel:
 
     def gap_deadline(self, url: str, limit: float) -> float:
         """This server's gaps, else every server's (decode steps are alike), else cold."""
+        gap = self._learned_gap(url)
+        return self._bounded(gap, limit, None if gap is not None else self.options.gap_cold)
+
+    def answer_deadline(self, url: str, tokens: int | None, limit: float) -> float:
+        """How long a decode may stay silent on a non-streamed request once its KV is there:
+        it generates `tokens` (the request's budget) at its learned gap per token, so
+        `factor` x gap x (tokens + 1), bounded as any deadline. `limit` when the request sets
+        no budget or no gap was learned yet: a long answer must not pass for a hang."""
+        gap = self._learned_gap(url) if tokens is not None else None
+        if gap is None:
+            return limit
+        return self._bounded(gap * (tokens + 1), limit)
+
+    def _learned_gap(self, url: str) -> float | None:
         o = self.options
         for ring in (self._gaps.get(url), self._gaps_any):
             if ring is not None and ring.count >= o.min_samples:
-                return self._bounded(ring.quantile(o.percentile), limit)
-        return self._bounded(None, limit, o.gap_cold)
+                return ring.quantile(o.percentile)
+        return None
 
     def forget(self, url: str) -> None:
         self._memo.clear()

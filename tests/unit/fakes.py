@@ -34,6 +34,7 @@ class FakeServer:
     fail_if: Callable[[dict], bool] | None = None  # answer 500 to the bodies it selects
     tokenized: int = 0  # /v1/tokenize calls
     headers: list[dict] = field(default_factory=list)  # request headers, with `received`
+    whole: list[bytes] | None = None  # a non-streamed 200 answer's raw body, in these chunks
 
 
 class FakeCluster:
@@ -80,6 +81,9 @@ class FakeCluster:
         if server.chunks is not None and body.get("stream"):
             return httpx.Response(200, headers={"content-type": "text/event-stream"},
                                   stream=_ChunkStream(server.chunks))
+        if server.whole is not None and not body.get("stream"):
+            return httpx.Response(200, headers={"content-type": "application/json"},
+                                  stream=_ChunkStream(server.whole))
         payload = server.body(body) if server.body else {
             "text": f"{server.role}:{body.get('text')}",
             "meta_info": {"prompt_tokens": 4, "cached_tokens": 2},

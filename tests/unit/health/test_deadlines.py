@@ -48,3 +48,15 @@ def test_the_deadline_follows_the_kept_gaps() -> None:
     feed(model, "http://d:1", [2.0] * 200)  # 50 of them kept: the percentile moves
     assert model.gap_deadline("http://d:1", 60.0) == pytest.approx(8.0)
     assert model.gap_deadline("http://d:1", 5.0) == 5.0  # the hard limit wins
+
+
+def test_answer_deadline_is_the_learned_gap_per_asked_token_or_the_limit():
+    model = LatencyModel(DeadlineOptions(factor=4.0, floor=1.0, min_samples=8))
+    url = "http://d:1"
+    assert model.answer_deadline(url, 100, 600.0) == 600.0  # nothing learned: not a hang
+    for _ in range(10):
+        model.gap(model.gaps_of(url), 0.02)
+    assert model.answer_deadline(url, None, 600.0) == 600.0  # no budget asked
+    assert model.answer_deadline(url, 99, 600.0) == pytest.approx(4.0 * 0.02 * 100)
+    assert model.answer_deadline(url, 1, 600.0) == 1.0  # floored
+    assert model.answer_deadline(url, 100_000, 600.0) == 600.0  # capped

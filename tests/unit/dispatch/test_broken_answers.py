@@ -1,0 +1,106 @@
+"""A broken upstream answer is never relayed as a success: a non-streamed body cut off or
+stalled halfway, a stream that ends inside an event, a decode silent once its KV is there
+(gateway/dispatch/whole_body.py, gateway/dispatch/relay.py, gateway/dispatch/pd.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+
+from tests.unit.fakes import FakeCluster, FakeServer, run, served_client, served_gateway
+
+P1 = "http://127.0.0.1:30000"
+D1, D2 = "http://127.0.0.1:30001", "http://127.0.0.1:30003"
+GOOD = orjson.dumps({"id": "x", "choices": [{"index": 0, "message": {"content": "ok"}}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+CUT = GOOD[: len(GOOD) // 2] + b"}"  # ends on a brace: a scan for one would pass it
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def cluster(d1: FakeServer, d2: FakeServer | None = None) -> FakeCluster:
+    servers = {P1: FakeServer("prefill"), D1: d1}
+    if d2 is not None:
+        servers[D2] = d2
+    return FakeCluster(servers)
+
+
+def test_a_cut_off_body_is_retried_on_another_decode():
+    fakes = cluster(FakeServer("decode", whole=[CUT]), FakeServer("decode", whole=[GOOD]))
+
+    async def go():
+        async with served_client(fakes) as client:
+            answers = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(4)]
+        assert [r.status_code for r in answers] == [200] * 4
+        assert all(r.content == GOOD for r in answers)
+        assert fakes.servers[D1].received  # the broken decode was tried
+    run(go())
+
+
+def test_a_cut_off_body_from_the_only_decode_is_a_502_not_a_200():
+    fakes = cluster(FakeServer("decode", whole=[CUT]))
+
+    async def go():
+        async with served_client(fakes, "--max-attempts", "2") as client:
+            r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 502
+        assert "not whole JSON" in r.json()["error"]["message"]
+    run(go())
+
+
+def test_a_body_that_stops_halfway_without_closing_is_retried_within_the_gap_deadline():
+    half = GOOD[:20]
+    fakes = cluster(FakeServer("decode", whole=[half, b"<hang>"]),
+                    FakeServer("decode", whole=[GOOD]))
+
+    async def go():
+        async with served_client(fakes, "--stream-idle-timeout", "0.3") as client:
+            started = time.monotonic()
+            answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=CHAT)
+                                             for _ in range(2)))
+            took = time.monotonic() - started
+        assert [r.content for r in answers] == [GOOD, GOOD]
+        assert fakes.servers[D1].received
+        assert took < 5  # the hard response timeout is 600 s
+    run(go())
+
+
+def test_a_stream_ending_inside_an_event_never_shows_the_cut_data():
+    good = b'data: {"id":"s","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    cut = b'data: {"id":"s","choices":[{"index":0,"delta":{"cont'
+    fakes = cluster(FakeServer("decode", chunks=[good, cut]))
+
+    async def go():
+        async with served_client(fakes, "--no-midstream-failover") as client:
+            r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert r.status_code == 200
+        assert r.content.count(b'"cont') == 1  # the good event's only
+        events = [e for e in r.content.split(b"\n\n") if e]
+        assert events[0] == good.strip()
+        assert b"cut off" in events[1] and events[-1] == b"data: [DONE]"
+        for event in events[:-1]:
+            orjson.loads(event[len(b"data: "):])  # every event the client got is whole
+    run(go())
+
+
+def test_a_non_streamed_decode_silent_once_its_kv_is_there_is_bounded_by_its_speed():
+    """The decode's per-token gap is learned (here, told); a request for 4 tokens whose
+    prefill answered gets factor x gap x 5 (floored) of silence, not the response timeout,
+    and is retried on the other decode."""
+    fakes = cluster(FakeServer("decode", hang=True), FakeServer("decode", whole=[GOOD]))
+
+    async def go():
+        async with served_gateway(fakes, "--hang-floor", "0.2") as (client, gw):
+            model = gw.dispatcher.model
+            for url in (D1, D2):
+                for _ in range(10):
+                    model.gap(model.gaps_of(url), 0.01)
+            started = time.monotonic()
+            answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=CHAT)
+                                             for _ in range(2)))
+            took = time.monotonic() - started
+        assert [r.status_code for r in answers] == [200, 200]
+        assert fakes.servers[D1].received
+        assert took < 5
+    run(go())
