@@ -36,6 +36,16 @@ def take(tokens: float, last: float, now: float, rate: float, burst: float,
     return tokens - cost, now, 0.0
 
 
+class KeyRateLimited(TooManyRequests):
+    """A key's own request bucket is empty. Raised while the key is being checked, before
+    the request knows its tenant: `key_index` lets the refusal count under the key's tenant
+    (access log, /admin/usage, tenant metrics), not `anonymous`."""
+
+    def __init__(self, message: str, key_index: int, retry_after: float) -> None:
+        super().__init__(message, headers={"retry-after": str(max(1, math.ceil(retry_after)))})
+        self.key_index = key_index
+
+
 class KeyLimits:
     def __init__(self, keys: int, rate: float = 0.0, burst: int = 1,
                  tokens_per_minute: float = 0.0, metrics=None, shared=None,
@@ -77,7 +87,7 @@ class KeyLimits:
             bucket[0], bucket[1], wait = take(bucket[0], bucket[1], now, rate, burst, cost)
         if wait:
             self._refused()
-            raise TooManyRequests(message, headers={"retry-after": str(max(1, math.ceil(wait)))})
+            raise KeyRateLimited(message, key, wait)
 
     def _refused(self) -> None:
         if self._metrics is not None:

@@ -82,11 +82,15 @@ class Tenancy:
         self._session = _header(session_header)
         self._any = bool(self._priority or self._deadline or self._session)
 
+    def tenant_of(self, key_index: int | None) -> Tenant:
+        """The tenant of inference key number `key_index` (None: no key, `anonymous`)."""
+        return self.anonymous if key_index is None else self.by_key[key_index]
+
     def classify(self, headers: list[tuple[bytes, bytes]], key_index: int | None
                  ) -> Ticket:
         """(tenant, class, deadline in loop time or None, session id or None) of a request
         with these headers from the caller with inference key number `key_index`."""
-        tenant = self.anonymous if key_index is None else self.by_key[key_index]
+        tenant = self.tenant_of(key_index)
         if not self._any:
             return Ticket(tenant, tenant.default, None, None)
         priority = deadline = session = None

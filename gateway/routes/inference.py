@@ -30,7 +30,7 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from gateway.admission.auth import INFERENCE, Auth, Caller
-from gateway.admission.key_limits import KeyLimits
+from gateway.admission.key_limits import KeyLimits, KeyRateLimited
 from gateway.admission.slots import Admission
 from gateway.admission.tenancy import Tenancy, Ticket
 from gateway.cancel import Interrupt
@@ -159,7 +159,11 @@ class InferenceEndpoint:
         run it and send its answer, the client watched. One coroutine frame from the
         endpoint to the answer: a streamed answer resumes every frame on it per chunk."""
         parts = self.parts
-        caller = parts.auth.caller(scope, INFERENCE)
+        try:
+            caller = parts.auth.caller(scope, INFERENCE)
+        except KeyRateLimited as refused:  # a known key: its refusal counts under its tenant
+            usage.tenant = parts.tenancy.tenant_of(refused.key_index).name
+            raise
         usage.tenant = caller.tenant
         ticket = parts.tenancy.classify(scope["headers"], caller.key_index)
         view = await self._view(scope, receive, caller, ticket, usage)

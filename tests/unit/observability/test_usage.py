@@ -168,3 +168,34 @@ def test_a_native_answers_completion_count_is_the_sum_of_its_items():
             return await settled(client, gw)
 
     assert run(go())["total"]["completion_tokens"] == 5
+
+
+def test_a_request_refused_by_its_keys_rate_limit_counts_as_the_keys_tenant(tmp_path):
+    """The 429 of a key's own request bucket is raised while the key is checked, before the
+    request knew its tenant: it was counted (access log, /admin/usage, tenant metrics) as
+    `anonymous`."""
+    cluster = FakeCluster({P1: FakeServer("prefill"), D1: FakeServer("decode",
+                                                                     body=decode_answer)})
+    log = tmp_path / "access.log"
+
+    async def go():
+        async with gateway(cluster, *key_file(tmp_path), "--rate-limit", "0.001",
+                           "--rate-burst", "1", "--access-log", str(log)) as (client, gw):
+            statuses = [(await client.post("/generate", json={"text": "hi"},
+                                           headers=as_key("acme"))).status_code
+                        for _ in range(3)]
+            report = await settled(client, gw)
+            return statuses, report, (await client.get("/metrics")).text
+
+    statuses, report, metrics = run(go())
+    assert statuses == [200, 429, 429]
+    acme = report["tenants"]["acme"]["total"]
+    assert (acme["requests"], acme["errors_4xx"]) == (3, 2), report
+    assert "anonymous" not in report["tenants"], report
+    tenant_lines = [x for x in metrics.splitlines() if x.startswith("gateway_tenant_")]
+    assert not [x for x in tenant_lines if 'tenant="anonymous"' in x], tenant_lines
+    assert sum(float(x.rsplit(" ", 1)[1]) for x in tenant_lines if x.startswith(
+        "gateway_tenant_errors_total") and 'tenant="acme"' in x) == 2.0, tenant_lines
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert sorted((x["tenant"], x["status"]) for x in lines) == \
+        [("acme", 200), ("acme", 429), ("acme", 429)]  # a line is written when usage settles
