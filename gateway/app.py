@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.admission.auth import ADMIN, INFERENCE, PUBLIC, Auth, Role
+from gateway.admission.body_budget import BodyBudget
 from gateway.config.settings import GatewayConfig
 from gateway.request import ENDPOINT_PATHS
 from gateway.routes import admin, dashboard, info, models, operations
@@ -114,7 +115,8 @@ def inference_parts(gw: Gateway) -> InferenceParts:
         auth=gw.auth, tenancy=gw.tenancy, models=gw.models, tokens=gw.tokens, limits=gw.limits,
         context=gw.context, inflight=gw.inflight, admission=gw.admission, usage=gw.usage,
         metrics=gw.metrics, timers=gw.timers, tracing=gw.tracing, state=gw.state,
-        serve=gw.serve, max_body_bytes=c.max_body_bytes, max_items=c.max_items)
+        serve=gw.serve, max_body_bytes=c.max_body_bytes, max_items=c.max_items,
+        bodies=BodyBudget(c.max_inflight_body_bytes, c.max_body_bytes))
 
 
 def guarded(handler: Handler, role: Role | tuple[Role, ...], auth: Auth, parts: Any) -> Endpoint:

@@ -54,6 +54,10 @@ class RequestView:
     # set by the endpoint from the tenancy headers (gateway/admission/tenancy.py) right after parsing:
     priority: int = 1  # class index: 0 interactive, 1 standard, 2 batch (config_tenants.py)
     session: bytes | None = None  # the session header's id, for session affinity
+    size: int = 0  # bytes of the body as the client sent it (0: not from a client's bytes)
+    # the body but the fields each leg sets, encoded once for every leg, attempt and sample
+    # (gateway/dispatch/leg_bodies.py); a derived view (dataclasses.replace) starts without
+    encoded: memoryview | None = dataclasses.field(default=None, init=False)
 
     @property
     def path(self) -> str:
@@ -102,6 +106,7 @@ def parse_request(endpoint: str, raw: bytes) -> RequestView:
         view = _chat_view(body, stream, model)
     else:
         view = _completions_view(body, stream, model)
+    view.size = len(raw)  # (the view is new: nobody else holds it yet)
     rids = client_rids(body.get("rid"), view.batch_size)
     return dataclasses.replace(view, rids=rids) if rids is not None else view
 

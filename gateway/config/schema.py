@@ -143,6 +143,10 @@ class GatewayConfig:
 
     # Admission and limits
     max_body_bytes: Bytes = _opt(32 * 1024 * 1024, "largest accepted request body")
+    max_inflight_body_bytes: Bytes = _opt(
+        256 * 1024 * 1024, "bytes of request bodies one serving process holds at once; a "
+        "body beyond gets 503 with Retry-After (never below --max-body-bytes; "
+        "docs/RELIABILITY.md, 'Large bodies')")
     max_items: Annotated[int, Field(ge=1, le=65536)] = _opt(
         1024, "largest batch size x n of one request (each item is a room)")
     max_concurrency: OptionalCount = _opt(0, "requests served at once (0 = unlimited)")

@@ -1,8 +1,15 @@
 """The bodies both PD legs receive: the client's body plus bootstrap fields, rids, DP rank and
-priority, encoded once (twice only when the prefill's leg must differ).
+priority.
 
-Kept apart from the dispatcher (gateway/dispatch/pd.py) because it is pure: a request view, a pair and
-rooms in, bytes out; the rules it follows name the SGLang functions they mirror.
+A leg's body is spliced, not re-encoded: the client's body without the fields a leg sets is
+encoded once per request (`shared_part`, kept on the view: every attempt, retry and sample of
+the request reuses it), and each leg gets only its own small head in front of it
+(`upstream.base.Body`: the parts go to the socket one after the other, never joined). So a 30
+MiB prompt costs one 30 MiB encoding per request, not one per leg and attempt
+(docs/BENCHMARKS.md, "Memory under large bodies").
+
+Kept apart from the dispatcher (gateway/dispatch/pd.py) because it is pure: a request view, a
+pair and rooms in, bytes out; the rules it follows name the SGLang functions they mirror.
 """
 
 from __future__ import annotations
@@ -11,21 +18,54 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.config.tenants import KEEP, forwarded_priority, set_priority
+from gateway.config.tenants import KEEP, forwarded_priority
 from gateway.dispatch.attempt import make_rids
 from gateway.errors import BadRequest
-from gateway.observability.answer_tokens import ask_for_usage
+from gateway.observability.answer_tokens import usage_forced
 from gateway.request import RequestView
 from gateway.servers.pool import Server
+from gateway.upstream.base import Body
+
+# What a leg may set: left out of the shared part, written in each leg's own head (a client's
+# value of `priority` or `stream_options`, when the gateway keeps it, goes there as well).
+LEG_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid",
+              "disagg_prefill_dp_rank", "routed_dp_rank", "priority", "stream_options")
+_LEG_SET = frozenset(LEG_FIELDS)
 
 
 @dataclass(slots=True)
 class LegBodies:
-    payload: bytes  # the decode leg's body (and the prefill's, unless it differs)
-    prefill_payload: bytes
+    payload: Body  # the decode leg's body (and the prefill's, unless it differs)
+    prefill_payload: Body
     rid: str | list[str]  # the rid field sent
     rids: tuple[str, ...]  # every item's rid on the servers
     unsuffix: bytes | None  # what to cut from answers (a client rid's random suffix)
+
+
+def shared_part(view: RequestView) -> memoryview:
+    """The client's fields but the legs' own, encoded once per view: the members of one JSON
+    object without its braces (empty when there are none)."""
+    shared = view.encoded
+    if shared is None:
+        body = view.body
+        if _LEG_SET.isdisjoint(body):
+            rest = body
+        else:
+            rest = {k: v for k, v in body.items() if k not in _LEG_SET}
+        try:
+            encoded = orjson.dumps(rest)
+        except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
+            raise BadRequest(f"request body cannot be forwarded: {exc}") from None
+        shared = view.encoded = memoryview(encoded)[1:-1]
+    return shared
+
+
+def _leg(own: dict, shared: memoryview) -> Body:
+    """`own` fields first, then the shared ones, as one JSON object in three parts."""
+    head = orjson.dumps(own)  # small: rooms, rids, hosts (a few KB for a batch of 1024)
+    if not len(shared):
+        return Body(head)
+    return Body(head[:-1] + b",", shared, b"}")
 
 
 def leg_bodies(view: RequestView, prefill: Server, decode: Server, rooms: int | list[int],
@@ -35,32 +75,44 @@ def leg_bodies(view: RequestView, prefill: Server, decode: Server, rooms: int | 
     the prefill balances by something other than the room, so its leg alone also carries
     `routed_dp_rank` (on the decode leg it would pin the decode's own rank). The priority goes
     to each leg per its server's scheduling (`--forward-priority`, docs/TENANCY.md)."""
+    shared = shared_part(view)
     count = view.room_count
-    body = dict(view.body)
+    body = view.body
+    own: dict = {}
     if count is None:
-        body["bootstrap_host"] = prefill.bootstrap_host
-        body["bootstrap_port"] = prefill.bootstrap_port
+        own["bootstrap_host"] = prefill.bootstrap_host
+        own["bootstrap_port"] = prefill.bootstrap_port
     else:
-        body["bootstrap_host"] = [prefill.bootstrap_host] * count
-        body["bootstrap_port"] = [prefill.bootstrap_port] * count
-    body["bootstrap_room"] = rooms
-    ask_for_usage(view, body)  # an OpenAI stream's usage event (kept from the client)
+        own["bootstrap_host"] = [prefill.bootstrap_host] * count
+        own["bootstrap_port"] = [prefill.bootstrap_port] * count
+    own["bootstrap_room"] = rooms
+    if usage_forced(view):  # an OpenAI stream's usage event (kept from the client)
+        own["stream_options"] = {"include_usage": True}
+    elif body.get("stream_options") is not None:
+        own["stream_options"] = body["stream_options"]
     rid, rids, unsuffix = make_rids(body.get("rid"), count)
-    body["rid"] = rid
+    own["rid"] = rid
     if rank is not None:
-        body["disagg_prefill_dp_rank"] = rank
+        own["disagg_prefill_dp_rank"] = rank
     p_value = d_value = KEEP
     if forward_priority != "off":
         p_value = forwarded_priority(prefill, view.priority, forward_priority)
-        set_priority(body, d_value := forwarded_priority(decode, view.priority,
-                                                         forward_priority))
-    try:
-        payload = prefill_payload = orjson.dumps(body)
-        if routed or p_value != d_value:
-            if routed:
-                body["routed_dp_rank"] = rank
-            set_priority(body, p_value)
-            prefill_payload = orjson.dumps(body)
-    except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
-        raise BadRequest(f"request body cannot be forwarded: {exc}") from None
+        d_value = forwarded_priority(decode, view.priority, forward_priority)
+    _priority(own, body, d_value)
+    payload = prefill_payload = _leg(own, shared)
+    if routed or p_value != d_value:
+        if routed:
+            own["routed_dp_rank"] = rank
+        _priority(own, body, p_value)
+        prefill_payload = _leg(own, shared)
     return LegBodies(payload, prefill_payload, rid, rids, unsuffix)
+
+
+def _priority(own: dict, body: dict, value: int | object | None) -> None:
+    """The leg's `priority`: the gateway's, none, or (forwarding off: `KEEP`) the client's."""
+    if value is KEEP:
+        value = body.get("priority")
+    if value is None:
+        own.pop("priority", None)
+    else:
+        own["priority"] = value

@@ -30,6 +30,7 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from gateway.admission.auth import INFERENCE, Auth, Caller
+from gateway.admission.body_budget import BodyBudget, BodyLease
 from gateway.admission.key_limits import KeyLimits, KeyRateLimited
 from gateway.admission.slots import Admission
 from gateway.admission.tenancy import Tenancy, Ticket
@@ -73,6 +74,7 @@ class InferenceParts:
     serve: Callable[[RequestView, Tracked], Awaitable[Answer]]
     max_body_bytes: int
     max_items: int
+    bodies: BodyBudget  # the bytes of bodies in flight (admission/body_budget.py)
 
 
 def request_id_of(scope: Scope) -> str:
@@ -102,9 +104,10 @@ class InferenceEndpoint:
         # tracing.RequestTrace with tracing on (--otlp-endpoint), else None
         trace = parts.tracing.request(scope, request_id) if parts.tracing is not None else None
         usage = parts.usage.begin(self.endpoint, request_id, started)
+        lease = parts.bodies.lease(scope, receive)
         try:
             try:
-                status = await self._serve(scope, receive, send, interrupt, trace, usage)
+                status = await self._serve(scope, receive, send, interrupt, trace, usage, lease)
             except asyncio.CancelledError:
                 reason = interrupt.reason()
                 if reason is None:
@@ -126,18 +129,20 @@ class InferenceEndpoint:
         except Exception:  # a bug: answer 500 in the usual shape rather than drop the client
             await self._internal_error(send, request_id)
         finally:
+            lease.release()
             interrupt.close()
             self._count(status, started)
             if trace is not None:
                 trace.finish(status)
             parts.usage.finish(usage, status)
 
-    async def _view(self, scope: Scope, receive: Receive, caller: Caller, ticket: Ticket,
+    async def _view(self, scope: Scope, lease: BodyLease, caller: Caller, ticket: Ticket,
                     usage) -> RequestView:
-        """The request parsed once, its model resolved, its tokens counted and limited."""
+        """The request parsed once, its model resolved, its context checked (by its size
+        first), its tokens counted and limited. The body's bytes are not kept past parsing."""
         parts = self.parts
-        raw = await read_body(scope, receive, parts.max_body_bytes)
-        view = parse_request(self.endpoint, raw)
+        view = parse_request(self.endpoint,
+                             await read_body(scope, lease.receive, parts.max_body_bytes))
         view.priority, view.session = ticket.klass, ticket.session  # completing the new view
         parts.usage.parsed(usage, view)  # counted under its model, even when refused
         view = parts.models.resolve(view)  # 404 model_not_found
@@ -145,16 +150,16 @@ class InferenceEndpoint:
         if items is not None and items > parts.max_items:
             raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
                              f"{parts.max_items} per request")
+        counting = parts.context.check(view)  # a coroutine only near the context limit
+        if counting is not None:
+            view = await counting
         if parts.tokens.wanted(view):
             view = await parts.tokens.count(view)
         parts.limits.take_tokens(caller.key_index, view.prompt_tokens)
-        counting = parts.context.check(view)  # a coroutine only near the context limit
-        if counting is not None:
-            await counting
         return view
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, interrupt: Interrupt,
-                     trace, usage) -> int:
+                     trace, usage, lease: BodyLease) -> int:
         """Check, read and parse the request, then, in the in-flight table, wait for a slot,
         run it and send its answer, the client watched. One coroutine frame from the
         endpoint to the answer: a streamed answer resumes every frame on it per chunk."""
@@ -166,7 +171,7 @@ class InferenceEndpoint:
             raise
         usage.tenant = caller.tenant
         ticket = parts.tenancy.classify(scope["headers"], caller.key_index)
-        view = await self._view(scope, receive, caller, ticket, usage)
+        view = await self._view(scope, lease, caller, ticket, usage)
         tracked = Tracked(usage.request_id, caller.owner, view.rids or (), interrupt=interrupt,
                           trace=trace, usage=usage, not_after=ticket.deadline)
         if trace is not None:

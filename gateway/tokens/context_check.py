@@ -1,18 +1,25 @@
 """Pre-dispatch context check: a request that cannot fit the model's context gets a 400 at
-once, naming the numbers, instead of going to both legs to fail there.
+once, naming the numbers, instead of going to both legs to fail there; no prompt over the
+limit is forwarded.
 
 The rule is SGLang's (`TokenizerManager._validate_one_request`, without auto-truncation): the
 prompt must be shorter than the context length, and prompt + an explicit `max_new_tokens`
 (`max_tokens`, `max_completion_tokens`) must fit it. The context length is the servers'
 (`/v1/models` `max_model_len`, learned by the probe), of the request's model's servers.
 
-Counting tokens costs nothing for token-id prompts or a view already counted
-(`view.lengths`, gateway/tokens/prompt_tokens.py). Otherwise a cheap upper bound decides whether
-to look closer (`most_tokens`: a token covers at least one byte of text): only a prompt
-whose bound comes within `NEAR` of the limit is counted exactly, by the served model's
-tokenizer when it is loaded here, else by one server's
-`/v1/tokenize` (a short, bounded call; the chat template included for chat). If that fails,
-the request goes on and the servers decide.
+Token-id prompts, and a view already counted (`view.lengths`), are checked as they are.
+Otherwise the prompt's size decides first, without tokenizing (docs/RELIABILITY.md, "Context
+check"):
+* over, proven by bytes: with the served model's tokenizer here, no token stands for more than
+  `PromptTokens.token_bytes` bytes of text, so a prompt of more characters than context x that
+  has more tokens than the context (`fewest_tokens`): 400, nothing tokenized (a 30 MiB body is
+  refused in microseconds);
+* within, proven by bytes: a token covers at least one byte, so a prompt whose byte bound
+  (`most_tokens`, at most the body's own size) stays under `NEAR` of the limit fits: passed;
+* in between, counted exactly: by the served model's tokenizer when it is here, else by one
+  server's `/v1/tokenize` (chat template included), within a deadline that grows with the
+  prompt. When nothing could count it (no tokenizer for it, no server answered in time), the
+  request is refused with 503 and Retry-After (`CountUnavailable`), never forwarded unchecked.
 """
 
 from __future__ import annotations
@@ -24,11 +31,17 @@ from typing import Any
 import httpx
 import orjson
 
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, ServiceUnavailable
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
 
 NEAR = 0.5  # estimates above this share of the context are counted exactly
-TOKENIZE_TIMEOUT = 2.0
+TOKENIZE_TIMEOUT = 2.0  # seconds for /v1/tokenize of a short prompt, plus:
+TOKENIZE_BYTES_PER_S = 4 << 20  # a server's tokenizer is given a second per 4 MiB of prompt
+RETRY_AFTER = "2"
+
+
+class CountUnavailable(ServiceUnavailable):
+    """A prompt near the context limit that nothing could count: refused, not forwarded."""
 
 
 def requested_new_tokens(view: RequestView) -> int | None:
@@ -46,32 +59,74 @@ def requested_new_tokens(view: RequestView) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _bytes(text: object) -> int:
+def _bytes(text: object, cap: int) -> int:
+    """At least the UTF-8 size of `text`: exact for ASCII, else 4 a character, at most `cap`
+    (the body's size, which holds the text; 0: no cap). No copy of the text is made."""
     if not isinstance(text, str):
         return 0
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    if text.isascii():
+        return len(text)
+    return min(4 * len(text), cap) if cap else 4 * len(text)
 
 
 def most_tokens(view: RequestView) -> int:
     """An upper bound of the longest prompt's tokens, without a tokenizer: a token covers at
-    least one byte of text (byte-level BPE at worst; SentencePiece pieces too), plus a few per
-    chat message for the template's markers. (The characters/4 estimate is far below the
-    truth for CJK text, 1-3 tokens a character, so it cannot decide to skip the count.)"""
+    least one byte of text (byte-level BPE at worst; SentencePiece pieces too). A chat's
+    rendered prompt holds its messages, tools and template: bounded by the body's size (every
+    string in it, at least as long as JSON as in UTF-8) plus a few tokens per message for the
+    template's markers. (The characters/4 estimate is far below the truth for CJK text, 1-3
+    tokens a character, so it cannot decide to skip the count.)"""
     body = view.body
+    cap = view.size
     if view.endpoint == CHAT:
+        messages = body.get("messages") or ()
+        if cap:
+            return cap + 8 * len(messages)
         total = 0
-        for message in body.get("messages") or ():
+        for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
-                total += sum(_bytes(p.get("text")) for p in content if isinstance(p, dict))
+                total += sum(_bytes(p.get("text"), 0) for p in content if isinstance(p, dict))
             else:
-                total += _bytes(content)
+                total += _bytes(content, 0)
             total += 8
-        return total
+        return total + len(orjson.dumps(body["tools"])) if body.get("tools") else total
     prompt = body.get("text") if view.endpoint == GENERATE else body.get("prompt")
     if isinstance(prompt, list):
-        return max((_bytes(p) for p in prompt), default=0)
-    return _bytes(prompt) if prompt is not None else view.prompt_tokens
+        return max((_bytes(p, cap) for p in prompt), default=0)
+    return _bytes(prompt, cap) if prompt is not None else view.prompt_tokens
+
+
+def _kept(text: object) -> int:
+    """Characters of `text` a chat template keeps at least (some trim the ends)."""
+    if not isinstance(text, str):
+        return 0
+    if text[:1].isspace() or text[-1:].isspace():
+        return len(text.strip())
+    return len(text)
+
+
+def fewest_tokens(view: RequestView, token_bytes: int) -> int:
+    """A lower bound of the longest prompt's tokens, when no token of the model's tokenizer
+    stands for more than `token_bytes` bytes (`PromptTokens.token_bytes`): its text has at
+    least as many bytes as characters. A chat counts the text of its messages but the
+    assistant's (templates may drop earlier answers' reasoning), each as a template keeps it."""
+    body = view.body
+    if view.endpoint == CHAT:
+        chars = 0
+        for message in body.get("messages") or ():
+            if not isinstance(message, dict) or message.get("role") == "assistant":
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
+                chars += sum(_kept(p.get("text")) for p in content if isinstance(p, dict))
+            else:
+                chars += _kept(content)
+        return chars // token_bytes
+    prompt = body.get("text") if view.endpoint == GENERATE else body.get("prompt")
+    if isinstance(prompt, list):
+        return max((len(p) for p in prompt if isinstance(p, str)), default=0) // token_bytes
+    return len(prompt) // token_bytes if isinstance(prompt, str) else 0
 
 
 class ContextCheck:
@@ -89,29 +144,48 @@ class ContextCheck:
                 least = context
         return least
 
-    def check(self, view: RequestView) -> Coroutine[Any, Any, None] | None:
+    def check(self, view: RequestView) -> Coroutine[Any, Any, RequestView] | None:
         """Raise BadRequest if `view` cannot fit; None when that is settled here, else the
-        coroutine to await that counts the prompt exactly first (a prompt near the limit):
-        the usual request makes no coroutine."""
+        coroutine to await that counts the prompt exactly first (a prompt near the limit) and
+        returns the view (counted, when the tokenizer here counted it): the usual request
+        makes no coroutine."""
         context = self.context_length(view)
         if context is None:
             return None
         new = requested_new_tokens(view)
-        if view.lengths is None:
-            if most_tokens(view) + (new or 0) < NEAR * context:
-                return None
-            return self._check_counted(view, context, new)
-        _fits(view.lengths, context, new)
-        return None
+        if view.lengths is not None:
+            _fits(view.lengths, context, new)
+            return None
+        tokens = self.tokens
+        if tokens is not None and tokens.token_bytes and tokens.serves(view):
+            least = fewest_tokens(view, tokens.token_bytes)
+            if least >= context or (new is not None and least + new > context):
+                raise BadRequest(f"the prompt has at least {least} tokens (by its size), and "
+                                 f"the model's context length is {context} tokens"
+                                 + (f" ({new} new tokens asked for)" if new else "")
+                                 + ": it does not fit", code="context_length_exceeded")
+        if most_tokens(view) + (new or 0) < NEAR * context:
+            return None
+        return self._check_counted(view, context, new)
 
-    async def _check_counted(self, view: RequestView, context: int, new: int | None) -> None:
+    async def _check_counted(self, view: RequestView, context: int,
+                             new: int | None) -> RequestView:
+        """`view` counted (with exact lengths when the tokenizer here counted it), checked;
+        CountUnavailable when nothing could count it."""
         lengths = None
         if self.tokens is not None:
-            lengths = (await self.tokens.count(view, needed=True)).lengths
+            view = await self.tokens.count(view, needed=True)
+            lengths = view.lengths
         if lengths is None:
             lengths = await self._count(view)
-        if lengths is not None:
-            _fits(lengths, context, new)
+        if lengths is None:
+            raise CountUnavailable(
+                "the prompt is near or over the model's context length and its tokens could "
+                "not be counted in time (no tokenizer for it here, and no server's "
+                "/v1/tokenize answered); retry shortly", code="context_check_unavailable",
+                headers={"Retry-After": RETRY_AFTER})
+        _fits(lengths, context, new)
+        return view
 
     async def _count(self, view: RequestView) -> list[int] | None:
         """Exact prompt lengths from a server's own tokenizer, or None if it cannot say."""
@@ -119,9 +193,10 @@ class ContextCheck:
         if body is None or self.client is None:
             return None
         model = self.models.of(view)
+        deadline = TOKENIZE_TIMEOUT + (view.size or most_tokens(view)) / TOKENIZE_BYTES_PER_S
         for server in model.usable("decode") + model.usable("prefill"):
             try:
-                async with asyncio.timeout(TOKENIZE_TIMEOUT):
+                async with asyncio.timeout(deadline):
                     response = await self.client.post(server.url + "/v1/tokenize",
                                                       content=orjson.dumps(body))
                 if response.status_code != 200:

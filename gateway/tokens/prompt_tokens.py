@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 
@@ -50,6 +51,9 @@ class PromptTokens:
         self.threads = threads
         self.always = always  # tokenize every request (a policy or limit needs exact tokens)
         self.tokenizer: GatewayTokenizer | None = None
+        # no token of the tokenizer stands for more bytes of text than this (None: no sound
+        # bound, or no tokenizer): the context check's proof by size (context_check.py)
+        self.token_bytes: int | None = None
         self.counted = 0  # requests given exact counts by the tokenizer
         self.skipped = 0  # requests it does not mirror (kept the estimate)
         # which requests the tokenizer is for: those of its model (gateway/scheduling/models.py)
@@ -78,6 +82,7 @@ class PromptTokens:
             log.warning("the servers' tokenizer %s cannot be used here: %s", path, exc)
             return
         if self.tokenizer is not None:
+            self.token_bytes = longest_token_bytes(self.tokenizer.backend)
             log.info("%s", self.tokenizer.describe())
 
     def wanted(self, view: RequestView, needed: bool | None = None) -> bool:
@@ -118,6 +123,50 @@ class PromptTokens:
     def stats(self) -> dict:
         return {"tokenizer": self.tokenizer.describe() if self.tokenizer else None,
                 "counted": self.counted, "skipped": self.skipped}
+
+
+# How many times shorter (in UTF-8 bytes) a normalizer can make a text: NFC composes (a Hangul
+# syllable from 3 jamo, 9 bytes to 3; the Kelvin sign, 3 bytes, to "K"), NFD and lowercasing
+# map such singletons too, the compatibility forms fold 4-byte letters to ASCII ("𝐀" to "A").
+# Normalizers not listed (accent and space stripping, SentencePiece's precompiled map) can
+# shrink a text without bound: no proof by size for those.
+_SHRINK = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4, "Lowercase": 3, "Prepend": 1,
+           "ByteLevel": 1}
+
+
+def _shrink(normalizer: dict | None) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for step in normalizer.get("normalizers") or ():
+            one = _shrink(step)
+            if one is None:
+                return None
+            factor *= one
+        return factor
+    if kind == "Replace":  # a pattern -> content: shrinks by their ratio at most
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        content = normalizer.get("content") or ""
+        if not isinstance(pattern, str) or not content:
+            return None
+        return max(1, -(-len(pattern.encode()) // len(content.encode())))
+    return _SHRINK.get(kind)
+
+
+def longest_token_bytes(backend) -> int | None:
+    """At most how many bytes of the input text one token stands for: the longest token's
+    UTF-8 spelling (which never shows fewer bytes than it stands for: byte-level symbols,
+    SentencePiece's "▁" and "<0x..>" pieces all spell one byte with one or more), times what
+    the normalizer can shrink a text by; None when the normalizer can shrink without bound."""
+    normalizer = json.loads(backend.to_str()).get("normalizer")
+    factor = _shrink(normalizer)
+    if factor is None:
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return factor * max((len(token.encode("utf-8", "surrogatepass")) for token in vocab),
+                        default=1)
 
 
 async def _reported_path(client: httpx.AsyncClient, servers: list[str]) -> str | None:

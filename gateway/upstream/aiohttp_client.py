@@ -31,7 +31,7 @@ import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
-from gateway.upstream.base import UpstreamSettings
+from gateway.upstream.base import Body, UpstreamSettings
 from gateway.upstream.errors import (
     ConnectFailed,
     ErrorTable,
@@ -121,7 +121,7 @@ class AiohttpUpstream:
             connector=connector, timeout=timeout, auto_decompress=False, trust_env=False,
             cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False)
 
-    async def post(self, base_url: str, path: str, body: bytes, request_id: str,
+    async def post(self, base_url: str, path: str, body: bytes | Body, request_id: str,
                    headers: tuple[tuple[str, str], ...] = ()) -> _AiohttpResponse:
         if self.session is None:
             await self.start()
@@ -136,7 +136,8 @@ class AiohttpUpstream:
             sent.update(headers)
         started = time.monotonic()
         try:
-            response = await self.session.post(url, data=body, headers=sent,
+            data = bytes(body) if isinstance(body, Body) else body  # one buffer (a copy)
+            response = await self.session.post(url, data=data, headers=sent,
                                                allow_redirects=False)
         except aiohttp.ConnectionTimeoutError as exc:
             if time.monotonic() - started + 0.02 >= self.pool_timeout:  # the wait, not connect

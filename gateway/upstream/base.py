@@ -15,6 +15,25 @@ if TYPE_CHECKING:
     import httpx
 
 
+class Body:
+    """A request body in parts, sent one after the other and never joined: a leg's own head,
+    then the encoding its request shares with its other leg and its retries
+    (gateway/dispatch/leg_bodies.py). `bytes(body)` joins them, for a client that needs one
+    buffer (a copy, made per leg)."""
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self, *parts: bytes | memoryview) -> None:
+        self.parts = parts
+        self.size = sum(len(p) for p in parts)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+
 class UpstreamResponse(Protocol):
     status: int
 
@@ -28,7 +47,7 @@ class UpstreamResponse(Protocol):
 
 
 class Upstream(Protocol):
-    async def post(self, base_url: str, path: str, body: bytes, request_id: str,
+    async def post(self, base_url: str, path: str, body: bytes | Body, request_id: str,
                    headers: tuple[tuple[str, str], ...] = ()) -> UpstreamResponse: ...
     # `headers`: more request headers (the trace context), names and values already checked
 

@@ -10,7 +10,7 @@ import ssl
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from gateway.upstream.base import UpstreamResponse, UpstreamSettings
+from gateway.upstream.base import Body, UpstreamResponse, UpstreamSettings
 from gateway.upstream.http11 import HTTPClient
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ class FastUpstream:
         return cls(settings.connect_timeout, settings.max_connections, settings.pool_timeout,
                    settings.tls)
 
-    def post(self, base_url: str, path: str, body: bytes, request_id: str,
+    def post(self, base_url: str, path: str, body: bytes | Body, request_id: str,
              headers: tuple[tuple[str, str], ...] = ()) -> Awaitable[UpstreamResponse]:
         """The client's own coroutine, not one more layer around it (twice per request)."""
         lines = b"X-Request-Id: " + request_id.encode() + b"\r\n"

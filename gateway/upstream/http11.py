@@ -1,4 +1,5 @@
-"""A lean HTTP/1.1 client for the data path: keep-alive pool, streamed bodies, no copies.
+"""A lean HTTP/1.1 client for the data path: keep-alive pool, streamed bodies, no copies
+of a large request body (its parts are written as they are: `base.Body`).
 
 Why not a library here: each PD request makes two upstream requests, and the client is a
 large share of the gateway's CPU per request. In `loadtests.overhead` the gateway on aiohttp's
@@ -35,6 +36,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.upstream.base import Body
 from gateway.upstream.errors import (
     ConnectFailed,
     ConnectionLost,
@@ -45,6 +47,7 @@ from gateway.upstream.errors import (
 from gateway.upstream.http11_pool import HostPool
 
 HIGH_WATER = 1 << 20  # pause reading when this many body bytes wait unconsumed
+JOIN_BELOW = 64 * 1024  # bodies up to this size are copied behind the head: one write
 MAX_HEAD = 64 * 1024  # bytes of status lines + headers (1xx included) before giving up
 NO_BODY_STATUSES = frozenset({204, 304})
 
@@ -154,11 +157,17 @@ class _Connection(asyncio.Protocol):
         if response is not None:
             response.fail(exc)
 
-    def start(self, response: Response, request: bytes) -> None:
+    def start(self, response: Response, request: bytes,
+              parts: tuple[bytes | memoryview, ...] = ()) -> None:
+        """Send the request: its head (with the body when small), then the body's parts as
+        they are (uvloop's transport keeps a reference to a large buffer, no copy)."""
         self._response = response
         self._head_bytes = 0
         response.connection = self
-        self.transport.write(request)
+        if parts:
+            self.transport.writelines((request, *parts))
+        else:
+            self.transport.write(request)
 
     def finish(self) -> None:
         """The response was fully read: back to the pool, or closed."""
@@ -345,7 +354,7 @@ class HTTPClient:
             raise ConnectFailed(f"connection to {pool.authority} closed at once")
         return connection
 
-    async def post(self, base_url: str, path: str, body: bytes,
+    async def post(self, base_url: str, path: str, body: bytes | Body,
                    headers: bytes = b"") -> Response:
         """POST `body`; `headers` are extra raw header lines, each ending in CRLF.
 
@@ -358,12 +367,19 @@ class HTTPClient:
                 + b"\r\nUser-Agent: " + self.user_agent
                 + b"\r\nContent-Type: application/json\r\nAccept-Encoding: identity"
                 + b"\r\nContent-Length: ")
-        request = b"%s%d\r\n%s\r\n%s" % (head, len(body), headers, body)
+        if isinstance(body, Body):
+            size, parts = body.size, body.parts
+        else:
+            size, parts = len(body), (body,)
+        request = b"%s%d\r\n%s\r\n" % (head, size, headers)
+        if size <= JOIN_BELOW:  # one buffer, one write: cheaper than a vector this small
+            request = b"".join((request, *parts))
+            parts = ()
         connection = pool.take_idle()  # the usual case, without a coroutine for _acquire
         if connection is None:
             connection = await self._acquire(pool)
         response = Response(connection.loop)
-        connection.start(response, request)
+        connection.start(response, request, parts)
         try:
             await response.head
         except BaseException:

@@ -14,7 +14,7 @@ import ssl
 
 import httpx
 
-from gateway.upstream.base import UpstreamResponse, UpstreamSettings
+from gateway.upstream.base import Body, UpstreamResponse, UpstreamSettings
 from gateway.upstream.errors import (
     ConnectFailed,
     ErrorTable,
@@ -100,10 +100,10 @@ class HttpxUpstream:
         """Legs share the control client (its limits are `--max-connections`)."""
         return cls(control)
 
-    async def post(self, base_url: str, path: str, body: bytes, request_id: str,
+    async def post(self, base_url: str, path: str, body: bytes | Body, request_id: str,
                    headers: tuple[tuple[str, str], ...] = ()) -> UpstreamResponse:
         request = self.client.build_request(
-            "POST", base_url + path, content=body,
+            "POST", base_url + path, content=bytes(body) if isinstance(body, Body) else body,
             headers={"content-type": "application/json", "accept-encoding": "identity",
                      "x-request-id": request_id, **dict(headers)})
         try:
