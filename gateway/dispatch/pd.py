@@ -34,7 +34,7 @@ from gateway.dispatch.inflight import Tracked
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.leg_bodies import leg_bodies
 from gateway.dispatch.prompt_logprobs import StreamMerger, merge_body, prefill_parts
-from gateway.dispatch.relay import StreamRelay
+from gateway.dispatch.relay import StreamRelay, first_event
 from gateway.dispatch.whole_body import read_whole
 from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
@@ -360,7 +360,7 @@ class PDDispatcher:
                     response = None
                     attempt.verdict["decode"] = True
                     return None, Answer(200, content_type, body)
-                first = await response.next_chunk()
+                first = await first_event(response, attempt.decode.url)
             failure = leading_failure(first) if first else None
             if failure is not None:
                 status, message = failure

@@ -1,9 +1,12 @@
 """The request loop: pick a pair, dispatch, account, and retry safely.
 
 A retry happens only before anything reached the client (the dispatcher returns a stream
-only after its first chunk), only for failures another pair may not have (connect errors,
-timeouts, 408/429/5xx), with a new pair and new rooms, capped exponential backoff with
-jitter, and within the request's total deadline.
+only after its first whole event), only for failures another pair may not have (connect
+errors, timeouts, 408/429/5xx, broken answers), with a new pair and new rooms, capped
+exponential backoff with jitter, and within the request's total deadline. `--max-attempts`
+counts the attempts that failed on their servers; an attempt the gateway stopped itself to
+move it elsewhere (a rescue: its server was marked down, opened its breaker, or its pair is
+suspected hung) does not count, up to twice `--max-attempts` attempts in all.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from gateway.dispatch.failover import Continuation, error_end, resumable
 from gateway.dispatch.inflight import Tracked
 from gateway.dispatch.pd import REQUEST_TIMEOUT, Answer, Attempt, PDDispatcher
 from gateway.dispatch.relay import Capture, StreamBroken
+from gateway.dispatch.rescue import RESCUED
 from gateway.errors import GatewayError, UpstreamError
 from gateway.observability.metrics import Metrics
 from gateway.request import RequestView
@@ -48,8 +52,9 @@ class Proxy:
         not_after = loop.time() + self.request_timeout  # each attempt's deadline is capped
         if tracked.not_after is not None and tracked.not_after < not_after:
             not_after = tracked.not_after  # the client's own deadline (admission/tenancy.py)
+        failed = 0  # attempts that failed on their servers (a rescue is the gateway's move)
         try:
-            for number in range(1, self.max_attempts + 1):
+            for number in range(1, 2 * self.max_attempts + 1):
                 attempt, by_policy = self._attempt(view, tracked, placement, depth, avoid,
                                                    number)
                 attempt.not_after = not_after
@@ -63,7 +68,9 @@ class Proxy:
                     if tracked.trace is not None:
                         tracked.trace.failed(exc, number - 1)
                     last_error = exc
-                    if not exc.retryable or number == self.max_attempts:
+                    failed += exc.reason != RESCUED
+                    if not exc.retryable or failed == self.max_attempts \
+                            or number == 2 * self.max_attempts:
                         raise
                     # both servers are avoided (softly: the scheduler ignores `avoid`
                     # when it would leave no candidate): which one failed is not always

@@ -263,12 +263,20 @@ def _rest(held: bytes, splitter: EventSplitter | None, merger: StreamMerger | No
     (completed, when its data is whole), or nothing. A data line cut short (the server or a
     proxy closed mid-event) is the decode's failure, never relayed: the client's stream stays
     well formed, and a resumable one goes on elsewhere."""
-    partial = held + (splitter.rest() if splitter else b"")
-    if not partial.strip():
+    if not _whole_data(held + (splitter.rest() if splitter else b""), url):
         return b""
+    rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter else b"")
+    return rest if rest.endswith(b"\n\n") else rest + b"\n\n"
+
+
+def _whole_data(partial: bytes, url: str) -> bool:
+    """Whether the last event of a stream, without its blank line, carries whole data
+    (raises when its data was cut off; False when it has none to relay)."""
+    if not partial.strip():
+        return False
     payload = event_data(partial.strip(b"\r\n"))
     if payload is None:  # no data line (a comment, or a field cut short): nothing to relay
-        return b""
+        return False
     if payload != b"[DONE]":
         try:
             orjson.loads(payload)
@@ -276,8 +284,20 @@ def _rest(held: bytes, splitter: EventSplitter | None, merger: StreamMerger | No
             raise UpstreamError(f"decode server {url} ended the stream inside an event (its "
                                 "data cut off)", leg="decode", server_url=url,
                                 retryable=True) from None
-    rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter else b"")
-    return rest if rest.endswith(b"\n\n") else rest + b"\n\n"
+    return True
+
+
+async def first_event(response: UpstreamResponse, url: str) -> bytes:
+    """The stream's bytes up to its first whole event (b"" if it ended with none): a stream
+    counts as begun, and can no longer be retried from scratch, only once the client can be
+    sent a whole event. A cut in the first event is then a failure before the first chunk."""
+    first = await response.next_chunk()
+    while first and b"\n\n" not in first:
+        more = await response.next_chunk()
+        if more is None:
+            return first if _whole_data(first, url) else b""
+        first += more
+    return first or b""
 
 
 def _merge_events(splitter: EventSplitter, merger: StreamMerger, chunk: bytes) -> bytes:

@@ -23,6 +23,7 @@ from gateway.errors import UpstreamError
 from gateway.servers.pool import Server
 
 log = logging.getLogger("gateway.dispatch.rescue")
+RESCUED = "rescued"  # UpstreamError.reason of an attempt stopped here
 
 
 def _stop(attempt: Attempt, error: UpstreamError) -> bool:
@@ -35,7 +36,7 @@ def stop_all(server: Server, why: str, but: Attempt | None = None) -> int:
     for attempt in list(server.attempts):
         if attempt is not but and _stop(attempt, UpstreamError(
                 why, leg=server.role, server_url=server.url, retryable=True, status=502,
-                reason="rescued")):
+                reason=RESCUED)):
             stopped += 1
     return stopped
 
@@ -117,4 +118,4 @@ def pair_cohort(attempt: Attempt) -> None:
             _stop(other, UpstreamError(
                 f"the pair of prefill {attempt.prefill.url} and decode {decode.url} is "
                 "suspected hung (a request waiting as long timed out)", leg="both",
-                server_url=attempt.prefill.url, retryable=True, status=504, reason="rescued"))
+                server_url=attempt.prefill.url, retryable=True, status=504, reason=RESCUED))

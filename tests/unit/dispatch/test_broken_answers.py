@@ -104,3 +104,18 @@ def test_a_non_streamed_decode_silent_once_its_kv_is_there_is_bounded_by_its_spe
         assert fakes.servers[D1].received
         assert took < 5
     run(go())
+
+
+def test_a_stream_whose_first_event_is_cut_is_retried_before_the_client_sees_anything():
+    good = [b'data: {"id":"s","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
+            b"data: [DONE]\n\n"]
+    fakes = cluster(FakeServer("decode", chunks=[b'data: {"id":"s","cho']),
+                    FakeServer("decode", chunks=good))
+
+    async def go():
+        async with served_client(fakes, "--no-midstream-failover") as client:
+            answers = [await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+                       for _ in range(2)]
+        assert [r.content for r in answers] == [b"".join(good)] * 2
+        assert fakes.servers[D1].received
+    run(go())

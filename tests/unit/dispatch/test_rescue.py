@@ -240,3 +240,19 @@ def test_breaker_opening_on_the_only_decode_does_not_restart_its_requests():
     assert r.status_code == 200, r.text
     assert decode.cancelled == 0
     assert [b["text"] for b in decode.received].count("x") == 1, "the waiting one was resent"
+
+
+def test_a_rescued_attempt_does_not_spend_the_requests_attempts():
+    """With --max-attempts 1 the request still moves: a rescue is the gateway's own move,
+    not a failure of the request on its servers."""
+    cluster = FakeCluster({P1: FakeServer("prefill"), D1: FakeServer("decode", delay=0.5),
+                           D2: FakeServer("decode", delay=0.5)})
+
+    async def go():
+        async with served_gateway(cluster, "--max-attempts", "1") as (client, gw):
+            request = asyncio.ensure_future(client.post("/generate", json={"text": "x"}))
+            _health_marks_down(gw, await _in_flight(gw))
+            return await request
+
+    r = run(go())
+    assert r.status_code == 200, r.text
