@@ -95,12 +95,12 @@ class BrowserGuard:
             return
         site = seen.get(b"sec-fetch-site")
         if site is not None and site.strip().lower() not in SAME_ORIGIN:
-            raise Forbidden(f"cross-site request refused (Sec-Fetch-Site: "
-                            f"{site.decode('latin-1')[:40]}): the admin and abort routes "
-                            "answer only their own pages and non-browser clients")
+            raise Forbidden("cross-site request refused (Sec-Fetch-Site is not same-origin): "
+                            "the admin and abort routes answer only their own pages and "
+                            "non-browser clients")
         origin = seen.get(b"origin")
         if origin is not None:
-            _check_origin(origin.decode("latin-1"), host)
+            _check_origin(origin, host)
         content_type = seen.get(b"content-type")
         if (body or content_type is not None) and not _is_json(content_type):
             raise BadRequest("this route takes a JSON body: send Content-Type: application/json",
@@ -110,21 +110,23 @@ class BrowserGuard:
         name = host_name(host)
         if name in self.names or _is_ip_literal(name):
             return
-        raise Forbidden(f"Host {host[:100]!r} is not a name of this gateway: without admin "
-                        "keys the admin and abort routes answer only to its address, "
-                        "'localhost' and --allowed-host names (DNS rebinding)")
+        raise Forbidden("the Host header is not a name of this gateway: without admin keys "
+                        "the admin and abort routes answer loopback clients only under its "
+                        "address, 'localhost' and --allowed-host names (DNS rebinding)")
 
 
-def _check_origin(origin: str, host: bytes | None) -> None:
-    """The Origin must be the request's own scheme-default-aware host:port."""
-    scheme, sep, rest = origin.strip().partition("://")
+def _check_origin(origin: bytes, host: bytes | None) -> None:
+    """The Origin's host:port (its scheme's default port when it names none) must be the
+    request's own Host."""
+    scheme, sep, rest = origin.decode("latin-1").strip().partition("://")
     scheme = scheme.lower()
     if sep and host is not None and scheme in DEFAULT_PORTS and "/" not in rest:
         default = DEFAULT_PORTS[scheme]
         if split_host(rest, default) == split_host(host.decode("latin-1"), default):
             return
-    raise Forbidden(f"cross-origin request refused (Origin: {origin[:100]}): the admin and "
-                    "abort routes answer only their own pages and non-browser clients")
+    raise Forbidden("cross-origin request refused (Origin is not this gateway's Host): the "
+                    "admin and abort routes answer only their own pages and non-browser "
+                    "clients")
 
 
 def _is_json(content_type: bytes | None) -> bool:

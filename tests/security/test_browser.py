@@ -73,6 +73,7 @@ def refused(response, status: int, words: str) -> None:
     assert response.headers["content-type"].startswith(JSON)
     error = response.json()["error"]
     assert error["type"] and words in error["message"], error
+    assert "evil" not in response.text, "the attacker's name is echoed"
 
 
 def no_abort_reached(sims, since: float) -> None:
