@@ -4,11 +4,14 @@ A broken Mooncake session between one prefill and one decode makes that pair ans
 while each server works with its other partners (SGLang issue #13054). Blaming the servers
 would open both breakers and take healthy capacity away; ignoring it would keep sending
 requests into a pair that cannot work. So a failure of an attempt is first checked against
-the two servers' last outcomes with OTHER partners: if each server's last attempt with some
-other partner succeeded, within `window` seconds, the failure is the pair's, not theirs, and
-it counts only against the pair (`record_failure` returns True: the caller keeps it away
-from the servers' breakers). A server that fails with everyone loses that evidence with its
-first failure per partner, so its breaker still opens.
+the two servers' last outcomes with OTHER partners, within `window` seconds: if one of them
+succeeded with another partner and neither failed with one, the failure is the pair's, not
+theirs, and it counts only against the pair (`record_failure` returns True: the caller
+keeps it away from the servers' breakers). One server's evidence suffices: a decode that so
+far only ever worked with the prefill it now fails with has none of its own (seen as a
+breaker opened on a healthy decode in the reliability suite, once in a few runs, when the
+pair broke before the policy had paired it with the other prefill). A server that fails
+with everyone loses that evidence with its second partner, so its breaker still opens.
 
 After `threshold` pair failures in a row the pair is quarantined: the scheduler does not pair
 those two servers while another partner is usable. After `cooldown` seconds one probe request
@@ -66,8 +69,9 @@ class PairHealth:
         """A failed attempt of the pair; True when it is the pair's fault (both servers
         succeed with other partners), so the servers' breakers should not hear of it."""
         now = self._clock()
-        specific = (self._works_elsewhere(prefill, decode, now)
-                    and self._works_elsewhere(decode, prefill, now))
+        p_works, p_fails = self._elsewhere(prefill, decode, now)
+        d_works, d_fails = self._elsewhere(decode, prefill, now)
+        specific = (p_works or d_works) and not (p_fails or d_fails)
         self._note(prefill, decode, False, now)
         pair = self._pairs.get((prefill, decode))
         if not specific:
@@ -88,11 +92,14 @@ class PairHealth:
         pair.probing = False
         pair.quarantines += 1
 
-    def _works_elsewhere(self, url: str, partner: str, now: float) -> bool:
-        """The server's last outcome with some other partner was a success, recently: a
-        server failing with every partner soon has no such partner left."""
-        return any(other != partner and ok and now - at <= self.window
-                   for other, (ok, at) in self._partners.get(url, {}).items())
+    def _elsewhere(self, url: str, partner: str, now: float) -> tuple[bool, bool]:
+        """Whether the server's last outcome with some other partner, recently, was a
+        success; and whether one was a failure."""
+        works = fails = False
+        for other, (ok, at) in self._partners.get(url, {}).items():
+            if other != partner and now - at <= self.window:
+                works, fails = works or ok, fails or not ok
+        return works, fails
 
     def blocked(self, prefill: str, decode: str) -> bool:
         """Should the scheduler avoid pairing these two now? (No side effect.)"""

@@ -36,6 +36,20 @@ def test_failures_are_the_pairs_only_when_both_servers_work_with_others():
     assert pairs.quarantined() == [("p1", "d1")]
 
 
+def test_one_servers_evidence_suffices_while_neither_fails_elsewhere():
+    """d1 has only ever worked with p1, the prefill it now fails with: p1 working with d2 is
+    the evidence. A server failing with every partner is still blamed from its second."""
+    pairs = PairHealth(threshold=3, cooldown=10, clock=Clock())
+    pairs.record_success("p1", "d2")
+    pairs.record_success("p1", "d1")
+    assert pairs.record_failure("p1", "d1") is True
+    pairs.record_success("p2", "d2")
+    dead = PairHealth(threshold=3, cooldown=10, clock=Clock())
+    healthy_elsewhere(dead)
+    assert dead.record_failure("p1", "d1") is True
+    assert dead.record_failure("p2", "d1") is False  # d1 failed with p1 too: d1's fault
+
+
 def test_quarantine_is_probed_after_the_cooldown_and_cleared_by_a_success():
     clock = Clock()
     pairs = PairHealth(threshold=2, cooldown=10, max_cooldown=40, clock=clock)
