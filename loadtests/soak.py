@@ -27,6 +27,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=SoakOptions.rate, help="requests/s")
     parser.add_argument("--concurrency", type=int, default=SoakOptions.concurrency)
     parser.add_argument("--log-dir", type=Path, help="keep the processes' logs here")
+    parser.add_argument("--no-faults", action="store_true",
+                        help="the same traffic with no fault: a control run of the harness")
     parser.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                         help="extra gateway flag (repeat; default: the gateway's defaults)")
     return parser.parse_args(argv)
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [args.seed] if args.seed is not None else [int(s) for s in args.seeds.split(",")]
     seconds = args.seconds if args.seconds is not None else args.minutes * 60
     options = SoakOptions(seconds=seconds, rate=args.rate, concurrency=args.concurrency,
-                          gateway_args=tuple(args.gateway_arg))
+                          gateway_args=tuple(args.gateway_arg), faults=not args.no_faults)
     results = []
     for seed in seeds:
         log_dir = args.log_dir / f"seed{seed}" if args.log_dir else Path(

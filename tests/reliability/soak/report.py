@@ -33,6 +33,7 @@ class SoakResult:
     executor_errors: list[str] = field(default_factory=list)
     sim_faults: dict[str, int] = field(default_factory=dict)  # answers the sims broke
     servers: dict[str, str] = field(default_factory=dict)  # name -> URL, to read error texts
+    measured: dict[str, object] = field(default_factory=dict)  # leftovers read after the run
 
     @property
     def requests(self) -> int:
@@ -87,6 +88,7 @@ class SoakResult:
             f"  answers the sims broke: {dict(sorted(self.sim_faults.items()))}",
             f"  requests by kind: {dict(sorted(Counter(o.kind for o in self.outcomes).items()))}",
             "  servers: " + ", ".join(f"{n} {u}" for n, u in self.servers.items()),
+            f"  after the run: {self.measured}",
         ]
         lines += [f"  schedule: {f.label()}" for f in self.schedule.faults]
         for kind, examples in sorted(self.examples().items()):

@@ -35,6 +35,7 @@ class SoakOptions:
     rate: float = 12.0  # requests started per second (fewer while `concurrency` are open)
     concurrency: int = 8
     gateway_args: Sequence[str] = ()  # empty: the gateway's defaults, as a user runs it
+    faults: bool = True  # False: the same traffic with no fault (the harness's control run)
 
 
 def names() -> tuple[list[str], list[str]]:
@@ -50,6 +51,8 @@ def schedule_for(seed: int, seconds: float) -> Schedule:
 def run_soak(seed: int, log_dir: Path, options: SoakOptions = SoakOptions()) -> SoakResult:
     """One seed, start to finish, in a fresh rig; never raises for an invariant broken."""
     schedule = schedule_for(seed, options.seconds)
+    if not options.faults:
+        schedule = Schedule(seed, options.seconds, (), ())
     result = SoakResult(seed, options.seconds, schedule)
     with running_rig(log_dir, options.gateway_args, N_PREFILL, N_DECODE) as rig:
         result.servers = {s.name: s.url for s in rig.servers} | {"gateway": rig.gateway}
@@ -62,7 +65,7 @@ def run_soak(seed: int, log_dir: Path, options: SoakOptions = SoakOptions()) -> 
             executor.finish()
         result.outcomes.extend(outcomes)
         result.executor_errors.extend(executor.errors)
-        result.after.extend(leftovers(rig, options.concurrency))
+        result.after.extend(leftovers(rig, options.concurrency, result.measured))
         result.sim_faults = applied_faults(rig)
     return result
 
@@ -182,8 +185,9 @@ async def _one(client: httpx.AsyncClient, request: Request, slots: asyncio.Semap
     return Outcome(request.kind, started - t0, latency, status, failure)
 
 
-def leftovers(rig: Rig, concurrency: int) -> list[tuple[str, str]]:
-    """What the run left behind, once every fault is cleared: (failure kind, detail)."""
+def leftovers(rig: Rig, concurrency: int, measured: dict[str, object]) -> list[tuple[str, str]]:
+    """What the run left behind, once every fault is cleared: (failure kind, detail); the
+    figures read go into `measured`."""
     found = []
     try:
         wait_until(lambda: _in_flight(rig) == (0, 0), SETTLE, "in-flight counts back to 0",
@@ -200,6 +204,8 @@ def leftovers(rig: Rig, concurrency: int) -> list[tuple[str, str]]:
         found.append(("leak_connections", f"client connections still open: {exc}"))
     upstream = _connections(rig)[1]
     bound = connection_bound(concurrency)
+    measured.update({"in_flight": _in_flight(rig), "rooms_reused": sum(reused.values()),
+                     "server_connections": upstream, "connection_bound": bound})
     if upstream > bound:
         found.append(("leak_connections", f"{upstream} connections to servers > {bound}: "
                                           f"{dict(rig.connections())}"))

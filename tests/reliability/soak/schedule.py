@@ -82,8 +82,16 @@ def make_schedule(seed: int, seconds: float, prefills: Sequence[str],
         free_at[server] = fault.end + (RESTART_MARGIN if kind == "kill" else 0.0)
         back_to_back = rng.random() < 0.35
         t += rng.uniform(0.0, 0.5) if back_to_back else rng.uniform(1.0, 4.0)
-    actions = sorted((a for f in faults for a in _actions(rng, f)), key=lambda a: a.at)
+    actions = sorted((a for f in faults for a in _actions(rng, f)), key=_ends_first)
     return Schedule(seed, seconds, tuple(faults), tuple(actions))
+
+
+def _ends_first(action: Action) -> tuple[float, bool]:
+    """Order by time; at one instant, a fault ending goes before one starting (back to back
+    on two servers of a role must not mean both faulty for a moment)."""
+    ends = action.op in ("thaw", "restart") or (
+        action.op == "knobs" and not any(value for _, value in action.knobs))
+    return action.at, not ends
 
 
 def _place(rng: random.Random, order: list[str], roles: dict[str, list[str]],
