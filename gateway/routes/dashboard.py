@@ -6,8 +6,11 @@
                           over the last minutes (gateway/observability/latency_history.py),
                           as JSON; admin role (it shows server URLs), like /admin
 
-The page polls /dashboard/data every 2 s and derives rates from successive totals; the
-only state the gateway keeps for it is the ring of histogram snapshots behind the latency
+The page polls /dashboard/data every 2 s and derives rates from the totals of its polls of
+the last 10 s. The request rate is of requests received (answered plus in flight, the
+`received` total): a rate of answers over one poll read 0/s while long streams ran and none
+ended. Every number on the page says what it counts ("2 of 2", "1 req · 40 tok"). The only
+state the gateway keeps for it is the ring of histogram snapshots behind the latency
 plots (one per 10 s, ten minutes). Every other figure is read from the pool, the admission
 queue and the metric counters at request time.
 """
@@ -98,7 +101,7 @@ async def data(request: Request, parts: DashboardParts) -> Response:
             "limit": parts.admission.limit,
             "max_queue": parts.admission.max_queue,
         },
-        "requests": _request_totals(_family(families, "gateway_requests")),
+        "requests": _request_totals(_family(families, "gateway_requests"), parts.admission),
         "cache": {
             "prompt_tokens": sum(prompt.values()),
             "cached_tokens": sum(cached.values()),
@@ -138,12 +141,17 @@ def _totals(families: Iterable, label: str) -> dict[str, float]:
     return out
 
 
-def _request_totals(families: Iterable) -> dict:
+def _request_totals(families: Iterable, admission: Admission) -> dict:
+    """Answers by status, and `received`: answered plus in flight (admitted or queued), the
+    total the page takes its request rate from. A rate of answers alone reads 0 while long
+    streams run and none ends; with --workers, `in_flight` is the answering process's."""
     by_status = _totals(families, "status")
     total = sum(by_status.values())
     server_errors = sum(v for s, v in by_status.items() if s.startswith("5"))
     client_errors = sum(v for s, v in by_status.items() if s.startswith("4"))
-    return {"total": total, "errors": server_errors, "client_errors": client_errors,
+    in_flight = admission.active + admission.queued
+    return {"total": total, "in_flight": in_flight, "received": total + in_flight,
+            "errors": server_errors, "client_errors": client_errors,
             "by_status": dict(sorted(by_status.items()))}
 
 

@@ -79,7 +79,8 @@ def test_no_traffic_gives_no_hit_ratio():
 
     data = run(go())
     assert data["cache"]["hit_ratio"] is None
-    assert data["requests"] == {"total": 0, "errors": 0, "client_errors": 0, "by_status": {}}
+    assert data["requests"] == {"total": 0, "in_flight": 0, "received": 0, "errors": 0,
+                                "client_errors": 0, "by_status": {}}
 
 
 def test_recent_errors_newest_first_and_bounded():

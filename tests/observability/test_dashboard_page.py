@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import threading
+import time
 
 import httpx
 import pytest
 
 from tests.observability.conftest import ARTIFACTS, require_binaries, require_module
-from tests.observability.traffic import mixed_traffic
+from tests.observability.traffic import generate, mixed_traffic
 
 pytestmark = pytest.mark.browser
 
@@ -66,10 +69,10 @@ def test_dashboard_shows_servers_and_updates(browser, observed):
 
     mixed_traffic(observed)  # figures, a 502 and client errors to show
     # The first poll after the traffic derives a request rate from the new totals.
-    wait.until(lambda _: text("request-rate") not in ("–", "0/s"))
+    wait.until(lambda _: text("request-rate") != "–" and shown_rate(text("request-rate")) > 0)
 
     # The traffic's error fault may have opened a decode breaker: back after its cooldown.
-    wait.until(lambda _: (text("usable-prefill"), text("usable-decode")) == ("1 / 1", "2 / 2"))
+    wait.until(lambda _: (text("usable-prefill"), text("usable-decode")) == ("1 of 1", "2 of 2"))
     assert text("ready") == "ready"
     states = [row.find_elements(By.TAG_NAME, "td")[4].text for row in rows()]
     assert states == ["in rotation"] * 3
@@ -117,3 +120,92 @@ def test_latency_plots_draw_the_traffic(browser, observed):
     browser.save_screenshot(str(ARTIFACTS / "dashboard-latency.png"))
     severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert severe == [], severe
+
+
+
+STREAMERS = 2  # clients, each sending one long stream after the other
+WARM_UP = 12.0  # seconds of traffic before the readings: the page's rate window is 10 s
+READ_FOR = 14.0
+
+
+def streams(gateway: str, stop: threading.Event, started: list[float]) -> None:
+    """Long streams one after another until `stop`; the time each one was sent."""
+    with httpx.Client(base_url=gateway, timeout=60) as client:
+        while not stop.is_set():
+            started.append(time.monotonic())
+            with client.stream("POST", "/generate",
+                               json=generate(max_new_tokens=400, stream=True)) as r:
+                assert r.status_code == 200
+                for _ in r.iter_bytes():
+                    pass
+
+
+def shown_rate(text: str) -> float:
+    """The number the request-rate card shows (requests per second)."""
+    match = re.match(r"([\d.,]+) req/s$", text) or re.match(r"([\d.,]+)/s$", text)  # or older "X/s"
+    assert match, text
+    return float(match.group(1).replace(",", ""))
+
+
+def test_the_request_rate_is_right_while_long_streams_flow(browser, observed):
+    """Requests that each last seconds: the rate of answers over one 2 s poll read 0/s
+    while traffic flowed. The rate shown is of requests received, over the last 10 s, and
+    near the rate the clients sent them at every poll."""
+    from selenium.webdriver.common.by import By  # noqa: PLC0415
+    from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+
+    browser.get(observed.gateway + "/dashboard")
+    wait = WebDriverWait(browser, WAIT, poll_frequency=0.2)
+    wait.until(lambda _: browser.find_element(By.ID, "last-update").text != "never")
+    stop, started = threading.Event(), []
+    senders = [threading.Thread(target=streams, args=(observed.gateway, stop, started))
+               for _ in range(STREAMERS)]
+    for sender in senders:
+        sender.start()
+    readings = []
+    try:
+        time.sleep(WARM_UP)
+        begin = time.monotonic()
+        last = None
+        while time.monotonic() < begin + READ_FOR:
+            stamp = browser.find_element(By.ID, "last-update").text
+            if stamp != last:  # one reading per poll
+                last = stamp
+                readings.append(browser.find_element(By.ID, "request-rate").text)
+            time.sleep(0.25)
+        sent = [t for t in started if begin - 10 <= t <= begin + READ_FOR]
+        real = len(sent) / (READ_FOR + 10)
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(60)
+    rates = [shown_rate(r) for r in readings]
+    print(f"sent {real:.2f} requests/s; shown {readings}")
+    assert len(rates) >= 5 and real > 0.2, (real, readings)
+    assert min(rates) > 0, readings
+    assert all(0.5 * real <= r <= 1.5 * real for r in rates), (real, readings)
+
+
+BARE_PAIR = re.compile(r"(?<![\w.])\d[\d,.]*\s*/\s*\d[\d,.]*(?![\w%])")  # "In flight 1 / 4"
+
+
+def test_every_number_says_what_it_counts(browser, observed):
+    """No bare "a / b": each number in the server table carries its unit, and the cards
+    say "of" between a count and its bound."""
+    from selenium.webdriver.common.by import By  # noqa: PLC0415
+    from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+
+    httpx.post(observed.gateway + "/generate", json=generate(), timeout=30).raise_for_status()
+    browser.get(observed.gateway + "/dashboard")
+    wait = WebDriverWait(browser, WAIT, poll_frequency=0.2)
+    wait.until(lambda _: browser.find_elements(By.CSS_SELECTOR, "#servers tbody tr[data-url]"))
+    wait.until(lambda _: browser.find_element(By.ID, "request-rate").text != "–")
+    page = browser.find_element(By.TAG_NAME, "main").text
+    assert not BARE_PAIR.findall(page), BARE_PAIR.findall(page)
+    for row in browser.find_elements(By.CSS_SELECTOR, "#servers tbody tr[data-url]"):
+        cells = [td.text for td in row.find_elements(By.TAG_NAME, "td")]
+        assert re.fullmatch(r"[\d,]+ req · [\d,]+ tok", cells[5]), cells
+        assert re.fullmatch(r"\S+ running · \S+ waiting", cells[6]), cells
+        for text in cells:
+            assert not re.search(r"\d", text) or re.search(r"[A-Za-z%]", text), cells
+    assert re.fullmatch(r"\d+ of \d+", browser.find_element(By.ID, "usable-decode").text)
