@@ -92,7 +92,7 @@ def test_a_broken_pair_is_avoided_and_no_breaker_opens():
         app = make_app(cluster, "--breaker-failures", "3")
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
                 statuses = [(await client.post("/generate", json={"text": f"t{i}"})).status_code
                             for i in range(40)]
                 servers = (await client.get("/admin/servers")).json()

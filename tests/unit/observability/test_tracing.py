@@ -75,7 +75,7 @@ async def traced_gateway(cluster, *extra):
     gateway.tracing.export.exporter_class = lambda endpoint, timeout: memory
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             yield client, gateway, memory
 
 
