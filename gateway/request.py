@@ -55,8 +55,11 @@ class RequestView:
     priority: int = 1  # class index: 0 interactive, 1 standard, 2 batch (config_tenants.py)
     session: bytes | None = None  # the session header's id, for session affinity
     size: int = 0  # bytes of the body as the client sent it (0: not from a client's bytes)
-    # the body but the fields each leg sets, encoded once for every leg, attempt and sample
-    # (gateway/dispatch/leg_bodies.py); a derived view (dataclasses.replace) starts without
+    # (body, the client's bytes of it): the legs forward those bytes as they are while the
+    # view's body is that one (a derived view with another body encodes its own)
+    source: tuple[dict, bytes | bytearray] | None = None
+    # the body but the fields each leg sets, as JSON members, made once for every leg,
+    # attempt and sample (gateway/dispatch/leg_bodies.py); a derived view starts without
     encoded: memoryview | None = dataclasses.field(default=None, init=False)
 
     @property
@@ -77,7 +80,7 @@ class RequestView:
         return self.routing_text or ""
 
 
-def parse_request(endpoint: str, raw: bytes) -> RequestView:
+def parse_request(endpoint: str, raw: bytes | bytearray) -> RequestView:
     """Parse `raw` into a RequestView or raise BadRequest naming the field."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
@@ -106,7 +109,7 @@ def parse_request(endpoint: str, raw: bytes) -> RequestView:
         view = _chat_view(body, stream, model)
     else:
         view = _completions_view(body, stream, model)
-    view.size = len(raw)  # (the view is new: nobody else holds it yet)
+    view.size, view.source = len(raw), (body, raw)  # (the view is new: nobody holds it yet)
     rids = client_rids(body.get("rid"), view.batch_size)
     return dataclasses.replace(view, rids=rids) if rids is not None else view
 

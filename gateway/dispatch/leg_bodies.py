@@ -1,12 +1,13 @@
 """The bodies both PD legs receive: the client's body plus bootstrap fields, rids, DP rank and
 priority.
 
-A leg's body is spliced, not re-encoded: the client's body without the fields a leg sets is
-encoded once per request (`shared_part`, kept on the view: every attempt, retry and sample of
-the request reuses it), and each leg gets only its own small head in front of it
-(`upstream.base.Body`: the parts go to the socket one after the other, never joined). So a 30
-MiB prompt costs one 30 MiB encoding per request, not one per leg and attempt
-(docs/BENCHMARKS.md, "Memory under large bodies").
+A leg's body is spliced, not re-encoded: the client's fields but the legs' own are one shared
+part per request (`shared_part`, kept on the view: every attempt, retry and sample of the
+request reuses it): the client's own bytes when they hold none of the legs' fields, else that
+rest encoded once; each leg gets only its own small head in front of it (`upstream.base.Body`:
+the parts go to the socket one after the other, never joined). So a 30 MiB prompt is held
+once as the client sent it, not encoded again per leg and attempt (docs/BENCHMARKS.md,
+"Memory under large bodies").
 
 Kept apart from the dispatcher (gateway/dispatch/pd.py) because it is pure: a request view, a
 pair and rooms in, bytes out; the rules it follows name the SGLang functions they mirror.
@@ -43,27 +44,35 @@ class LegBodies:
 
 
 def shared_part(view: RequestView) -> memoryview:
-    """The client's fields but the legs' own, encoded once per view: the members of one JSON
-    object without its braces (empty when there are none)."""
+    """The client's fields but the legs' own, as the members of one JSON object without its
+    braces (empty when there are none), made once per view: the client's own bytes when they
+    hold none of the legs' fields (the usual request: nothing is encoded at all), else the
+    rest of the body encoded."""
     shared = view.encoded
     if shared is None:
         body = view.body
+        source = view.source
         if _LEG_SET.isdisjoint(body):
+            if source is not None and source[0] is body:  # orjson parsed these very bytes
+                raw = source[1]
+                shared = memoryview(raw)[raw.index(b"{") + 1:raw.rindex(b"}")]
             rest = body
         else:
             rest = {k: v for k, v in body.items() if k not in _LEG_SET}
-        try:
-            encoded = orjson.dumps(rest)
-        except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
-            raise BadRequest(f"request body cannot be forwarded: {exc}") from None
-        shared = view.encoded = memoryview(encoded)[1:-1]
+        if shared is None:
+            try:
+                encoded = orjson.dumps(rest)
+            except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes
+                raise BadRequest(f"request body cannot be forwarded: {exc}") from None
+            shared = memoryview(encoded)[1:-1]
+        view.encoded = shared
     return shared
 
 
-def _leg(own: dict, shared: memoryview) -> Body:
+def _leg(own: dict, shared: memoryview, empty: bool) -> Body:
     """`own` fields first, then the shared ones, as one JSON object in three parts."""
     head = orjson.dumps(own)  # small: rooms, rids, hosts (a few KB for a batch of 1024)
-    if not len(shared):
+    if empty:
         return Body(head)
     return Body(head[:-1] + b",", shared, b"}")
 
@@ -99,12 +108,13 @@ def leg_bodies(view: RequestView, prefill: Server, decode: Server, rooms: int | 
         p_value = forwarded_priority(prefill, view.priority, forward_priority)
         d_value = forwarded_priority(decode, view.priority, forward_priority)
     _priority(own, body, d_value)
-    payload = prefill_payload = _leg(own, shared)
+    empty = _LEG_SET.issuperset(body)  # nothing but the legs' own fields: no members shared
+    payload = prefill_payload = _leg(own, shared, empty)
     if routed or p_value != d_value:
         if routed:
             own["routed_dp_rank"] = rank
         _priority(own, body, p_value)
-        prefill_payload = _leg(own, shared)
+        prefill_payload = _leg(own, shared, empty)
     return LegBodies(payload, prefill_payload, rid, rids, unsuffix)
 
 

@@ -15,8 +15,12 @@ class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
-async def read_body(scope: dict, receive: Receive, limit: int) -> bytes:
-    """The whole request body, refusing more than `limit` bytes without reading them all."""
+async def read_body(scope: dict, receive: Receive, limit: int,
+                    buffer: bool = False) -> bytes | bytearray:
+    """The whole request body, refusing more than `limit` bytes without reading them all.
+    `buffer`: a body with a Content-Length is read into one bytearray of that size, so a
+    large body is held once while it arrives, not as chunks and then their join (twice)."""
+    declared = 0
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:
@@ -27,6 +31,8 @@ async def read_body(scope: dict, receive: Receive, limit: int) -> bytes:
                 raise PayloadTooLarge(f"request body of {declared} bytes exceeds the "
                                       f"limit of {limit} bytes")
             break
+    if buffer and declared > 0:
+        return await _read_into(bytearray(declared), receive, limit)
     chunks = []
     size = 0
     while True:
@@ -41,6 +47,24 @@ async def read_body(scope: dict, receive: Receive, limit: int) -> bytes:
             chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _read_into(data: bytearray, receive: Receive, limit: int) -> bytearray:
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            end = size + len(chunk)
+            if end > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            data[size:end] = chunk
+            size = end
+        if not message.get("more_body", False):
+            del data[size:]  # (a body shorter than declared: the parser refuses it first)
+            return data
 
 
 async def read_json(request: Request, limit: int = SMALL_BODY) -> dict:

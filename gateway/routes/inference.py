@@ -142,7 +142,8 @@ class InferenceEndpoint:
         first), its tokens counted and limited. The body's bytes are not kept past parsing."""
         parts = self.parts
         view = parse_request(self.endpoint,
-                             await read_body(scope, lease.receive, parts.max_body_bytes))
+                             await read_body(scope, lease.receive, parts.max_body_bytes,
+                                             buffer=True))
         view.priority, view.session = ticket.klass, ticket.session  # completing the new view
         parts.usage.parsed(usage, view)  # counted under its model, even when refused
         view = parts.models.resolve(view)  # 404 model_not_found
