@@ -191,6 +191,17 @@ def merge_usage(usages: list) -> dict | None:
 
 # -- merging streams ----------------------------------------------------------------------------
 
+def error_event(obj: dict) -> dict:
+    """A sample's error event as the gateway writes errors (it re-frames the event anyway):
+    `param` present and `code` a string, where SGLang writes the HTTP status as a number."""
+    error = obj.get("error")
+    if isinstance(error, dict):
+        error.setdefault("param", None)
+        if isinstance(error.get("code"), int):
+            error["code"] = str(error["code"])
+    return obj
+
+
 class MergedStream:
     """The n sample streams interleaved as their chunks arrive, re-indexed, one [DONE].
 
@@ -248,7 +259,7 @@ class MergedStream:
                 continue
             if "error" in obj:
                 failed = True
-                out.append(frame(obj))
+                out.append(frame(error_event(obj)))
                 break
             if self._is_usage_chunk(obj):
                 self.usages[j] = obj

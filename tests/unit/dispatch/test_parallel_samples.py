@@ -277,3 +277,26 @@ def test_a_sample_with_a_cut_off_body_is_a_502_not_a_500():
         run(Samples(Proxy()).handle(view, None))
     assert info.value.status == 502 and info.value.leg == "decode"
     assert "sample 1 of 2" in info.value.message
+
+
+def test_a_samples_error_event_is_written_in_the_gateways_shape():
+    """The merge re-frames a sample's error event: `code` a string like every gateway error,
+    where SGLang wrote the status as a number."""
+    broken = [chat_chunks()[0], b'data: {"error": {"message": "decode failed", '
+              b'"type": "InternalServerError", "code": 500}}\n\n', b"data: [DONE]\n\n"]
+    cluster = FakeCluster({P1: FakeServer("prefill"),
+                           D1: FakeServer("decode", chunks=chat_chunks()),
+                           D2: FakeServer("decode", chunks=broken)})
+
+    async def go():
+        async with gateway(cluster) as client:
+            return await client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2,
+                "stream": True})
+
+    r = run(go())
+    assert r.status_code == 200 and r.text.count("[DONE]") == 1
+    errors = [json.loads(e[6:])["error"] for e in r.text.split("\n\n")
+              if e.startswith("data: {") and '"error"' in e]
+    assert errors == [{"message": "decode failed", "type": "InternalServerError",
+                       "code": "500", "param": None}], r.text
