@@ -73,7 +73,7 @@ class ServerLimits:
 
 REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
-BUSY_RETRY_AFTER = b"1"  # seconds: a connection slot frees when any client's request ends
+BUSY_RETRY_AFTER = b"1"  # seconds: a slot frees when a connection closes (idle: within 5 s)
 STALLED = "gateway.stalled"  # scope key set when the response stalled past send_timeout
 DEPARTURE = "gateway.departure"  # scope key: the request's `Departure`
 WHOLE = "gateway.whole"  # scope key: the request's `UvicornSend.whole`
