@@ -1,0 +1,104 @@
+"""The context check decides by size first: a prompt its size proves over the context is
+refused without tokenizing; a prompt near the limit that nothing can count is refused with
+503 + Retry-After, never forwarded unchecked."""
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from backends.tiny_tokenizer import train, write_model
+from gateway.request import CHAT, GENERATE, parse_request
+from gateway.tokens import context_check
+from gateway.tokens.context_check import fewest_tokens
+from gateway.tokens.prompt_tokens import _shrink, longest_token_bytes
+from gateway.tokens.tokenizer import load_tokenizer
+from tests.unit.fakes import FakeCluster, FakeServer
+from tests.unit.fakes import served_gateway as gateway
+
+P1, D1 = "http://127.0.0.1:30000", "http://127.0.0.1:30001"
+CONTEXT = 100
+TEXTS = ["hello world " * 50, "語" * 300, "ab" * 400, " " * 700, "a\u0301" * 200,
+         "<|user|>" * 40 + "x" * 17 * 30, "".join(chr(c) for c in range(32, 2000))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("model"), train())
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_the_size_bound_never_exceeds_the_true_count(model, text):
+    """Soundness: no text tokenizes to fewer tokens than its characters / token_bytes."""
+    tok = load_tokenizer(model)
+    token_bytes = longest_token_bytes(tok.backend)
+    assert token_bytes is not None
+    view = parse_request(GENERATE, orjson.dumps({"text": text}))
+    assert len(tok.encode_text(text)) >= fewest_tokens(view, token_bytes)
+    chat = {"messages": [{"role": "system", "content": text[:50]},
+                         {"role": "user", "content": text}]}
+    chat_view = parse_request(CHAT, orjson.dumps(chat))
+    assert len(tok.encode_chat(chat)) >= fewest_tokens(chat_view, token_bytes)
+
+
+@pytest.mark.parametrize("normalizer, factor", [
+    (None, 1), ({"type": "NFC"}, 3), ({"type": "StripAccents"}, None),
+    ({"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "Lowercase"}]}, 12),
+    ({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}, 1),
+    ({"type": "Replace", "pattern": {"String": "abcd"}, "content": "x"}, 4),
+], ids=["none", "nfc", "strip-accents-no-bound", "sequence", "space-to-metaspace", "shrinking"])
+def test_how_far_a_normalizer_can_shrink_a_text(normalizer, factor):
+    assert _shrink(normalizer) == factor
+
+
+def cluster(tokenize_fails: bool = False, tokenize_hangs: bool = False) -> FakeCluster:
+    info = {"context_length": CONTEXT}
+    fake = FakeCluster({P1: FakeServer("prefill", info=info),
+                        D1: FakeServer("decode", info=info)})
+    handle = fake.handle
+
+    async def scripted(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/tokenize":
+            if tokenize_hangs:
+                await asyncio.Event().wait()
+            if tokenize_fails:
+                return httpx.Response(500, json={"error": {"message": "tokenizer down"}})
+        return await handle(request)
+
+    fake.handle = scripted
+    return fake
+
+
+def post(fake, body: dict, *extra: str):
+    async def go():
+        async with gateway(fake, *extra) as (client, gw):
+            r = await client.post("/generate", json=body)
+            return r, gw
+
+    return asyncio.run(asyncio.wait_for(go(), 20))
+
+
+def test_a_prompt_its_size_proves_over_is_refused_without_tokenizing(model):
+    text = "ab " * 1000  # 3000 characters: over 100 tokens of at most 17 bytes each
+    fake = cluster()
+    r, gw = post(fake, {"text": text}, "--tokenizer", str(model))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "by its size" in error["message"]
+    assert gw.tokens.counted == 0  # the tokenizer here was not asked
+    assert fake.servers[D1].tokenized == 0 and not fake.servers[D1].received
+    assert not fake.servers[P1].received
+
+
+@pytest.mark.parametrize("how", ["fails", "hangs"])
+def test_a_near_limit_prompt_nothing_can_count_is_refused_not_forwarded(monkeypatch, how):
+    monkeypatch.setattr(context_check, "TOKENIZE_TIMEOUT", 0.2)
+    fake = cluster(tokenize_fails=how == "fails", tokenize_hangs=how == "hangs")
+    r, _ = post(fake, {"text": "x" * 260})  # no tokenizer here: only a server could count
+    assert r.status_code == 503, r.text
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == "context_check_unavailable"
+    assert not fake.servers[D1].received and not fake.servers[P1].received
+    short, _ = post(fake, {"text": "short"})  # far below the limit: no count needed
+    assert short.status_code == 200
