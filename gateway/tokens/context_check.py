@@ -25,7 +25,7 @@ check"):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import httpx
@@ -38,6 +38,7 @@ NEAR = 0.5  # estimates above this share of the context are counted exactly
 TOKENIZE_TIMEOUT = 2.0  # seconds for /v1/tokenize of a short prompt, plus:
 TOKENIZE_BYTES_PER_S = 4 << 20  # a server's tokenizer is given a second per 4 MiB of prompt
 RETRY_AFTER = "2"
+SLICE = 1 << 20  # a large prompt goes to /v1/tokenize in slices of this many bytes
 
 
 class CountUnavailable(ServiceUnavailable):
@@ -188,26 +189,42 @@ class ContextCheck:
         return view
 
     async def _count(self, view: RequestView) -> list[int] | None:
-        """Exact prompt lengths from a server's own tokenizer, or None if it cannot say."""
+        """Exact prompt lengths from a server's own tokenizer, or None if none can say in
+        time: the servers are asked in turn, within one deadline for them all, with one
+        encoding of the prompt (it may be as large as the body)."""
         body = self._tokenize_body(view)
         if body is None or self.client is None:
             return None
         model = self.models.of(view)
-        deadline = TOKENIZE_TIMEOUT + (view.size or most_tokens(view)) / TOKENIZE_BYTES_PER_S
-        for server in model.usable("decode") + model.usable("prefill"):
-            try:
-                async with asyncio.timeout(deadline):
-                    response = await self.client.post(server.url + "/v1/tokenize",
-                                                      content=orjson.dumps(body))
-                if response.status_code != 200:
-                    continue
-                count = response.json().get("count")
-            except (httpx.HTTPError, TimeoutError, ValueError, AttributeError):
-                continue
-            if isinstance(count, int):
-                return [count]
-            if isinstance(count, list) and all(isinstance(c, int) for c in count):
-                return count
+        content = orjson.dumps(body)
+        try:
+            async with asyncio.timeout(TOKENIZE_TIMEOUT + len(content) / TOKENIZE_BYTES_PER_S):
+                for server in model.usable("decode") + model.usable("prefill"):
+                    count = await self._ask(server.url, content)
+                    if count is not None:
+                        return count
+        except TimeoutError:
+            pass
+        return None
+
+    async def _ask(self, url: str, content: bytes) -> list[int] | None:
+        try:
+            if len(content) > SLICE:  # in slices: httpx would join head and body (a copy)
+                response = await self.client.post(
+                    url + "/v1/tokenize", content=_slices(content),
+                    headers={"content-length": str(len(content)),
+                             "content-type": "application/json"})
+            else:
+                response = await self.client.post(url + "/v1/tokenize", content=content)
+            if response.status_code != 200:
+                return None
+            count = response.json().get("count")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        if isinstance(count, int):
+            return [count]
+        if isinstance(count, list) and all(isinstance(c, int) for c in count):
+            return count
         return None
 
     @staticmethod
@@ -225,6 +242,11 @@ class ContextCheck:
                                            and all(isinstance(p, str) for p in prompt)):
                 return {"prompt": prompt}
         return None
+
+
+async def _slices(content: bytes) -> AsyncIterator[bytes]:
+    for start in range(0, len(content), SLICE):
+        yield content[start:start + SLICE]
 
 
 def _fits(lengths, context: int, new: int | None) -> None:

@@ -102,3 +102,14 @@ def test_a_near_limit_prompt_nothing_can_count_is_refused_not_forwarded(monkeypa
     assert not fake.servers[D1].received and not fake.servers[P1].received
     short, _ = post(fake, {"text": "short"})  # far below the limit: no count needed
     assert short.status_code == 200
+
+
+def test_a_large_prompt_is_counted_by_a_server_in_one_deadline():
+    """Without a tokenizer here, a large prompt goes to /v1/tokenize (in slices, the body's
+    length declared) and the server's count decides: 400, nothing forwarded."""
+    fake = cluster()
+    text = "x" * (3 << 20)
+    r, _ = post(fake, {"text": text})
+    assert r.status_code == 400, r.text
+    assert f"the prompt has {len(text) // 2} tokens" in r.json()["error"]["message"]
+    assert fake.servers[D1].tokenized == 1 and not fake.servers[D1].received
