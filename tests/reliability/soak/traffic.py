@@ -115,8 +115,12 @@ def _check_stream(request: Request, body: bytes) -> Failure | None:
     if not events:
         return "malformed_sse", "no events before [DONE]"
     if request.kind.startswith("generate"):
-        return _check_native(request, events[-1])
-    return _check_openai_stream(request, events)
+        found = _check_native(request, events[-1])
+    else:
+        found = _check_openai_stream(request, events)
+    if found is None:
+        return None
+    return found[0], f"{found[1]}; {len(events)} events, the last: {_excerpt(lines[-3:-1])}"
 
 
 def _check_openai_stream(request: Request, events: list[dict]) -> Failure | None:
