@@ -25,7 +25,7 @@ class Body:
 
     def __init__(self, *parts: bytes | memoryview) -> None:
         self.parts = parts
-        self.size = sum(len(p) for p in parts)
+        self.size = sum(map(len, parts))
 
     def __len__(self) -> int:
         return self.size
