@@ -1,9 +1,11 @@
 """The inference endpoints as pure ASGI apps: the request path, kept short.
 
 auth -> tenancy headers (tenant, priority class, deadline, session:
-gateway/admission/tenancy.py) -> read body -> parse once -> the request's model
-(gateway/scheduling/models.py: 404 for an unknown one) -> count prompt tokens (exact with the
-model's tokenizer) -> per-key token limit -> context check -> in-flight table -> admission
+gateway/admission/tenancy.py) -> read body (charged to the in-flight body budget:
+gateway/admission/body_budget.py) -> parse once -> the request's model
+(gateway/scheduling/models.py: 404 for an unknown one) -> a prompt over the context by its
+size alone refused -> count prompt tokens (exact with the model's tokenizer) -> per-key token
+limit -> context check -> in-flight table -> admission
 slot (fair queue) -> serve (one PD request, or n single-sample ones for n > 1) -> the answer,
 an ASGI response that sends itself (gateway/routes/answer.py). The disconnect watch is armed
 before the admission wait, so a client that leaves while queued leaves the queue at once. The
@@ -151,12 +153,13 @@ class InferenceEndpoint:
         if items is not None and items > parts.max_items:
             raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
                              f"{parts.max_items} per request")
-        counting = parts.context.check(view)  # a coroutine only near the context limit
-        if counting is not None:
-            view = await counting
+        parts.context.refuse_by_size(view)  # over the context by its size alone: 400
         if parts.tokens.wanted(view):
             view = await parts.tokens.count(view)
         parts.limits.take_tokens(caller.key_index, view.prompt_tokens)
+        counting = parts.context.check(view)  # a coroutine only near the context limit
+        if counting is not None:
+            view = await counting
         return view
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, interrupt: Interrupt,

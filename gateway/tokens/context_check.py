@@ -157,17 +157,29 @@ class ContextCheck:
         if view.lengths is not None:
             _fits(view.lengths, context, new)
             return None
-        tokens = self.tokens
-        if tokens is not None and tokens.token_bytes and tokens.serves(view):
-            least = fewest_tokens(view, tokens.token_bytes)
-            if least >= context or (new is not None and least + new > context):
-                raise BadRequest(f"the prompt has at least {least} tokens (by its size), and "
-                                 f"the model's context length is {context} tokens"
-                                 + (f" ({new} new tokens asked for)" if new else "")
-                                 + ": it does not fit", code="context_length_exceeded")
+        self._by_size(view, context, new)
         if most_tokens(view) + (new or 0) < NEAR * context:
             return None
         return self._check_counted(view, context, new)
+
+    def refuse_by_size(self, view: RequestView) -> None:
+        """Raise BadRequest when the prompt's size alone proves it over the context (asked
+        before anything is tokenized); nothing else is decided here."""
+        if view.lengths is None and self.tokens is not None and self.tokens.token_bytes:
+            context = self.context_length(view)
+            if context is not None:
+                self._by_size(view, context, requested_new_tokens(view))
+
+    def _by_size(self, view: RequestView, context: int, new: int | None) -> None:
+        tokens = self.tokens
+        if tokens is None or not tokens.token_bytes or not tokens.serves(view):
+            return
+        least = fewest_tokens(view, tokens.token_bytes)
+        if least >= context or (new is not None and least + new > context):
+            raise BadRequest(f"the prompt has at least {least} tokens (by its size), and "
+                             f"the model's context length is {context} tokens"
+                             + (f" ({new} new tokens asked for)" if new else "")
+                             + ": it does not fit", code="context_length_exceeded")
 
     async def _check_counted(self, view: RequestView, context: int,
                              new: int | None) -> RequestView:
