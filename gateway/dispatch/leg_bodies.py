@@ -23,7 +23,7 @@ from gateway.config.tenants import KEEP, forwarded_priority
 from gateway.dispatch.attempt import make_rids
 from gateway.errors import BadRequest
 from gateway.observability.answer_tokens import usage_forced
-from gateway.request import RequestView
+from gateway.request import DP_FIELDS, PD_FIELDS, RequestView
 from gateway.servers.pool import Server
 from gateway.upstream.base import Body
 
@@ -32,6 +32,9 @@ from gateway.upstream.base import Body
 LEG_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid",
               "disagg_prefill_dp_rank", "routed_dp_rank", "priority", "stream_options")
 _LEG_SET = frozenset(LEG_FIELDS)
+# a body naming any of these (even null) is encoded, not forwarded as sent: the client's bytes
+# could hold the name twice, and only the value the gateway read may reach a server
+_RAW_UNLESS = _LEG_SET | frozenset(PD_FIELDS + DP_FIELDS)
 
 
 @dataclass(slots=True)
@@ -52,14 +55,12 @@ def shared_part(view: RequestView) -> memoryview:
     if shared is None:
         body = view.body
         source = view.source
-        if _LEG_SET.isdisjoint(body):
-            if source is not None and source[0] is body:  # orjson parsed these very bytes
-                raw = source[1]
-                shared = memoryview(raw)[raw.index(b"{") + 1:raw.rindex(b"}")]
-            rest = body
+        if source is not None and source[0] is body and _RAW_UNLESS.isdisjoint(body):
+            raw = source[1]  # the bytes orjson parsed into this very body
+            shared = memoryview(raw)[raw.index(b"{") + 1:raw.rindex(b"}")]
         else:
-            rest = {k: v for k, v in body.items() if k not in _LEG_SET}
-        if shared is None:
+            rest = body if _LEG_SET.isdisjoint(body) else {
+                k: v for k, v in body.items() if k not in _LEG_SET}
             try:
                 encoded = orjson.dumps(rest)
             except orjson.JSONEncodeError as exc:  # e.g. nesting deeper than orjson writes

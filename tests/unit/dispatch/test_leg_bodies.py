@@ -70,3 +70,14 @@ def test_the_samples_of_one_request_share_one_encoding():
               for room in (1, 2, 3)]
     assert bodies[0].parts[1] is bodies[1].parts[1] is bodies[2].parts[1]
     assert joined(bodies[0])["n"] == 1  # the sample's body, not the client's bytes
+
+
+def test_a_gateway_field_named_twice_reaches_the_servers_once_as_the_gateway_read_it():
+    """The client's bytes go as they are only when they name no field the gateway owns: a
+    name given twice (`3`, then `null`, which the gateway reads and lets pass) would reach a
+    server twice, and a server reading the first would pin a rank."""
+    raw = b'{"text": "a", "data_parallel_rank": 3, "data_parallel_rank": null}'
+    view = parse_request(GENERATE, raw)
+    legs = leg_bodies(view, PREFILL, DECODE, 9, None, False, "off")
+    assert legs.payload.parts[1].obj is not raw
+    assert joined(legs.payload)["data_parallel_rank"] is None  # (unique_keys: named once)
