@@ -25,6 +25,7 @@ check"):
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -39,6 +40,9 @@ TOKENIZE_TIMEOUT = 2.0  # seconds for /v1/tokenize of a short prompt, plus:
 TOKENIZE_BYTES_PER_S = 4 << 20  # a server's tokenizer is given a second per 4 MiB of prompt
 RETRY_AFTER = "2"
 SLICE = 1 << 20  # a large prompt goes to /v1/tokenize in slices of this many bytes
+SCAN_WINDOW = 64 << 10  # bytes of the answer kept from one read to the next while scanning
+# `"count": N` or a batch's `"count": [N, ...]`, whole (the delimiter after it has arrived)
+_COUNT = re.compile(rb'"count"\s*:\s*(\d+(?=[\s,}])|\[[\d\s,]*\])')
 
 
 class CountUnavailable(ServiceUnavailable):
@@ -220,23 +224,25 @@ class ContextCheck:
         return None
 
     async def _ask(self, url: str, content: bytes) -> list[int] | None:
+        """The `count` of one server's /v1/tokenize answer. The answer also lists every
+        token id (SGLang's `tokens` comes first: tens of MB for a huge prompt, hundreds as
+        Python ints), so it is scanned as it streams in, never held or parsed whole."""
+        headers = {"content-length": str(len(content)), "content-type": "application/json"}
+        body = _slices(content) if len(content) > SLICE else content
         try:
-            if len(content) > SLICE:  # in slices: httpx would join head and body (a copy)
-                response = await self.client.post(
-                    url + "/v1/tokenize", content=_slices(content),
-                    headers={"content-length": str(len(content)),
-                             "content-type": "application/json"})
-            else:
-                response = await self.client.post(url + "/v1/tokenize", content=content)
-            if response.status_code != 200:
-                return None
-            count = response.json().get("count")
-        except (httpx.HTTPError, ValueError, AttributeError):
+            async with self.client.stream("POST", url + "/v1/tokenize", content=body,
+                                          headers=headers) as response:
+                if response.status_code != 200:
+                    return None
+                window = b""
+                async for chunk in response.aiter_bytes():
+                    window = window[-SCAN_WINDOW:] + chunk
+                    found = _COUNT.search(window)
+                    if found is not None:
+                        count = orjson.loads(found.group(1))
+                        return [count] if isinstance(count, int) else count
+        except (httpx.HTTPError, orjson.JSONDecodeError):
             return None
-        if isinstance(count, int):
-            return [count]
-        if isinstance(count, list) and all(isinstance(c, int) for c in count):
-            return count
         return None
 
     @staticmethod

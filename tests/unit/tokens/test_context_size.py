@@ -3,6 +3,7 @@ refused without tokenizing; a prompt near the limit that nothing can count is re
 503 + Retry-After, never forwarded unchecked."""
 
 import asyncio
+import tracemalloc
 
 import httpx
 import orjson
@@ -113,3 +114,42 @@ def test_a_large_prompt_is_counted_by_a_server_in_one_deadline():
     assert r.status_code == 400, r.text
     assert f"the prompt has {len(text) // 2} tokens" in r.json()["error"]["message"]
     assert fake.servers[D1].tokenized == 1 and not fake.servers[D1].received
+
+
+def test_a_servers_count_is_read_without_holding_its_token_list():
+    """SGLang's /v1/tokenize lists every token id before the count: the answer is scanned as
+    it streams (the count found even when a read ends inside it), never parsed whole (a
+    million ids would be ~36 MB of Python ints)."""
+    ids = b",".join(b"%d" % (100_000 + i) for i in range(1_000_000))
+    answer = b'{"tokens":[' + ids + b'],"count": 1000000,"max_model_len":100}'
+    cut = answer.index(b'"count": 1000000') + len(b'"count": 100')  # a read ends in it
+    pieces = [answer[i:i + 65536] for i in range(0, cut, 65536)]
+    pieces[-1] = answer[(len(pieces) - 1) * 65536:cut]
+    pieces.append(answer[cut:])
+    fake = cluster()
+    handle = fake.handle
+
+    async def scripted(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/tokenize":
+            return httpx.Response(200, stream=_Pieces(pieces))
+        return await handle(request)
+
+    fake.handle = scripted
+    tracemalloc.start()
+    try:
+        r, _ = post(fake, {"text": "x" * 300})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert r.status_code == 400, r.text
+    assert "the prompt has 1000000 tokens" in r.json()["error"]["message"]
+    assert peak < 16 << 20, f"{peak >> 20} MB traced at the peak"
+
+
+class _Pieces(httpx.AsyncByteStream):
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def __aiter__(self):
+        for piece in self.pieces:
+            yield piece
