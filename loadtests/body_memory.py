@@ -2,7 +2,8 @@
 
 For each row a fresh gateway process (so its VmHWM, the kernel's high-water resident set, is
 that row's own) serves N concurrent chat requests of one large body (default 30 MiB, in one
-user message) in front of the PD stub (`loadtests.pdstub`, zero compute), and the table shows
+user message) in front of the PD stub (`loadtests.pdstub`, zero compute; `--backend sim`: the
+simulator, which also answers `/v1/tokenize`), and the table shows
 how far the gateway's resident set rose above where it stood just before: the peak (VmHWM
 minus VmRSS before), that peak as a multiple of the bodies' total size, and what stayed
 resident once every answer was in. `--base FOLDER` runs the same rows against the gateway of
@@ -24,11 +25,13 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from loadtests.launch import HOST, ROOT, free_port, running, stop_after
 from loadtests.procstat import descendants
+from loadtests.routing.cluster import SimServer
 
 MIB = 1 << 20
 # the stub with another context length in its /v1/models (its only model card)
@@ -99,6 +102,28 @@ async def burst(port: int, body: bytes, concurrent: int, timeout: float) -> Coun
     return Counter(await asyncio.gather(*(one() for _ in range(concurrent))))
 
 
+@contextlib.contextmanager
+def servers(backend: str, context: int, log_dir: Path) -> Iterator[dict]:
+    """One prefill and one decode server: the PD stub (one process) or two simulators."""
+    ports = {"prefill": free_port(), "bootstrap": free_port(), "decode": free_port()}
+    with contextlib.ExitStack() as stack:
+        if backend == "stub":
+            argv = [sys.executable, "-c", _STUB, str(context), "--host", HOST,
+                    "--prefill-port", str(ports["prefill"]), "--bootstrap-port",
+                    str(ports["bootstrap"]), "--decode-port", str(ports["decode"]),
+                    "--pair-timeout", "60"]
+            stack.enter_context(running("pdstub", argv, log_dir,
+                                        f"http://{HOST}:{ports['prefill']}/health", cwd=ROOT))
+        else:
+            flags = ("--fast", "--context-length", str(context), "--log-level", "warning")
+            for role in ("prefill", "decode"):
+                sim = SimServer(role, ports[role],
+                                ports["bootstrap"] if role == "prefill" else None)
+                stack.enter_context(running(f"sim-{role}", sim.argv(*flags), log_dir,
+                                            sim.url + "/health", cwd=ROOT))
+        yield ports
+
+
 def gateway_argv(base: Path | None, port: int, stub: dict, budget: int) -> list[str]:
     args = ["--host", HOST, "--port", str(port), "--log-level", "warning",
             "--prefill", f"http://{HOST}:{stub['prefill']}", str(stub["bootstrap"]),
@@ -152,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base", type=Path, default=None,
                         help="also run the gateway of this checkout (a folder with gateway/)")
     parser.add_argument("--base-only", action="store_true", help="only the --base rows")
+    parser.add_argument("--backend", choices=("stub", "sim"), default="stub",
+                        help="the PD stub (zero compute), or the simulator (/v1/tokenize too)")
     parser.add_argument("--context", type=int, default=100_000_000,
                         help="context length the stub reports (tokens)")
     parser.add_argument("--budget", type=int, default=None,
@@ -169,16 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     targets = [("base", args.base)] if args.base is not None else []
     if not args.base_only:
         targets.append(("this", None))
-    stub = {"prefill": free_port(), "bootstrap": free_port(), "decode": free_port()}
-    stub_argv = [sys.executable, "-c", _STUB, str(args.context), "--host", HOST,
-                 "--prefill-port", str(stub["prefill"]), "--bootstrap-port",
-                 str(stub["bootstrap"]), "--decode-port", str(stub["decode"]),
-                 "--pair-timeout", "60"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="body_memory-") as tmp:
         log_dir = Path(tmp)
-        with running("pdstub", stub_argv, log_dir, f"http://{HOST}:{stub['prefill']}/health",
-                     cwd=ROOT):
+        with servers(args.backend, args.context, log_dir) as stub:
             for concurrent in args.concurrent:
                 for name, base in targets:
                     rows.append(run_row(name, base, stub, body, concurrent, budget, log_dir,
