@@ -120,7 +120,8 @@ class GatewayConfig:
 
     # Retries
     max_attempts: Annotated[int, Field(ge=1, le=20)] = _opt(
-        3, "attempts per request (1 = no retry), each with a new pair")
+        5, "attempts per request (1 = no retry), each with a new pair; a rescue and a "
+        "refused connection do not count")
     retry_backoff: Annotated[float, Field(ge=0, le=60)] = _opt(
         0.05, "first retry delay in seconds (doubles, with jitter)")
     retry_backoff_max: Annotated[float, Field(ge=0, le=600)] = _opt(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
+from gateway.dispatch.stream_end import closing_events
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
 from gateway.sse import DONE, NOT_JSON, EventSplitter, frame, parsed
 
@@ -55,8 +56,17 @@ class Continuation:
         self.stream_id: object = None
         self.prompt_tokens: int | None = None
         self._skip_role = view is not None and view.endpoint == CHAT
+        self._end = DONE
 
     # -- building ---------------------------------------------------------------------------
+
+    @classmethod
+    def _ended(cls, view: RequestView, seen: list[dict], finished: bool,
+               generated: int) -> Continuation:
+        """Nothing left to generate: only the end of the stream (`closing`)."""
+        cont = cls(None, seen)
+        cont._end = closing_events(view, seen, finished, generated)
+        return cont
 
     @classmethod
     def build(cls, view: RequestView, seen: list[dict]) -> Continuation | None:
@@ -80,8 +90,9 @@ class Continuation:
         body = dict(view.body)
         body.pop("rid", None)
         params = dict(body.get("sampling_params") or {})
-        if _finished(meta.get("finish_reason")) or not _spend(params, "max_new_tokens", len(ids)):
-            return cls(None, seen)
+        finished = _finished(meta.get("finish_reason"))
+        if finished or not _spend(params, "max_new_tokens", len(ids)):
+            return cls._ended(view, seen, finished, len(ids))
         if "min_new_tokens" in params and isinstance(params["min_new_tokens"], int):
             params["min_new_tokens"] = max(0, params["min_new_tokens"] - len(ids))
         body["sampling_params"] = params
@@ -113,7 +124,7 @@ class Continuation:
         body.pop("rid", None)
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         if finished or not _spend(body, key, count):
-            return cls(None, seen)
+            return cls._ended(view, seen, finished, count)
         body["messages"] = list(body["messages"]) + [{"role": "assistant",
                                                       "content": "".join(parts)}]
         body["continue_final_message"] = True
@@ -133,7 +144,7 @@ class Continuation:
         body = dict(view.body)
         body.pop("rid", None)
         if finished or not _spend(body, "max_tokens", len(parts)):
-            return cls(None, seen)
+            return cls._ended(view, seen, finished, len(parts))
         body["prompt"] = body["prompt"] + "".join(parts)
         cont = cls(_view(view, body, len(parts)), seen)
         cont.generated = len(parts)
@@ -194,8 +205,9 @@ class Continuation:
         return obj
 
     def closing(self) -> bytes:
-        """The end of a stream that was already complete when its decode failed."""
-        return DONE
+        """The end of a stream that had nothing left to generate when its decode failed:
+        its missing finish and usage events (gateway/dispatch/stream_end.py), [DONE]."""
+        return self._end
 
 
 def _finished(reason: object) -> bool:

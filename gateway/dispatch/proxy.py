@@ -6,7 +6,8 @@ errors, timeouts, 408/429/5xx, broken answers), with a new pair and new rooms, c
 exponential backoff with jitter, and within the request's total deadline. `--max-attempts`
 counts the attempts that failed on their servers; an attempt the gateway stopped itself to
 move it elsewhere (a rescue: its server was marked down, opened its breaker, or its pair is
-suspected hung) does not count, up to twice `--max-attempts` attempts in all.
+suspected hung) and one whose server refused the connection do not count, up to twice
+`--max-attempts` attempts in all.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from gateway.observability.metrics import Metrics
 from gateway.request import RequestView
 from gateway.scheduling.scheduler import Scheduler
 from gateway.servers.pool import Server
+from gateway.upstream.client import REFUSED
+
+# failures that do not spend an attempt: the gateway stopped it to move it (a rescue), or
+# the server refused the connection (nothing was sent, nothing computed)
+FREE = frozenset({RESCUED, REFUSED})
 
 
 class Proxy:
@@ -68,7 +74,7 @@ class Proxy:
                     if tracked.trace is not None:
                         tracked.trace.failed(exc, number - 1)
                     last_error = exc
-                    failed += exc.reason != RESCUED
+                    failed += exc.reason not in FREE
                     if not exc.retryable or failed == self.max_attempts \
                             or number == 2 * self.max_attempts:
                         raise

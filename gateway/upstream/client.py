@@ -28,6 +28,7 @@ __all__ = ["Upstream", "UpstreamResponse",
            "ssl_context", "status_error", "translate_errors", "translated", "upstream_message"]
 
 RETRYABLE_STATUSES = frozenset({408, 429})
+REFUSED = "refused"  # UpstreamError.reason: nothing listens there (nothing was sent)
 
 
 class translate_errors:  # lower case: used as a context manager
@@ -65,7 +66,8 @@ def translated(leg: str, url: str, exc: Exception) -> UpstreamError | None:
         return None  # the caller's own deadline: it knows which timeout and answers 504
     if isinstance(exc, ConnectFailed):
         return UpstreamError(f"{leg} server {url} refused or dropped the connection: {exc}",
-                             leg=leg, server_url=url, retryable=True)
+                             leg=leg, server_url=url, retryable=True,
+                             reason=REFUSED if exc.cause == "ConnectionRefusedError" else None)
     if isinstance(exc, TransportError | OSError):
         cause = exc.cause if isinstance(exc, TransportError) else type(exc).__name__
         return UpstreamError(f"{leg} server {url} failed: {cause}: {exc}",

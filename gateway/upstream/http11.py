@@ -345,7 +345,8 @@ class HTTPClient:
             if isinstance(exc, TimeoutError):
                 raise ConnectFailed(f"connect to {pool.authority} timed out") from None
             if isinstance(exc, OSError):  # ssl.SSLError included: a refused certificate
-                raise ConnectFailed(f"cannot connect to {pool.authority}: {exc}") from None
+                raise ConnectFailed(f"cannot connect to {pool.authority}: {exc}",
+                                    cause=type(exc).__name__) from None
             raise
         pool.pending -= 1
         pool.active.add(connection)

@@ -77,3 +77,33 @@ def test_aiohttp_errors(exc, expected):
 
 def test_the_callers_own_deadline_passes_as_it_is():
     assert translated("decode", "http://d", TimeoutError()) is None
+
+
+def test_a_refused_connection_of_the_fast_client_is_marked_refused():
+    """Nothing listens: the request was never sent, so the retry does not spend an attempt
+    (gateway/dispatch/proxy.py FREE)."""
+    import asyncio
+    import socket
+
+    from gateway.upstream.errors import ConnectFailed
+    from gateway.upstream.http11 import HTTPClient
+
+    with socket.socket() as probe:  # a port nobody listens on: bound, never listening
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+        async def go() -> ConnectFailed:
+            client = HTTPClient(connect_timeout=2.0)
+            try:
+                await client.post(f"http://127.0.0.1:{port}", "/generate", b"{}")
+            except ConnectFailed as exc:
+                return exc
+            finally:
+                client.close()
+            raise AssertionError("connected")
+
+        error = asyncio.run(go())
+    upstream = translated("decode", f"http://127.0.0.1:{port}", error)
+    assert upstream is not None and upstream.retryable and upstream.reason == "refused"
+    other = translated("decode", "http://d", ConnectFailed("connect to d timed out"))
+    assert other is not None and other.reason is None

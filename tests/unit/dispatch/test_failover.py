@@ -133,3 +133,43 @@ def test_partial_events_are_never_relayed_before_their_end():
 
     events = objects(run(go()).text)  # parses: no torn event reached the client
     assert [e["text"] for e in events] == [" a", " a b"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_stream_cut_after_its_last_token_gets_its_finish_and_usage(include_usage):
+    """The budget is spent (2 tokens) when the decode dies: nothing to continue, but the
+    client still gets the finish SGLang would have sent, the usage it asked for, [DONE]."""
+    dying = [chat_chunk({"role": "assistant", "content": ""}), chat_chunk({"content": " a"}),
+             chat_chunk({"content": " b"}), b"<error>"]
+    fake = cluster(dying, [])
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+
+    async def go():
+        async with gateway(fake) as (client, _):
+            return await client.post("/v1/chat/completions", json=body)
+
+    events = objects(run(go()).text)
+    assert not any("error" in e for e in events)
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    assert all(e["id"] == "chat-1" for e in events)
+    usage = [e["usage"] for e in events if e.get("usage")]
+    assert usage == ([{"prompt_tokens": usage[0]["prompt_tokens"], "completion_tokens": 2,
+                       "total_tokens": usage[0]["prompt_tokens"] + 2}] if include_usage else [])
+    assert not fake.servers[D2].received
+
+
+def test_a_native_stream_cut_after_its_budget_gets_its_length_finish():
+    dying = [native(" a", [11]), native(" a b", [11, 12]), b"<error>"]
+    fake = cluster(dying, [])
+
+    async def go():
+        async with gateway(fake) as (client, _):
+            return await client.post("/generate", json={
+                "input_ids": [1], "stream": True, "sampling_params": {"max_new_tokens": 2}})
+
+    events = objects(run(go()).text)
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+    assert events[-1]["text"] == " a b" and events[-1]["meta_info"]["completion_tokens"] == 2
