@@ -196,6 +196,15 @@ class AdmissionCollector(Collector):
         for (tenant, priority), count in sorted(self.admission.waiting().items()):
             waiting.add_metric([tenant, priority], count)
         yield from (active, waiting)
+        try:  # scraped from the loop's own /metrics route; elsewhere there is no loop to count
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:
+            return
+        alive = GaugeMetricFamily(
+            "gateway_event_loop_tasks", "asyncio tasks alive in this process (at rest, a "
+            "count that grows after traffic is a leak)")
+        alive.add_metric([], tasks)
+        yield alive
 
 
 class SchedulerCollector(Collector):

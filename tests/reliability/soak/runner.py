@@ -56,6 +56,7 @@ def run_soak(seed: int, log_dir: Path, options: SoakOptions = SoakOptions()) -> 
     result = SoakResult(seed, options.seconds, schedule)
     with running_rig(log_dir, options.gateway_args, N_PREFILL, N_DECODE) as rig:
         result.servers = {s.name: s.url for s in rig.servers} | {"gateway": rig.gateway}
+        result.measured["tasks_at_rest"] = _tasks(rig)  # before any traffic
         t0 = time.monotonic()
         executor = FaultExecutor(rig, schedule, t0)
         executor.start()
@@ -185,6 +186,9 @@ async def _one(client: httpx.AsyncClient, request: Request, slots: asyncio.Semap
     return Outcome(request.kind, started - t0, latency, status, failure)
 
 
+TASK_SLACK = 2  # tasks that may come and go at rest (a probe or a scrape in progress)
+
+
 def leftovers(rig: Rig, concurrency: int, measured: dict[str, object]) -> list[tuple[str, str]]:
     """What the run left behind, once every fault is cleared: (failure kind, detail); the
     figures read go into `measured`."""
@@ -194,6 +198,13 @@ def leftovers(rig: Rig, concurrency: int, measured: dict[str, object]) -> list[t
                    interval=0.5, detail=lambda: _in_flight(rig))
     except AssertionError as exc:
         found.append(("leak_in_flight", f"(server, admission) in flight: {exc}"))
+    rest = int(measured.get("tasks_at_rest", 0))
+    try:
+        wait_until(lambda: _tasks(rig) <= rest + TASK_SLACK, SETTLE,
+                   "the gateway's asyncio tasks back to their count at rest", interval=0.5)
+    except AssertionError as exc:
+        found.append(("leak_tasks", f"{_tasks(rig)} asyncio tasks, {rest} at rest: {exc}"))
+    measured["tasks_after"] = _tasks(rig)
     reused = {s.name: n for s in rig.servers if (n := rig.stats(s)["rooms_reused"])}
     if reused:
         found.append(("room_reused", f"rooms offered twice, by sim: {reused}"))
@@ -217,6 +228,11 @@ def connection_bound(concurrency: int) -> int:
     request that could be open at once (2 legs, n=2 samples), plus one per server for
     health and load probes."""
     return concurrency * 2 * 2 + 2 * (N_PREFILL + N_DECODE)
+
+
+def _tasks(rig: Rig) -> int:
+    """The gateway's asyncio tasks now (`gateway_event_loop_tasks`)."""
+    return int(rig.metrics().total("gateway_event_loop_tasks"))
 
 
 def _in_flight(rig: Rig) -> tuple[float, float]:
