@@ -110,7 +110,7 @@ class _Upstream:
     async def post(self, base_url, path, body, request_id, headers=()) -> _Answer:
         await asyncio.sleep(0)
         streamed = self.events is not None and b"/generate" not in path.encode() \
-            and b'"stream":true' in body
+            and b'"stream":true' in (body if isinstance(body, bytes) else bytes(body))
         return _Answer(self.answer, self.events if streamed else None)
 
     async def close(self) -> None:
