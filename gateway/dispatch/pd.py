@@ -334,6 +334,8 @@ class PDDispatcher:
             return body
         except UpstreamError as exc:
             ok = False if exc.retryable else None
+            if response is not None and not attempt.view.logprob_merge:
+                return b""  # cut after its 200 head: it computed; the decode tells if KV came
             raise
         finally:
             if response is not None:

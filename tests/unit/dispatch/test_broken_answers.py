@@ -119,3 +119,20 @@ def test_a_stream_whose_first_event_is_cut_is_retried_before_the_client_sees_any
         assert [r.content for r in answers] == [b"".join(good)] * 2
         assert fakes.servers[D1].received
     run(go())
+
+
+def test_a_prefill_answer_cut_after_its_head_does_not_fail_the_request():
+    """The prefill computed (it answered 200); its body was cut. The decode says whether the
+    KV came: here it did, so the client gets the decode's answer, and the prefill's breaker
+    hears of the failure."""
+    fakes = FakeCluster({P1: FakeServer("prefill", whole=[b'{"te', b"<error>"]),
+                         D1: FakeServer("decode", whole=[GOOD], delay=0.3)})
+
+    async def go():
+        async with served_gateway(fakes, "--max-attempts", "1") as (client, gw):
+            r = await client.post("/v1/chat/completions", json=CHAT)
+            return r, gw.pool.get(P1).breaker.consecutive_failures
+
+    r, prefill_failures = run(go())
+    assert r.status_code == 200 and r.content == GOOD
+    assert prefill_failures == 1
