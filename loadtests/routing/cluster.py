@@ -45,6 +45,7 @@ class SimOptions:
     page_size: int = 1  # SGLang's default
     dp_ranks: int = 1  # DP ranks per prefill server
     attn_dp: bool = True  # the ranks are attention DP (else plain DP); only with dp_ranks > 1
+    sim_flags: tuple[str, ...] = ()  # more `backends.sim` flags for every server (timing)
 
     @property
     def layout(self) -> str:
@@ -111,7 +112,7 @@ def sim_argv(server: Server, options: SimOptions) -> list[str]:
         if options.dp_ranks > 1:
             flags += ["--dp-size", str(options.dp_ranks)]
             flags += ["--enable-dp-attention"] if options.attn_dp else []
-    return server.argv(*flags)
+    return server.argv(*flags, *options.sim_flags)
 
 
 def free_ports(count: int, taken: set[int]) -> int:
