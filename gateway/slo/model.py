@@ -1,0 +1,191 @@
+"""The PD latency model: a request's TTFT and mean ITL on a (prefill target, decode) pair.
+
+    ttft = wait(prefill) + compute(prefill, new, cached) + transfer(pair, prompt)
+           + admit(decode)
+    itl  = decode_step(decode's batch + 1, its context + this prompt)
+
+* wait: the uncached tokens queued ahead on the prefill target (the larger of its fresh
+  `/v1/loads` `num_waiting_uncached_tokens` and what this gateway has in flight there, never
+  the sum: ours are among the server's) over its speed;
+* compute: the prompt's uncached part at the server's measured prefill speed (`/v1/loads`
+  busy counters, `ServerLoad.prefill_speed`), plus attention over the cached part, scaled
+  like the speed; the physics prior (gateway/slo/physics.py) until the server has prefilled;
+* transfer: KV bytes per prompt token over the link, plus one setup;
+* admit: one decode step while the decode has room (`max_running_requests`), else the wait
+  for running requests to finish (their learned mean duration);
+* decode_step: the physics prior at the decode's running batch and context tokens.
+
+Learned online (`observe`): the gateway compares what it predicted with what it saw (TTFT
+from the pick, mean ITL of the stream) and keeps, per prefill target, per (prefill, decode)
+pair and per decode, a factor: an exponentially weighted mean of log(observed / predicted),
+clamped to [1/8, 8]. A pair's factor learns what its prefill's does not (the transfer path,
+the decode's admission). The factors start at 1 (the physics, and the server's own speed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from gateway.servers.pool import Server
+from gateway.slo.physics import H200_LLAMA3_8B, Physics
+
+LOAD_MAX_AGE = 6.0  # seconds a /v1/loads snapshot counts as fresh (three polls at 2 s)
+ALPHA = 0.2  # weight of a new observation in a learned factor
+CLAMP = math.log(8.0)  # a factor stays within [1/8, 8]
+DECODE_DURATION = 10.0  # seconds a request holds a decode slot, until learned
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One pair's forecast for one request, in seconds; `raw_*` before the learned factors
+    (what `observe` compares with)."""
+
+    ttft: float
+    itl: float
+    wait: float
+    compute: float
+    transfer: float
+    admit: float
+    raw_ttft: float
+    raw_itl: float
+
+
+def fresh(server, now: float | None = None, max_age: float = LOAD_MAX_AGE) -> bool:
+    """Whether the server's `/v1/loads` snapshot is recent enough to trust."""
+    updated = server.load.updated_at
+    return updated > 0.0 and (now if now is not None else time.monotonic()) - updated <= max_age
+
+
+def prefill_speed(server, physics: Physics = H200_LLAMA3_8B) -> float:
+    """Tokens/s the server prefills at: measured from its reports, else the prior."""
+    return server.load.prefill_speed or physics.prefill_tokens_per_second
+
+
+def queued_tokens(server, now: float | None = None) -> float:
+    """Uncached prompt tokens waiting ahead of a new request on a prefill server or rank."""
+    ours = float(server.totals()[1])
+    if fresh(server, now):
+        return max(ours, float(server.load.waiting_uncached_tokens))
+    return ours
+
+
+def predicted_wait(server: Server, now: float | None = None,
+                   physics: Physics = H200_LLAMA3_8B) -> float:
+    """Seconds a request arriving now waits in `server`'s prefill queue before its own
+    compute starts: the work ahead of it over the server's speed. Pure (no learned state),
+    so any part of the gateway may ask (the hang deadlines: a queued request is not a hung
+    one)."""
+    return queued_tokens(server, now) / prefill_speed(server, physics)
+
+
+def _log_ratio(observed: float, predicted: float) -> float:
+    ratio = math.log(max(observed, 1e-4) / max(predicted, 1e-4))
+    return max(-CLAMP, min(CLAMP, ratio))
+
+
+class LatencyModel:
+    """Forecasts per pair, with factors learned per server and per pair."""
+
+    def __init__(self, physics: Physics = H200_LLAMA3_8B) -> None:
+        self.physics = physics
+        self._ttft: dict[str, float] = {}  # prefill target url -> log factor
+        self._pair: dict[tuple[str, str], float] = {}  # (prefill, decode) -> log factor
+        self._itl: dict[str, float] = {}  # decode url -> log factor
+        self._duration: dict[str, float] = {}  # decode url -> mean seconds a request holds it
+        self.observed = 0
+
+    # -- the parts -----------------------------------------------------------------------------
+
+    def prefill_part(self, target, new: float, cached: float, now: float) -> tuple[float, float]:
+        """(wait, compute) seconds on a prefill target for `new` uncached tokens after
+        `cached` cached ones."""
+        physics = self.physics
+        speed = prefill_speed(target, physics)
+        scale = physics.prefill_tokens_per_second / speed  # the server's pace against the prior
+        wait = queued_tokens(target, now) / speed
+        compute = 0.0
+        if new > 0:
+            compute = physics.prefill_fixed + new / speed \
+                + physics.attention(new, cached) * scale
+        return wait, compute
+
+    def decode_part(self, decode, prompt: float, now: float) -> tuple[float, float]:
+        """(admit, step) seconds on a decode: the wait for a slot, and its step time once
+        this request runs there."""
+        requests, tokens = decode.totals()
+        load = decode.load
+        batch, context = float(requests), float(tokens)
+        if fresh(decode, now):
+            batch = max(batch, float(load.running + load.waiting - load.settled))
+            context = max(context, float(load.used_tokens))
+        step = self.physics.decode_step(batch + 1, context + prompt)
+        admit = step
+        limit = load.max_running_requests
+        if limit and batch >= limit:  # full: a slot frees as a running request finishes
+            duration = self._duration.get(decode.url, DECODE_DURATION)
+            admit += (batch - limit + 1) / limit * duration
+        return admit, step
+
+    def transfer(self, prompt: float) -> float:
+        """Seconds to move the prompt's KV to the decode (the prior; pairs learn theirs)."""
+        return self.physics.transfer(prompt)
+
+    def combine(self, target_url: str, decode_url: str, wait: float, compute: float,
+                transfer: float, admit: float, step: float) -> Prediction:
+        """The pair's forecast from its parts, with what was learned of its servers."""
+        raw = wait + compute + transfer + admit
+        factor = math.exp(self._ttft.get(target_url, 0.0)
+                          + self._pair.get((target_url, decode_url), 0.0))
+        itl = step * math.exp(self._itl.get(decode_url, 0.0))
+        return Prediction(raw * factor, itl, wait, compute, transfer, admit, raw, step)
+
+    def predict(self, target, decode, prompt: float, cached: float,
+                now: float | None = None) -> Prediction:
+        """The forecast for a request of `prompt` tokens, `cached` of them held by the
+        target, on the pair (target, decode)."""
+        now = time.monotonic() if now is None else now
+        cached = min(cached, prompt)
+        wait, compute = self.prefill_part(target, prompt - cached, cached, now)
+        admit, step = self.decode_part(decode, prompt, now)
+        return self.combine(target.url, decode.url, wait, compute, self.transfer(prompt),
+                            admit, step)
+
+    # -- learning ------------------------------------------------------------------------------
+
+    def observe(self, target_url: str, decode_url: str, predicted: Prediction,
+                ttft: float | None, itl: float | None, duration: float | None = None) -> None:
+        """What one request saw on the pair it was sent to (seconds; None: not seen)."""
+        self.observed += 1
+        if ttft is not None and ttft > 0:
+            error = _log_ratio(ttft, predicted.raw_ttft)
+            own = self._ttft.get(target_url, 0.0)
+            own += ALPHA * (error - own)
+            self._ttft[target_url] = own
+            key = (target_url, decode_url)
+            pair = self._pair.get(key, 0.0)
+            self._pair[key] = pair + ALPHA * ((error - own) - pair)
+        if itl is not None and itl > 0:
+            own = self._itl.get(decode_url, 0.0)
+            self._itl[decode_url] = own + ALPHA * (_log_ratio(itl, predicted.raw_itl) - own)
+        if duration is not None and duration > 0:
+            mean = self._duration.get(decode_url, duration)
+            self._duration[decode_url] = mean + ALPHA * (duration - mean)
+
+    def forget(self, present: set[str]) -> None:
+        """Drop what was learned of servers that left (urls of targets and decodes)."""
+        for table in (self._ttft, self._itl, self._duration):
+            for url in [u for u in table if u not in present]:
+                del table[url]
+        for key in [k for k in self._pair if k[0] not in present or k[1] not in present]:
+            del self._pair[key]
+
+    def factors(self) -> dict:
+        """The learned factors (the admin API's policy figures)."""
+        return {
+            "ttft": {url: round(math.exp(v), 3) for url, v in self._ttft.items()},
+            "pair": {f"{p} -> {d}": round(math.exp(v), 3) for (p, d), v in self._pair.items()},
+            "itl": {url: round(math.exp(v), 3) for url, v in self._itl.items()},
+            "observed": self.observed,
+        }
