@@ -139,6 +139,15 @@ class Metrics:
             "gateway_tenant_queue_time_seconds", "Time queued requests waited for a slot, by "
             "tenant and priority class", ["tenant", "priority"], buckets=LATENCY_BUCKETS,
             registry=own)
+        self.slo_outcomes = Counter(
+            "gateway_slo_requests", "Requests with a latency objective, by priority class and "
+            "outcome: met, missed (TTFT or mean ITL over its objective), shed (refused "
+            "before any prefill work: no pair could meet it), queued (waited for a pair "
+            "that could)", ["priority", "outcome"], registry=own)
+        self.slo_prediction_error = Histogram(
+            "gateway_slo_prediction_error", "Observed / predicted time to first token of "
+            "each request the SLO model forecast (1: exact)", ["role"],
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2, 4), registry=own)
         self.session_picks = Counter(
             "gateway_session_picks", "Prefill choices for requests with a session id: kept "
             "(its remembered server), placed (a new session, hashed onto the servers), moved "
