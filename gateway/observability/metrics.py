@@ -145,8 +145,8 @@ class Metrics:
             "before any prefill work: no pair could meet it), queued (waited for a pair "
             "that could)", ["priority", "outcome"], registry=own)
         self.slo_prediction_error = Histogram(
-            "gateway_slo_prediction_error", "Observed / predicted time to first token of "
-            "each request the SLO model forecast (1: exact)", ["role"],
+            "gateway_slo_prediction_error", "Observed / predicted latency of each request "
+            "the SLO model forecast (1: exact), by kind: ttft, itl (mean)", ["kind"],
             buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2, 4), registry=own)
         self.session_picks = Counter(
             "gateway_session_picks", "Prefill choices for requests with a session id: kept "
