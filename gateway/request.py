@@ -19,8 +19,11 @@ from gateway.errors import BadRequest
 GENERATE = "generate"
 CHAT = "chat"
 COMPLETIONS = "completions"
+RESPONSES = "responses"  # parsed by gateway/responses/view.py, served by its own endpoint
 
 ENDPOINT_PATHS = {GENERATE: "/generate", CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+# every endpoint's upstream path (those above get the plain inference endpoint in app.py)
+UPSTREAM_PATHS = {**ENDPOINT_PATHS, RESPONSES: "/v1/responses"}
 # Fields the gateway owns (docs/SECURITY.md, "Client-supplied routing fields"): PD pairing
 # and DP-rank placement. A client value could collide with the gateway's rooms, or pin a rank
 # that contradicts the room (SGLang fails such a request: CommonKVSender's
@@ -64,7 +67,7 @@ class RequestView:
 
     @property
     def path(self) -> str:
-        return ENDPOINT_PATHS[self.endpoint]
+        return UPSTREAM_PATHS[self.endpoint]
 
     @property
     def room_count(self) -> int | None:

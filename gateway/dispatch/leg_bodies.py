@@ -23,7 +23,7 @@ from gateway.config.tenants import KEEP, forwarded_priority
 from gateway.dispatch.attempt import make_rids
 from gateway.errors import BadRequest
 from gateway.observability.answer_tokens import usage_forced
-from gateway.request import DP_FIELDS, PD_FIELDS, RequestView
+from gateway.request import DP_FIELDS, PD_FIELDS, RESPONSES, RequestView
 from gateway.servers.pool import Server
 from gateway.upstream.base import Body
 
@@ -102,6 +102,8 @@ def leg_bodies(view: RequestView, prefill: Server, decode: Server, rooms: int | 
         own["stream_options"] = body["stream_options"]
     rid, rids, unsuffix = make_rids(body.get("rid"), count)
     own["rid"] = rid
+    if view.endpoint == RESPONSES:  # SGLang's rid there is `request_id` (serving_responses.py)
+        own["request_id"] = rid
     if rank is not None:
         own["disagg_prefill_dp_rank"] = rank
     p_value = d_value = KEEP

@@ -179,7 +179,7 @@ class StreamRelay:
                     model.gap(gaps, now - started)
             if rest := _rest(held, splitter, merger, url):
                 yield (last := _noted(rest, capture, trace))
-            if not last.endswith(DONE):
+            if not (last.endswith(DONE) or _final_event(last)):
                 raise _unfinished(url)
             ok = True
         except UpstreamError as exc:
@@ -241,6 +241,18 @@ def _failure(exc: BaseException, watchdog: StreamWatchdog, url: str) -> BaseExce
     if isinstance(exc, asyncio.CancelledError):
         return watchdog.upstream.reason() or exc
     return translated("decode", url, exc) or exc
+
+
+# streams that end with a typed last event, not [DONE]: SGLang's /v1/responses
+# (`_responses_stream_generator_non_harmony`: response.completed, .incomplete or .failed)
+FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n",
+                b"event: response.failed\n")
+
+
+def _final_event(last: bytes) -> bool:
+    """Whether the last events relayed end with a stream's typed final event."""
+    start = last.rfind(b"\n\n", 0, len(last) - 2) + 2  # (0 when `last` is one event)
+    return last.startswith(FINAL_EVENTS, start if start > 1 else 0)
 
 
 def _unfinished(url: str) -> UpstreamError:

@@ -32,7 +32,7 @@ import re
 
 import orjson
 
-from gateway.request import GENERATE, RequestView
+from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
 from gateway.sse import data_objects
 
 KEY = b'"completion_tokens"'
@@ -41,10 +41,13 @@ FINAL_MARKS = (b'"finish_reason":{', b'"finish_reason": {')
 TAIL_LIMIT = 1 << 16  # bytes of a stream's end that are scanned for its final figures
 
 
+_USAGE_EVENT = (CHAT, COMPLETIONS)  # streams with a usage event (Responses: response.completed)
+
+
 def usage_forced(view: RequestView) -> bool:
     """An OpenAI stream without `stream_options`: the gateway asks for the usage event and
     keeps it from the client."""
-    return view.stream and view.endpoint != GENERATE and "stream_options" not in view.body
+    return view.stream and view.endpoint in _USAGE_EVENT and "stream_options" not in view.body
 
 
 def ask_for_usage(view: RequestView, body: dict) -> None:

@@ -87,9 +87,11 @@ def request_id_of(scope: Scope) -> str:
 
 
 class InferenceEndpoint:
-    def __init__(self, parts: InferenceParts, endpoint: str) -> None:
+    def __init__(self, parts: InferenceParts, endpoint: str,
+                 parse: Callable[[str, bytes | bytearray], RequestView] = parse_request) -> None:
         self.parts = parts
         self.endpoint = endpoint
+        self.parse = parse  # an endpoint of another body shape brings its own (responses/)
         m = parts.metrics
         self._requests = {}
         self._e2e = m.buffered_histogram(m.e2e.labels(endpoint))
@@ -143,9 +145,9 @@ class InferenceEndpoint:
         """The request parsed once, its model resolved, its context checked (by its size
         first), its tokens counted and limited. The body's bytes are not kept past parsing."""
         parts = self.parts
-        view = parse_request(self.endpoint,
-                             await read_body(scope, lease.receive, parts.max_body_bytes,
-                                             buffer=True))
+        view = self.parse(self.endpoint,
+                          await read_body(scope, lease.receive, parts.max_body_bytes,
+                                          buffer=True))
         view.priority, view.session = ticket.klass, ticket.session  # completing the new view
         parts.usage.parsed(usage, view)  # counted under its model, even when refused
         view = parts.models.resolve(view)  # 404 model_not_found
