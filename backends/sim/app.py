@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from backends.sim import info, native, openai, tokenize_api
+from backends.sim import anthropic, info, native, openai, tokenize_api
 from backends.sim.config import SimConfig
 from backends.sim.httpproto import CoalescingHttpToolsProtocol
 from backends.sim.state import SimState
@@ -28,6 +28,8 @@ _ROUTES = [
     Route("/generate", native.generate, methods=["POST", "PUT"]),
     Route("/v1/completions", openai.completions, methods=["POST"]),
     Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+    Route("/v1/messages", anthropic.messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     Route("/abort_request", native.abort_request, methods=["POST"]),
     Route("/flush_cache", native.flush_cache, methods=["GET", "POST"]),
     Route("/health", info.health),
