@@ -98,6 +98,14 @@ class BootstrapServer:
             await self._server.wait_closed()
             self._server = None
 
+    def drop_kv_channels(self) -> None:
+        """Close the decodes' KV channels (a role switch tears the prefill KV manager down:
+        KVManager.teardown); the bootstrap port itself stays open."""
+        for conn in list(self._connections):
+            if conn.link is not None:
+                conn.close()
+        self.pending.clear()
+
     # ---- routes ----------------------------------------------------------
     def answer(self, method: str, path: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
         """(status, content type, body) of one plain HTTP request."""

@@ -16,6 +16,8 @@ from typing import Any, Literal
 Mode = Literal["prefill", "decode", "null"]
 MODES: tuple[str, ...] = ("prefill", "decode", "null")
 SGLANG_VERSION = "0.5.23"
+# model_runner's decode CUDA graph batch sizes as a GPU decode captures them (role switch)
+DEFAULT_GRAPH_BS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
 # arg_groups/fields/parallel.py: the --load-balance-method choices of 0.5.23.
 LOAD_BALANCE_METHODS: tuple[str, ...] = (
     "auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens")
@@ -47,6 +49,8 @@ class Faults:
     truncate_rate: float = 0.0  # that fraction of 200 answers is cut off, then the socket closed
     stall_after: int = 0  # answers stop after N stream chunks, the socket left open (0: off)
     withhold_kv: bool = False  # prefill: take the room, never send the KV, never answer
+    role_switch_fail: bool = False  # /pd_role_switch fails midway: instance unhealthy after
+    gpu_free_gb: float = 80.0  # what get_available_gpu_memory reports (decode graph headroom)
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply a JSON body of knob changes; unknown names raise ValueError."""
@@ -145,6 +149,8 @@ class SimConfig:
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
     abort_on_priority_when_disabled: bool = False
+    enable_pd_role_switch: bool = False  # POST /pd_role_switch allowed (role_switch.py)
+    disable_cuda_graph: bool = False  # no decode graphs captured at launch
     faults: Faults = field(default_factory=Faults, compare=False)
 
     @property
@@ -254,6 +260,11 @@ def _flag_table() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
                                                      "help": "report lower values first"}),
         (("--abort-on-priority-when-disabled",), {"action": "store_true", "help": (
             "answer 503 to requests with a priority while priority scheduling is off")}),
+        (("--enable-pd-role-switch",), {"action": "store_true", "help": (
+            "allow POST /pd_role_switch (prefill <-> decode at runtime; bootstrap server on "
+            "every PD instance)")}),
+        (("--disable-cuda-graph",), {"action": "store_true",
+                                     "help": "no decode CUDA graphs at launch (role switch)"}),
         (("--hang",), {"action": "store_true", "help": "never answer generation requests"}),
         (("--crash-after",), {"type": int, "default": f.crash_after,
                               "help": "exit hard when request N+1 arrives (0: never)"}),
@@ -332,6 +343,7 @@ def _resolve(ns: argparse.Namespace) -> SimConfig:
         enable_priority_scheduling=ns.enable_priority_scheduling,
         schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
         abort_on_priority_when_disabled=ns.abort_on_priority_when_disabled,
+        enable_pd_role_switch=ns.enable_pd_role_switch, disable_cuda_graph=ns.disable_cuda_graph,
         faults=faults, **timing,
     )
 

@@ -216,6 +216,7 @@ async def sim_stats(request: Request) -> Response:
         "dp_ranks": per_rank,
         "rooms_reused": state.stats.rooms_reused + sum(
             r.registry.reused for r in state.ranks if r.registry is not None),
+        "role_switches": state.role_switches,
     }
     return JSONResponse(state.stats.snapshot(state.config.mode, len(state.jobs), extra))
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from backends.sim.bootstrap import BootstrapServer
-from backends.sim.config import SimConfig
+from backends.sim.config import DEFAULT_GRAPH_BS, SimConfig
 from backends.sim.deadlines import DeadlineQueue
 from backends.sim.dp import DpController, DpRank, build_ranks
 from backends.sim.job import Job
@@ -30,6 +30,12 @@ class SimState:
     started: float = field(default_factory=time.monotonic)
     jobs: dict[str, Job] = field(default_factory=dict)  # running items by rid
     generation_requests: int = 0
+    # runtime role switch (role_switch.py): Scheduler._pd_role_switch_* and the decode
+    # CUDA graph batch sizes captured so far (tp_worker.get_decode_cuda_graph_bs)
+    pd_role_switch_unhealthy: bool = False
+    pd_role_switch_in_progress: bool = False
+    decode_graph_bs: list[int] = field(default_factory=list)
+    role_switches: int = 0
 
     @classmethod
     def build(cls, config: SimConfig) -> SimState:
@@ -40,9 +46,14 @@ class SimState:
                     rng=random.Random(config.seed))
         if len(ranks) > 1:
             state.controller = DpController(config, ranks)
-        if config.mode == "prefill":
+        # start_disagg_service (managers/disagg_service.py): a prefill runs the bootstrap
+        # server; with --enable-pd-role-switch every PD instance does, so one flipped to
+        # prefill already has it (it is not rebuilt on a flip)
+        if config.mode == "prefill" or (config.enable_pd_role_switch and config.mode != "null"):
             state.bootstrap = BootstrapServer(config, [r.registry for r in ranks if r.registry])
             state.bootstrap_deadlines = DeadlineQueue(config.bootstrap_timeout)
+        if config.mode == "decode" and not config.disable_cuda_graph:
+            state.decode_graph_bs = list(DEFAULT_GRAPH_BS)
         return state
 
     async def start(self) -> None:
