@@ -152,6 +152,11 @@ class Metrics:
             "gateway_session_picks", "Prefill choices for requests with a session id: kept "
             "(its remembered server), placed (a new session, hashed onto the servers), moved "
             "(its server was unusable or overloaded)", ["outcome"], registry=own)
+        self.role_switches = Counter(
+            "gateway_role_switches", "Role switches asked of the admin API, by outcome: "
+            "switched, refused (the server said no; put back as it was), busy (still in flight "
+            "at the deadline; put back), failed (broken midway; taken out), conflict (another "
+            "switch running, or a role would be left empty)", ["outcome"], registry=own)
 
     def buffered_counter(self, child) -> BufferedCounter:
         return self.buffer.counter(child)
