@@ -57,6 +57,7 @@ class RequestView:
     # set by the endpoint from the tenancy headers (gateway/admission/tenancy.py) right after parsing:
     priority: int = 1  # class index: 0 interactive, 1 standard, 2 batch (config_tenants.py)
     session: bytes | None = None  # the session header's id, for session affinity
+    slo: Any = None  # the SLO ticket (gateway/slo/ticket.py), set by the endpoint's gate
     size: int = 0  # bytes of the body as the client sent it (0: not from a client's bytes)
     # (body, the client's bytes of it): the legs forward those bytes as they are while the
     # view's body is that one (a derived view with another body encodes its own)
