@@ -37,6 +37,19 @@ class Policy:
     def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
         raise NotImplementedError
 
+    def pick_pair(self, prefills: Sequence, decodes: Sequence[Server], view: RequestView,
+                  blocked: Any) -> tuple | None:
+        """A prefill policy that chooses the (prefill target, decode) pair jointly returns
+        it; None (the default): it picks the prefill alone and the decode policy the decode.
+        `blocked(prefill_url, decode_url)` says whether a pair is quarantined."""
+        return None
+
+    def forecast(self, prefills: Sequence, decodes: Sequence[Server],
+                 view: RequestView) -> Any:
+        """The best latency forecast any pair offers `view` now (gateway/slo/model.py's
+        `Prediction`), for the SLO gate; None: this policy makes none."""
+        return None
+
     def predicted_hit(self, server: Server, view: RequestView) -> float | None:
         """Fraction of the prompt this policy expects `server` to have cached, asked right
         after `pick` (for the predicted-vs-actual cache metric); None: no prediction."""
