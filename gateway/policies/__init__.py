@@ -10,6 +10,7 @@ from gateway.policies.power_of_two import PowerOfTwoPolicy
 from gateway.policies.prefix_cache import PrefixCachePolicy
 from gateway.policies.random import RandomPolicy
 from gateway.policies.round_robin import RoundRobinPolicy
+from gateway.policies.slo import SloPolicy
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
@@ -21,6 +22,7 @@ REGISTRY: dict[str, type[Policy]] = {
         CacheAwarePolicy,
         PrefixCachePolicy,
         MinTtftPolicy,
+        SloPolicy,
     )
 }
 

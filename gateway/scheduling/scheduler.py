@@ -25,6 +25,11 @@ Sessions: a request with a session id (`--session-header`) takes its prefill tar
 `by_policy` says whether a pick's prefill was the policy's own choice. The affinity ring
 holds every prefill target; it places a session among the candidates only, so one ring serves
 every model.
+
+Joint choice: a prefill policy may choose the pair itself (`Policy.pick_pair`, the `slo`
+policy: predicted TTFT and ITL of each pair against the request's objectives); then the
+decode policy is not asked, and quarantined pairs are left out by that policy (it is given
+`PairHealth.blocked`). `forecast` gives the SLO gate the best forecast without picking.
 """
 
 from __future__ import annotations
@@ -130,12 +135,27 @@ class Scheduler:
         elif view.session is not None and self.affinity is not None:
             prefill = self.affinity.pick(view.session, targets(prefills))
         else:
-            prefill = model.policies["prefill"].pick(targets(prefills), view)
+            chooser = model.policies["prefill"]
+            pair = chooser.pick_pair(targets(prefills), decodes, view, self.pairs.blocked)
+            if pair is not None:  # a joint policy (gateway/policies/slo.py)
+                self.pairs.probe(pair[0].server.url, pair[1].url)
+                return pair
+            prefill = chooser.pick(targets(prefills), view)
         prefill_url = prefill.server.url
         partners = [d for d in decodes if not self.pairs.blocked(prefill_url, d.url)]
         decode = model.policies["decode"].pick(partners or decodes, view)
         self.pairs.probe(prefill_url, decode.url)  # a quarantined pair past its cooldown: a probe
         return prefill, decode
+
+    def forecast(self, view: RequestView):
+        """The best latency forecast any usable pair offers `view` now (the SLO gate's
+        question); None: no pair, or the model's prefill policy makes no forecasts."""
+        model = self.models.of(view)
+        prefills = self.candidates("prefill", view, (), model)
+        decodes = self.candidates("decode", view, (), model)
+        if not prefills or not decodes:
+            return None
+        return model.policies["prefill"].forecast(targets(prefills), decodes, view)
 
     def by_policy(self, view: RequestView, prefill: Target,
                   prefer: tuple[Server, int | None] | None) -> bool:

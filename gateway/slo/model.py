@@ -95,6 +95,9 @@ class LatencyModel:
         self._itl: dict[str, float] = {}  # decode url -> log factor
         self._duration: dict[str, float] = {}  # decode url -> mean seconds a request holds it
         self.observed = 0
+        # decode url -> the ITL objectives (seconds) of requests running there: decode
+        # protection keeps new requests off a decode whose step would break the tightest
+        self._bounds: dict[str, list[float]] = {}
 
     # -- the parts -----------------------------------------------------------------------------
 
@@ -138,8 +141,11 @@ class LatencyModel:
         raw = wait + compute + transfer + admit
         factor = math.exp(self._ttft.get(target_url, 0.0)
                           + self._pair.get((target_url, decode_url), 0.0))
-        itl = step * math.exp(self._itl.get(decode_url, 0.0))
-        return Prediction(raw * factor, itl, wait, compute, transfer, admit, raw, step)
+        return Prediction(raw * factor, self.itl(decode_url, step), wait, compute, transfer, admit, raw, step)
+
+    def itl(self, decode_url: str, step: float) -> float:
+        """The decode's predicted ITL for a step the prior prices at `step` seconds."""
+        return step * math.exp(self._itl.get(decode_url, 0.0))
 
     def predict(self, target, decode, prompt: float, cached: float,
                 now: float | None = None) -> Prediction:
@@ -151,6 +157,24 @@ class LatencyModel:
         admit, step = self.decode_part(decode, prompt, now)
         return self.combine(target.url, decode.url, wait, compute, self.transfer(prompt),
                             admit, step)
+
+    # -- decode protection -----------------------------------------------------------------
+
+    def hold(self, decode_url: str, itl: float) -> None:
+        """A request with ITL objective `itl` now runs on the decode."""
+        self._bounds.setdefault(decode_url, []).append(itl)
+
+    def release(self, decode_url: str, itl: float) -> None:
+        bounds = self._bounds.get(decode_url)
+        if bounds and itl in bounds:
+            bounds.remove(itl)
+            if not bounds:
+                del self._bounds[decode_url]
+
+    def tightest(self, decode_url: str) -> float | None:
+        """The smallest ITL objective among the decode's running requests (None: none)."""
+        bounds = self._bounds.get(decode_url)
+        return min(bounds) if bounds else None
 
     # -- learning ------------------------------------------------------------------------------
 
@@ -173,12 +197,11 @@ class LatencyModel:
             mean = self._duration.get(decode_url, duration)
             self._duration[decode_url] = mean + ALPHA * (duration - mean)
 
-    def forget(self, present: set[str]) -> None:
-        """Drop what was learned of servers that left (urls of targets and decodes)."""
-        for table in (self._ttft, self._itl, self._duration):
-            for url in [u for u in table if u not in present]:
-                del table[url]
-        for key in [k for k in self._pair if k[0] not in present or k[1] not in present]:
+    def forget_targets(self, present: set[str]) -> None:
+        """Drop what was learned of prefill targets that left (and of their pairs)."""
+        for url in [u for u in self._ttft if u not in present]:
+            del self._ttft[url]
+        for key in [k for k in self._pair if k[0] not in present]:
             del self._pair[key]
 
     def factors(self) -> dict:

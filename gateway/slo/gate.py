@@ -1,0 +1,163 @@
+"""The SLO gate (Conductor's early rejection): a request whose TTFT objective no pair is
+predicted to meet does not start prefill work that is certain to miss.
+
+Runs once the request holds its admission slot (gateway/admission/slots.py), just before
+dispatch, so the forecast is of the servers as they are when it would be sent:
+
+* no TTFT objective, or its class says `best_effort`: sent as today;
+* the best pair's forecast meets the objective: sent (the joint policy picks that pair);
+* else `shed` (batch by default): 429 with Retry-After (the predicted excess, at least 1 s),
+  code `slo_unattainable`, nothing sent to any server;
+* else `queue` (interactive, standard): it waits for a pair that can serve it in what is
+  left of its objective, looking again whenever a request ends and every `POLL` seconds;
+  once even an idle pair could not (the wait used the budget up), 503 with Retry-After,
+  nothing sent: a request certain to miss is not started.
+
+When every request ends (the usage sink, gateway/observability/usage.py) the gate tells the
+model what the client saw against what was forecast (TTFT from the pick, mean ITL of a
+stream), feeds `gateway_slo_prediction_error`, and counts met / missed per class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+
+from gateway.errors import ServiceUnavailable, TooManyRequests
+from gateway.request import RequestView
+from gateway.slo.model import Prediction
+from gateway.slo.objectives import Objectives
+from gateway.slo.ticket import Ticket
+
+POLL = 0.05  # seconds between looks of a queued request when nothing ends meanwhile
+MAX_OPEN = 1 << 17  # tickets awaiting their request's end (a bound, should ends go unseen)
+CLASSES = Objectives.CLASSES
+
+
+class SloGate:
+    def __init__(self, objectives: Objectives, forecast: Callable[[RequestView], Prediction],
+                 metrics) -> None:
+        self.objectives = objectives
+        self.forecast = forecast  # Scheduler.forecast
+        self.metrics = metrics
+        self._open: dict[str, Ticket] = {}  # request id -> its ticket, until it ends
+        self._changed: asyncio.Future | None = None
+        self._outcomes: dict[tuple[int, str], object] = {}
+        self._errors = {kind: metrics.buffered_histogram(
+            metrics.slo_prediction_error.labels(kind)) for kind in ("ttft", "itl")}
+
+    def ticket(self, headers: list[tuple[bytes, bytes]], klass: int,
+               request_id: str) -> Ticket:
+        """The request's objective (its headers, else its class's defaults; 400 if bad)."""
+        ticket = Ticket(self.objectives.of(headers, klass))
+        if len(self._open) >= MAX_OPEN:
+            self._open.pop(next(iter(self._open)))
+        self._open[request_id] = ticket
+        return ticket
+
+    async def admit(self, view: RequestView) -> None:
+        """Return when `view` may be sent; raise when it must not start (see above)."""
+        ticket = view.slo
+        objective = ticket.objective if ticket is not None else None
+        if objective is None or objective.ttft is None or objective.on_miss == "best_effort":
+            return
+        forecast = self.forecast(view)
+        if forecast is None or forecast.ttft <= objective.ttft:
+            return
+        klass = objective.klass
+        if objective.on_miss == "shed":
+            ticket.shed = True
+            self._count(klass, "shed")
+            raise TooManyRequests(
+                f"no server pair can start this request within its time-to-first-token "
+                f"objective ({objective.ttft * 1e3:g} ms; predicted {forecast.ttft * 1e3:.0f} "
+                "ms); nothing was sent; retry later", code="slo_unattainable",
+                headers={"retry-after": _seconds(forecast.ttft - objective.ttft)})
+        self._count(klass, "queued")
+        await self._wait(view, objective.ttft, klass)
+
+    async def _wait(self, view: RequestView, budget: float, klass: int) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        while True:
+            changed = self._changed
+            if changed is None or changed.done():
+                changed = self._changed = loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(changed), POLL)
+            except TimeoutError:
+                pass
+            left = budget - (time.perf_counter() - started)
+            forecast = self.forecast(view)
+            if forecast is None or forecast.ttft <= left:
+                return
+            if left <= forecast.compute + forecast.transfer:  # not even an idle pair: a miss
+                view.slo.shed = True
+                self._count(klass, "shed")
+                raise ServiceUnavailable(
+                    f"no server pair could start this request within its time-to-first-"
+                    f"token objective ({budget * 1e3:g} ms) while it waited; nothing was "
+                    "sent; retry later", code="slo_unattainable",
+                    headers={"retry-after": _seconds(forecast.ttft - left)})
+
+    # -- when a request ends (the usage sink) --------------------------------------------------
+
+    def sink(self, then: Callable | None) -> Callable:
+        """The usage sink: observe each ended request, then pass it on (the access log)."""
+        def observe_then(record) -> None:
+            self.observe(record)
+            if then is not None:
+                then(record)
+        return observe_then
+
+    def observe(self, record) -> None:
+        """Learn from one ended request (observability/usage.RequestUsage) and count it."""
+        ticket = self._open.pop(record.request_id, None)
+        changed = self._changed
+        if changed is not None and not changed.done():
+            changed.set_result(None)  # a slot may have freed: queued requests look again
+        if ticket is None:
+            return
+        ticket.release()
+        ok = 200 <= record.status < 300 and record.ttft is not None
+        ttft, itl = self._seen(ticket, record) if ok else (None, None)
+        predicted = ticket.prediction
+        if predicted is not None and ticket.model is not None:
+            ticket.model.observe(ticket.target_url, ticket.decode_url, predicted, ttft, itl,
+                                 record.duration - record.ttft if ok else None)
+            if ttft is not None:
+                self._errors["ttft"].observe(ttft / max(predicted.ttft, 1e-6))
+            if itl is not None:
+                self._errors["itl"].observe(itl / max(predicted.itl, 1e-6))
+        objective = ticket.objective
+        if objective.any and not ticket.shed:  # a shed request is counted as such
+            met = ok and (objective.ttft is None or record.ttft <= objective.ttft) and \
+                (objective.itl is None or itl is None or itl <= objective.itl)
+            self._count(objective.klass, "met" if met else "missed")
+
+    @staticmethod
+    def _seen(ticket: Ticket, record) -> tuple[float | None, float | None]:
+        """(TTFT from the pick, mean ITL) the client saw; a whole answer's TTFT is its end,
+        so only streams teach the model."""
+        if not record.stream or not ticket.picked_at:
+            return None, None
+        ttft = record.started + record.ttft - ticket.picked_at
+        itl = None
+        if record.completion and record.completion > 1 and record.duration:
+            itl = (record.duration - record.ttft) / (record.completion - 1)
+        return ttft, itl
+
+    def _count(self, klass: int, outcome: str) -> None:
+        key = (klass, outcome)
+        counter = self._outcomes.get(key)
+        if counter is None:
+            m = self.metrics
+            counter = self._outcomes[key] = m.buffered_counter(
+                m.slo_outcomes.labels(CLASSES[klass], outcome))
+        counter.inc()
+
+
+def _seconds(excess: float) -> str:
+    return str(max(1, math.ceil(excess)))

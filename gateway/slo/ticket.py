@@ -1,0 +1,42 @@
+"""What travels with one request through the SLO machinery: its objective, and the forecast
+of the pair it was sent to (written by the joint policy when it picks), so the gate can
+compare the forecast with what the client saw when the request ends."""
+
+from __future__ import annotations
+
+from gateway.slo.model import LatencyModel, Prediction
+from gateway.slo.objectives import Objective
+
+
+class Ticket:
+    """One request's objective and, once picked, its pair's forecast."""
+
+    __slots__ = ("objective", "prediction", "picked_at", "target_url", "decode_url",
+                 "model", "held", "shed")
+
+    def __init__(self, objective: Objective) -> None:
+        self.objective = objective
+        self.prediction: Prediction | None = None
+        self.picked_at = 0.0  # time.perf_counter() of the pick
+        self.target_url = ""
+        self.decode_url = ""
+        self.model: LatencyModel | None = None  # the model that forecast it
+        self.held: str | None = None  # the decode whose ITL bounds count this request
+        self.shed = False  # refused by the SLO gate
+
+    def picked(self, model: LatencyModel, target_url: str, decode_url: str,
+               prediction: Prediction, now: float) -> None:
+        """The joint policy sent it to (target, decode) with this forecast; the decode now
+        counts its ITL objective among those of its running requests (`release` undoes)."""
+        self.release()
+        self.model, self.prediction, self.picked_at = model, prediction, now
+        self.target_url, self.decode_url = target_url, decode_url
+        if self.objective.itl is not None:
+            model.hold(decode_url, self.objective.itl)
+            self.held = decode_url
+
+    def release(self) -> None:
+        """The request left its decode (ended, or retried elsewhere)."""
+        if self.held is not None and self.model is not None:
+            self.model.release(self.held, self.objective.itl)
+            self.held = None
