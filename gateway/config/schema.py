@@ -18,6 +18,7 @@ from pydantic.dataclasses import dataclass
 
 from gateway.config.servers import ServerSpec
 from gateway.config.tenants import TenantSettings
+from gateway.slo.objectives import SloClass
 
 Seconds = Annotated[float, Field(gt=0, le=86400)]
 OptionalSeconds = Annotated[float, Field(ge=0, le=86400)]  # 0 turns the feature off
@@ -185,6 +186,10 @@ class GatewayConfig:
         None, "JSON object of per-tenant admission settings, {TENANT: {priority, max_priority, "
         "weight}} (classes: interactive, standard, batch; '*': every tenant not listed)",
         kind="json")
+    slo_classes: dict[Literal["interactive", "standard", "batch"], SloClass] | None = _opt(
+        None, "JSON object of latency objectives per priority class, {CLASS: {ttft_ms, "
+        "itl_ms, on_miss: queue|shed|best_effort}}; headers x-slo-ttft-ms and x-slo-itl-ms "
+        "set a request's own (docs/SCHEDULING.md); default: none (best effort)", kind="json")
     priority_header: str = _opt(
         "x-priority", "request header naming the request's priority class, capped by its "
         "tenant's max_priority ('' = off)")
