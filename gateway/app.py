@@ -116,7 +116,7 @@ def inference_parts(gw: Gateway) -> InferenceParts:
         context=gw.context, inflight=gw.inflight, admission=gw.admission, usage=gw.usage,
         metrics=gw.metrics, timers=gw.timers, tracing=gw.tracing, state=gw.state,
         serve=gw.serve, max_body_bytes=c.max_body_bytes, max_items=c.max_items,
-        bodies=BodyBudget(c.max_inflight_body_bytes, c.max_body_bytes))
+        bodies=BodyBudget(c.max_inflight_body_bytes, c.max_body_bytes), slo=gw.slo)
 
 
 def guarded(handler: Handler, role: Role | tuple[Role, ...], auth: Auth, parts: Any) -> Endpoint:

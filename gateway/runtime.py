@@ -47,6 +47,8 @@ from gateway.scheduling.scheduler import Scheduler
 from gateway.servers.breaker import CircuitBreaker
 from gateway.servers.pool import Server, ServerPool
 from gateway.servers.probe import RoleMismatch, probe
+from gateway.slo.gate import SloGate
+from gateway.slo.objectives import Objectives
 from gateway.timers import Timers
 from gateway.tokens.context_check import ContextCheck
 from gateway.tokens.prompt_tokens import PromptTokens
@@ -122,8 +124,12 @@ class Gateway:
         self.access_log = None
         if config.access_log:
             self.access_log = AccessLog(config.access_log, self.metrics.access_log_dropped)
+        # the SLO gate (gateway/slo/gate.py) learns from every ended request, then the log
+        self.slo = SloGate(Objectives(config.slo_classes), self.scheduler.forecast,
+                           self.metrics)
         self.usage = Usage(self.metrics, self.models.label,  # per tenant and model
-                           self.access_log.write if self.access_log is not None else None)
+                           self.slo.sink(self.access_log.write if self.access_log is not None
+                                         else None))
         self.latency = LatencyHistory(self.read_metrics)  # the status page's plots
 
     def _build_admission(self) -> None:

@@ -77,6 +77,7 @@ class InferenceParts:
     max_body_bytes: int
     max_items: int
     bodies: BodyBudget  # the bytes of bodies in flight (admission/body_budget.py)
+    slo: Any = None  # slo.gate.SloGate: objectives, and the early refusal of certain misses
 
 
 def request_id_of(scope: Scope) -> str:
@@ -178,6 +179,8 @@ class InferenceEndpoint:
         usage.tenant = caller.tenant
         ticket = parts.tenancy.classify(scope["headers"], caller.key_index)
         view = await self._view(scope, lease, caller, ticket, usage)
+        if parts.slo is not None:  # the request's latency objectives (400 if bad)
+            view.slo = parts.slo.ticket(scope["headers"], ticket.klass, usage.request_id)
         tracked = Tracked(usage.request_id, caller.owner, view.rids or (), interrupt=interrupt,
                           trace=trace, usage=usage, not_after=ticket.deadline)
         if trace is not None:
@@ -188,6 +191,8 @@ class InferenceEndpoint:
             with ClientWatch(interrupt, scope, receive) as watch:
                 await admission.acquire(ticket.tenant, ticket.klass, ticket.deadline)
                 try:
+                    if view.slo is not None:  # nothing starts that is certain to miss
+                        await parts.slo.admit(view)
                     answer = await parts.serve(view, tracked)
                     try:
                         response = answer_response(answer, tracked.request_id, watch,
