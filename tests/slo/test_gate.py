@@ -1,0 +1,128 @@
+"""The SLO gate: what happens to a request no pair is predicted to serve in time (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.errors import ServiceUnavailable, TooManyRequests
+from gateway.observability.metrics import Metrics
+from gateway.servers.pool import ServerPool
+from gateway.slo.gate import SloGate
+from gateway.slo.model import Prediction
+from gateway.slo.objectives import Objectives, SloClass
+from tests.unit.builders import generate_ids
+
+CLASSES = {"interactive": SloClass(ttft_ms=1000), "batch": SloClass(ttft_ms=1000),
+           "standard": SloClass(ttft_ms=1000, on_miss="best_effort")}
+INTERACTIVE, STANDARD, BATCH = 0, 1, 2
+
+
+def prediction(ttft: float, compute: float = 0.1) -> Prediction:
+    return Prediction(ttft, 0.01, ttft - compute, compute, 0.0, 0.0, ttft, 0.01)
+
+
+class Forecasts:
+    """A forecast that the test changes; counts the questions."""
+
+    def __init__(self, ttft: float, compute: float = 0.1) -> None:
+        self.next = prediction(ttft, compute)
+        self.asked = 0
+
+    def __call__(self, view) -> Prediction:
+        self.asked += 1
+        return self.next
+
+
+def gate(forecasts: Forecasts) -> tuple[SloGate, Metrics]:
+    metrics = Metrics(CollectorRegistry(), ServerPool())
+    return SloGate(Objectives(CLASSES), forecasts, metrics), metrics
+
+
+def request(slo: SloGate, klass: int, headers=(), rid: str = "r1"):
+    view = generate_ids(list(range(100)))
+    view.slo = slo.ticket(list(headers), klass, rid)
+    return view
+
+
+def count(metrics: Metrics, klass: str, outcome: str) -> float:
+    metrics.flush()
+    return metrics.registry.get_sample_value(
+        "gateway_slo_requests_total", {"priority": klass, "outcome": outcome}) or 0.0
+
+
+def test_batch_that_cannot_meet_its_objective_is_shed_with_retry_after() -> None:
+    slo, metrics = gate(Forecasts(3.4))
+    with pytest.raises(TooManyRequests) as refused:
+        asyncio.run(slo.admit(request(slo, BATCH)))
+    assert refused.value.status == 429
+    assert refused.value.headers["retry-after"] == "3"
+    assert refused.value.code == "slo_unattainable"
+    assert count(metrics, "batch", "shed") == 1
+
+
+@pytest.mark.parametrize(("klass", "headers"), [
+    pytest.param(STANDARD, (), id="best_effort_class"),
+    pytest.param(INTERACTIVE, ((b"x-slo-ttft-ms", b"5000"),), id="header_objective_met"),
+])
+def test_requests_that_may_go_are_not_held(klass, headers) -> None:
+    slo, _ = gate(Forecasts(3.0))
+    started = time.perf_counter()
+    asyncio.run(slo.admit(request(slo, klass, headers)))
+    assert time.perf_counter() - started < 0.05
+
+
+def test_without_an_objective_no_forecast_is_made() -> None:
+    forecasts = Forecasts(30.0)
+    slo = SloGate(Objectives(None), forecasts, Metrics(CollectorRegistry(), ServerPool()))
+    asyncio.run(slo.admit(request(slo, BATCH)))
+    assert forecasts.asked == 0
+
+
+def test_interactive_waits_until_a_pair_can_meet_it() -> None:
+    forecasts = Forecasts(3.0)
+    slo, metrics = gate(forecasts)
+
+    async def scenario() -> float:
+        waiting = asyncio.ensure_future(slo.admit(request(slo, INTERACTIVE)))
+        await asyncio.sleep(0.12)
+        assert not waiting.done()  # still over the objective: it waits
+        forecasts.next = prediction(0.5)
+        slo.observe(SimpleNamespace(request_id="other", status=200, ttft=None))  # one ended
+        started = time.perf_counter()
+        await asyncio.wait_for(waiting, 1.0)
+        return time.perf_counter() - started
+
+    assert asyncio.run(scenario()) < 0.04  # woken by the end, not by the next poll
+    assert count(metrics, "interactive", "queued") == 1
+
+
+def test_interactive_that_used_up_its_budget_waiting_is_refused() -> None:
+    slo, metrics = gate(Forecasts(3.0, compute=0.9))
+    started = time.perf_counter()
+    with pytest.raises(ServiceUnavailable) as refused:
+        asyncio.run(slo.admit(request(slo, INTERACTIVE)))
+    assert time.perf_counter() - started < 0.5  # not the whole objective: it could not make it
+    assert refused.value.status == 503 and "retry-after" in refused.value.headers
+    assert count(metrics, "interactive", "shed") == 1
+
+
+def test_ended_requests_teach_the_model_and_count_met_or_missed() -> None:
+    slo, metrics = gate(Forecasts(0.5))
+    learned = []
+    model = SimpleNamespace(observe=lambda *args: learned.append(args),
+                            release=lambda *args: None)
+    for rid, ttft in (("fast", 0.4), ("slow", 1.5)):
+        view = request(slo, INTERACTIVE, rid=rid)
+        view.slo.model, view.slo.prediction = model, prediction(0.5)
+        view.slo.picked_at = 100.0
+        slo.observe(SimpleNamespace(request_id=rid, status=200, ttft=ttft, started=100.0,
+                                    stream=True, completion=11, duration=ttft + 0.5))
+    assert count(metrics, "interactive", "met") == 1
+    assert count(metrics, "interactive", "missed") == 1
+    assert [round(args[3], 3) for args in learned] == [0.4, 1.5]  # TTFT from the pick
+    assert [round(args[4], 3) for args in learned] == [0.05, 0.05]  # (0.5 s / 10 gaps)

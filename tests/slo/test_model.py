@@ -1,0 +1,183 @@
+"""The PD latency model and the joint pair choice, on servers with given figures (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import BadRequest
+from gateway.policies.slo import SloOptions, SloPolicy
+from gateway.slo.model import LatencyModel, predicted_wait
+from gateway.slo.objectives import Objectives, SloClass
+from gateway.slo.physics import H200_LLAMA3_8B
+from gateway.slo.ticket import Ticket
+from tests.unit.builders import generate_ids, server
+
+PROMPT = list(range(4000))  # 4000 prompt tokens
+
+
+@pytest.mark.parametrize(("new", "cached", "measured_ms"), [
+    pytest.param(1024, 0, 21.6, id="1k_new"),
+    pytest.param(4096, 0, 92.0, id="4k_new"),
+    pytest.param(16384, 0, 455.0, id="16k_new"),
+    pytest.param(256, 8192, 17.9, id="256_after_8k_cached"),
+])
+def test_prefill_prior_follows_the_h200_run(new, cached, measured_ms) -> None:
+    seconds = H200_LLAMA3_8B.prefill(new, cached)
+    assert seconds * 1e3 == pytest.approx(measured_ms, rel=0.25)
+
+
+@pytest.mark.parametrize(("batch", "context", "measured_ms"), [
+    pytest.param(1, 1024, 4.2, id="batch_1"),
+    pytest.param(128, 128 * 1024, 9.0, id="batch_128_1k"),
+    pytest.param(256, 256 * 4096, 37.4, id="batch_256_4k"),
+])
+def test_decode_prior_follows_the_h200_run(batch, context, measured_ms) -> None:
+    assert H200_LLAMA3_8B.decode_step(batch, context) * 1e3 == pytest.approx(measured_ms,
+                                                                              rel=0.1)
+
+
+def test_measured_speed_replaces_the_prior_and_queue_waits_on_it() -> None:
+    slow = server("p", load={"prefill_speed": 10_000.0, "waiting_uncached_tokens": 20_000},
+                  age=1.0)
+    assert predicted_wait(slow) == pytest.approx(2.0)
+    model = LatencyModel()
+    wait, compute = model.prefill_part(slow, 1000, 0, slow.load.updated_at)
+    assert wait == pytest.approx(2.0)
+    assert compute == pytest.approx(0.1 + H200_LLAMA3_8B.prefill_fixed, rel=0.05)
+
+
+def test_stale_report_counts_only_the_gateways_own_queue() -> None:
+    stale = server("p", tokens=4000, load={"waiting_uncached_tokens": 90_000,
+                                           "prefill_speed": 20_000.0}, age=60.0)
+    assert predicted_wait(stale) == pytest.approx(0.2)
+
+
+def test_learned_factors_converge_on_what_is_observed() -> None:
+    model = LatencyModel()
+    p, d = server("p", load={"prefill_speed": 20_000.0}, age=1.0), server("d", "decode")
+    first = model.predict(p, d, 2000, 0)
+    for _ in range(40):  # the servers are twice as slow to first token, ITL 3x the prior
+        guess = model.predict(p, d, 2000, 0)
+        model.observe("p", "d", guess, 2 * first.raw_ttft, 3 * first.raw_itl)
+    learned = model.predict(p, d, 2000, 0)
+    assert learned.ttft == pytest.approx(2 * first.ttft, rel=0.05)
+    assert learned.itl == pytest.approx(3 * first.itl, rel=0.05)
+    other = model.predict(p, server("d2", "decode"), 2000, 0)
+    assert other.ttft == pytest.approx(learned.ttft, rel=0.05)  # the prefill's own factor
+
+
+def test_a_full_decode_adds_the_wait_for_a_slot() -> None:
+    model = LatencyModel()
+    room = server("d", "decode", load={"running": 10, "max_running_requests": 64}, age=1.0)
+    full = server("f", "decode", load={"running": 64, "max_running_requests": 64}, age=1.0)
+    now = room.load.updated_at
+    assert model.decode_part(full, 100, now)[0] > model.decode_part(room, 100, now)[0] + 0.1
+
+
+# -- the joint choice -------------------------------------------------------------------------
+
+
+def policy(**options) -> SloPolicy:
+    return SloPolicy("prefill", SloOptions(**options))
+
+
+def warm(policy: SloPolicy, target, ids: list[int]) -> None:
+    """`target` was sent `ids` before (the tree says it holds them)."""
+    view = generate_ids(ids)
+    policy.on_dispatch(target, view)
+
+
+def never(_p: str, _d: str) -> bool:
+    return False
+
+
+@pytest.mark.parametrize(("holder_queue", "expected"), [
+    pytest.param(0, "holder", id="idle_holder_keeps_its_cached_prefix"),
+    pytest.param(2_000, "holder", id="short_queue_is_cheaper_than_a_recompute"),
+    pytest.param(40_000, "other", id="queue_longer_than_recompute_elsewhere"),
+])
+def test_joint_choice_prefers_the_cached_prefix_unless_its_queue_is_longer(
+        holder_queue, expected) -> None:
+    slo = policy()
+    speed = {"prefill_speed": 20_000.0}
+    holder = server("holder", load={**speed, "waiting_uncached_tokens": holder_queue}, age=1.0)
+    other = server("other", load=dict(speed), age=1.0)
+    decode = server("d", "decode")
+    warm(slo, holder, PROMPT)
+    target, chosen = slo.pick_pair([holder, other], [decode], generate_ids(PROMPT), never)
+    assert (target.url, chosen) == (expected, decode)
+
+
+def test_objective_moves_a_request_whose_anchor_would_miss() -> None:
+    slo = policy()
+    speed = {"prefill_speed": 20_000.0}
+    holder = server("holder", load={**speed, "waiting_uncached_tokens": 5_200}, age=1.0)
+    other = server("other", load=dict(speed), age=1.0)
+    decode = server("d", "decode")
+    warm(slo, holder, PROMPT)
+    at_holder = slo.model.predict(holder, decode, 4000, 4000).ttft  # 0.26 s queue, cached
+    elsewhere = slo.model.predict(other, decode, 4000, 0).ttft  # 0.2 s recompute, no queue
+    assert elsewhere < at_holder < elsewhere * slo.options.move_factor
+    view = generate_ids(PROMPT)
+    # without an objective the small gain does not pay for a second copy of the prefix
+    assert slo.pick_pair([holder, other], [decode], view, never)[0] is holder
+    objective = str(round((at_holder + elsewhere) / 2 * 1e3, 1)).encode()
+    view.slo = Ticket(Objectives(None).of([(b"x-slo-ttft-ms", objective)], 0))
+    target, _ = slo.pick_pair([holder, other], [decode], view, never)
+    assert target is other
+    assert view.slo.prediction.ttft == pytest.approx(elsewhere)
+
+
+def test_decode_protection_keeps_new_requests_off_a_decode_at_its_bound() -> None:
+    slo = policy()
+    p = server("p", load={"prefill_speed": 20_000.0}, age=1.0)
+    light = server("light", "decode", load={"running": 150, "used_tokens": 300_000}, age=1.0)
+    heavy = server("heavy", "decode", load={"running": 200, "used_tokens": 800_000}, age=1.0)
+
+    def picks() -> set[str]:
+        return {slo.pick_pair([p], [light, heavy], generate_ids(PROMPT[:100]), never)[1].url
+                for _ in range(4)}
+
+    assert picks() == {"light"}  # by price
+    step = slo.model.decode_part(light, 100, light.load.updated_at)[1]
+    slo.model.hold("light", step * 0.95)  # one more request there breaks this one's ITL
+    assert picks() == {"heavy"}
+    assert slo.stats()["moves"]["protected"] == 4
+    slo.model.release("light", step * 0.95)
+    assert picks() == {"light"}
+
+
+def test_quarantined_pairs_are_left_out() -> None:
+    slo = policy()
+    p = server("p", load={"prefill_speed": 20_000.0}, age=1.0)
+    d1, d2 = server("d1", "decode"), server("d2", "decode", in_flight=50)
+    blocked = lambda pu, du: du == "d1"  # noqa: E731
+    assert slo.pick_pair([p], [d1, d2], generate_ids(PROMPT), blocked)[1] is d2
+
+
+def test_pruning_pairs_at_most_top_k_squared_plus_the_anchor() -> None:
+    slo = policy(top_k=3)
+    prefills = [server(f"p{i}", tokens=1000 * i) for i in range(50)]
+    decodes = [server(f"d{i}", "decode", in_flight=i) for i in range(50)]
+    pairs = slo._pairs(prefills, decodes, generate_ids(PROMPT), {}, 40, 0.0, None)
+    assert len(pairs) == 4 * 3
+    assert {p[0].url for p in pairs} == {"p0", "p1", "p2", "p40"}
+
+
+# -- objectives ---------------------------------------------------------------------------------
+
+
+def test_headers_override_class_defaults_in_milliseconds() -> None:
+    objectives = Objectives({"batch": SloClass(ttft_ms=5000, itl_ms=100)})
+    batch = objectives.of([], 2)
+    assert (batch.ttft, batch.itl, batch.on_miss) == (5.0, 0.1, "shed")
+    own = objectives.of([(b"x-slo-ttft-ms", b"750"), (b"x-slo-itl-ms", b"40")], 2)
+    assert (own.ttft, own.itl) == (0.75, 0.04)
+    interactive = objectives.of([], 0)
+    assert (interactive.any, interactive.on_miss) == (False, "queue")
+
+
+@pytest.mark.parametrize("value", [b"0", b"-5", b"nan", b"abc", b"1e99"])
+def test_a_bad_objective_header_is_a_400(value) -> None:
+    with pytest.raises(BadRequest, match="x-slo-ttft-ms"):
+        Objectives(None).of([(b"x-slo-ttft-ms", value)], 1)
