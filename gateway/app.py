@@ -25,9 +25,14 @@ from starlette.routing import Route
 
 from gateway.admission.auth import ADMIN, INFERENCE, PUBLIC, Auth, Role
 from gateway.admission.body_budget import BodyBudget
+from gateway.anthropic.endpoint import messages_endpoints
 from gateway.config.settings import GatewayConfig
-from gateway.request import ENDPOINT_PATHS
-from gateway.routes import admin, dashboard, info, models, operations
+from gateway.request import ENDPOINT_PATHS, RESPONSES
+from gateway.responses import stored
+from gateway.responses.endpoint import ResponsesEndpoint
+from gateway.responses.service import Responses, build_responses
+from gateway.responses.view import parse_responses
+from gateway.routes import admin, dashboard, info, models, operations, role_switch
 from gateway.routes.admin import AdminParts
 from gateway.routes.dashboard import DashboardParts
 from gateway.routes.errors import HANDLERS
@@ -35,6 +40,7 @@ from gateway.routes.fleet import Fleet
 from gateway.routes.inference import InferenceEndpoint, InferenceParts
 from gateway.routes.info import InfoParts
 from gateway.routes.operations import OperationParts
+from gateway.routes.role_switch import RoleSwitchParts
 from gateway.runtime import Gateway
 
 Handler = Callable[[Request, Any], Awaitable[Response]]
@@ -72,9 +78,14 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
     ("/admin/servers", ("DELETE",), admin.remove_server, ADMIN),
     ("/admin/servers/drain", ("POST",), admin.drain_server, ADMIN),
     ("/admin/servers/undrain", ("POST",), admin.undrain_server, ADMIN),
+    ("/admin/servers/role", ("POST",), role_switch.switch_role, ADMIN),
     ("/admin/policies", ("GET",), admin.list_policies, ADMIN),
     ("/admin/usage", ("GET",), admin.usage, ADMIN),
     ("/dashboard/data", ("GET",), dashboard.data, ADMIN),
+    ("/v1/responses/{response_id}", ("GET",), stored.retrieve, INFERENCE),
+    ("/v1/responses/{response_id}", ("DELETE",), stored.delete, INFERENCE),
+    ("/v1/responses/{response_id}/cancel", ("POST",), stored.cancel, INFERENCE),
+    ("/v1/responses/{response_id}/input_items", ("GET",), stored.input_items, INFERENCE),
 ]
 
 
@@ -88,12 +99,14 @@ class RouteParts:
     info: InfoParts
     models: Fleet
     operations: OperationParts
+    role_switch: RoleSwitchParts  # POST /admin/servers/role
+    stored: Responses  # gateway/responses/stored.py
 
     def of(self, handler: Handler) -> Any:
         return getattr(self, handler.__module__.rsplit(".", 1)[1])
 
 
-def route_parts(gw: Gateway) -> RouteParts:
+def route_parts(gw: Gateway, responses: Responses) -> RouteParts:
     """Each route module's parts, taken from the gateway once."""
     c = gw.config
     fleet = Fleet(gw.pool, gw.models, gw.client, c.probe_timeout, gw.info_caches)
@@ -105,8 +118,10 @@ def route_parts(gw: Gateway) -> RouteParts:
         info=InfoParts(fleet, gw.state, gw.metrics, gw.probe_generation, gw.describe,
                        c.health_timeout),
         models=fleet,
+        role_switch=role_switch.parts_of(gw),
         operations=OperationParts(fleet, gw.inflight, gw.aborts, gw.siblings,
-                                  c.max_body_bytes))
+                                  c.max_body_bytes),
+        stored=responses)
 
 
 def inference_parts(gw: Gateway) -> InferenceParts:
@@ -162,19 +177,26 @@ def build_routes(endpoints: dict[str, InferenceEndpoint], auth: Auth,
 def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None = None,
               worker=None) -> HotPaths:
     gateway = Gateway(config, transport, worker)
+    responses = build_responses(gateway)  # /v1/responses state (gateway/responses/)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gateway.start()
+        await responses.start()
         try:
             yield
         finally:
+            await responses.stop()
             await gateway.stop()
 
     inference = inference_parts(gateway)
     endpoints = {path: InferenceEndpoint(inference, name)
                  for name, path in ENDPOINT_PATHS.items()}
-    routes = build_routes(endpoints, gateway.auth, route_parts(gateway))
+    endpoints.update(messages_endpoints(inference, gateway))  # /v1/messages (gateway/anthropic/)
+    endpoints["/v1/responses"] = ResponsesEndpoint(
+        InferenceEndpoint(inference, RESPONSES, parse_responses), gateway.auth, responses,
+        config.max_body_bytes)
+    routes = build_routes(endpoints, gateway.auth, route_parts(gateway, responses))
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
     # a path with a trailing slash is a 404 in the error shape, not a redirect to a URL built
     # from the client's own Host header (docs/SECURITY.md, "Paths")

@@ -243,6 +243,17 @@ class GatewayConfig:
     tokenizer_threads: Annotated[int, Field(ge=1, le=32)] = _opt(
         2, "threads that tokenize long prompts off the event loop")
 
+    # Responses state (gateway/responses/, docs/RESPONSES.md)
+    responses_store: str | None = _opt(
+        None, "where /v1/responses state is kept: a SQLite file path, or redis://host:port/db "
+        "(shared by replicas and --workers); unset: memory (with --workers: a SQLite file the "
+        "workers share, removed at exit)")
+    responses_ttl: Annotated[float, Field(gt=0, le=366 * 86400)] = _opt(
+        30 * 86400.0, "seconds a kept response stays (OpenAI keeps 30 days)")
+    responses_max_count: Count = _opt(100_000, "responses kept at most (the oldest go first)")
+    responses_max_bytes: Bytes = _opt(
+        128 * 1024 * 1024, "bytes of kept responses at most (the oldest go first)")
+
     # Launching a local cluster
     launch: bool = _opt(False, "launch a local cluster (simulated by default) and serve it")
     backend: Literal["sim", "sglang"] = _opt("sim", "backend to launch: sim or sglang")

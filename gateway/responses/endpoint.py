@@ -1,0 +1,141 @@
+"""POST /v1/responses: the turn prepared here, served by the inference endpoint, kept here.
+
+The caller is identified first (without spending its key's request rate: the inference
+endpoint checks the role and charges it, and answers a caller without the role itself). The
+body is read, its history expanded from the store (gateway/responses/service.py), and the
+inference endpoint gets the prepared body as if the client had sent it: auth, admission,
+routing on the whole conversation, both legs with their bootstrap fields, retries before the
+first event and the relay are the chat path's. What it sends is watched on the way out: the
+final response (the whole JSON answer, or a stream's `response.completed`, `.incomplete` or
+`.failed` event) is kept BEFORE those bytes go to the client, so a client that sends its next
+turn as soon as it has this one finds it.
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.admission.auth import INFERENCE, PUBLIC, Auth
+from gateway.errors import GatewayError
+from gateway.responses.service import Responses, Turn
+from gateway.routes.asgi import ClientGone, read_body, send_error
+from gateway.routes.inference import InferenceEndpoint, request_id_of
+from gateway.routes.server_protocol import CHUNKS, WHOLE
+from gateway.sse import EventSplitter, parsed
+
+FINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+class ResponsesEndpoint:
+    def __init__(self, inner: InferenceEndpoint, auth: Auth, responses: Responses,
+                 max_body_bytes: int) -> None:
+        self.inner = inner
+        self.auth = auth
+        self.responses = responses
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            caller = self.auth.caller(scope, PUBLIC)
+        except GatewayError:
+            caller = None
+        if caller is None or INFERENCE not in caller.roles:
+            await self.inner(scope, receive, send)  # it refuses the caller in its own words
+            return
+        try:
+            raw = await read_body(scope, receive, self.max_body_bytes)
+            turn = await self.responses.begin(caller.tenant, raw)
+        except GatewayError as err:
+            await send_error(send, err, request_id_of(scope))
+            return
+        except (ClientGone, OSError):
+            return
+        _prepared(scope, len(turn.body))
+        watch = AnswerWatch(self.responses, turn, send)
+        try:
+            await self.inner(scope, _replay(turn.body, receive), watch.send)
+        finally:
+            self.responses.end(turn)
+            if turn.store and not watch.done:  # refused, failed or cut: not in progress
+                await self.responses.keep(turn, failed(turn, watch.status))
+
+
+def _prepared(scope: Scope, length: int) -> None:
+    """The scope for the prepared body: its length, and every write through `send` (the
+    server protocol's direct writes would pass the watch by)."""
+    scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"] + [
+        (b"content-length", str(length).encode())]
+    scope.pop(WHOLE, None)
+    scope.pop(CHUNKS, None)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The prepared body as the request's one message, then the client's own messages (its
+    disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+def failed(turn: Turn, status: int) -> dict:
+    """The response of a turn that ended without one (what GET shows of it)."""
+    return {"id": turn.rid, "object": "response", "status": "failed", "output": [],
+            "error": {"code": "server_error",
+                      "message": f"the request ended without a response (HTTP {status})"}}
+
+
+class AnswerWatch:
+    """The answer on its way to the client: the final response is kept before it is sent."""
+
+    def __init__(self, responses: Responses, turn: Turn, send: Send) -> None:
+        self.responses = responses
+        self.turn = turn
+        self._send = send
+        self.status = 0
+        self.stream = False
+        self.splitter = EventSplitter()
+        self.parts: list[bytes] = []
+        self.done = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            for name, value in message.get("headers", ()):
+                if name == b"content-type" and value.startswith(b"text/event-stream"):
+                    self.stream = True
+        elif message["type"] == "http.response.body" and self.status == 200 and not self.done:
+            body = message.get("body", b"")
+            final = self._final_event(body) if self.stream else self._whole(
+                body, message.get("more_body", False))
+            if final is not None:
+                self.done = True
+                if self.turn.store:
+                    await self.responses.keep(self.turn, final)
+        await self._send(message)
+
+    def _final_event(self, chunk: bytes) -> dict | None:
+        for _, _, obj in parsed(self.splitter, chunk):
+            if isinstance(obj, dict) and obj.get("type") in FINAL_TYPES:
+                response = obj.get("response")
+                return response if isinstance(response, dict) else None
+        return None
+
+    def _whole(self, chunk: bytes, more: bool) -> dict | None:
+        self.parts.append(chunk)
+        if more:
+            return None
+        try:
+            answer = orjson.loads(b"".join(self.parts))
+        except orjson.JSONDecodeError:
+            return None
+        self.parts.clear()
+        return answer if isinstance(answer, dict) and answer.get("object") == "response" \
+            else None

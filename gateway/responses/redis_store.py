@@ -1,0 +1,147 @@
+"""The shared store: Redis, for several gateway replicas (and `--workers`) on one state.
+
+Operators already run Redis beside inference fleets (SMG keeps its history there too), and one
+standalone server (or one behind Sentinel) is enough; Redis Cluster is not supported (the
+eviction script touches keys it is not given). Each record is a string key with the TTL of
+the retention (Redis drops it itself); a sorted set of (written time, member) and a hash of
+sizes let one script evict the oldest records when the count or byte limit is passed, in the
+same atomic step as the write. Cancels are announced on a channel that every replica
+follows, so the one running a response aborts its legs.
+
+Every command has a 2 s socket timeout: a store that does not answer is `StoreDown`, not a
+request held for minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.responses.store import Retention, StoreDown
+
+log = logging.getLogger("gateway.responses")
+
+PREFIX = "pdgw:responses:"
+
+# KEYS: index, sizes, total. ARGV: member, record, ttl ms, now, max count, max bytes, prefix
+_PUT = """
+local member, record, prefix = ARGV[1], ARGV[2], ARGV[7]
+local ttl, now = tonumber(ARGV[3]), tonumber(ARGV[4])
+local max_count, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6])
+local function drop(m)
+  local size = redis.call('HGET', KEYS[2], m)
+  if size then redis.call('DECRBY', KEYS[3], size) end
+  redis.call('HDEL', KEYS[2], m)
+  redis.call('ZREM', KEYS[1], m)
+  redis.call('DEL', prefix .. m)
+end
+drop(member)
+redis.call('SET', prefix .. member, record, 'PX', ttl)
+redis.call('ZADD', KEYS[1], now, member)
+redis.call('HSET', KEYS[2], member, #record)
+redis.call('INCRBY', KEYS[3], #record)
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl, 'LIMIT', 0, 1000)) do
+  drop(m)
+end
+while redis.call('ZCARD', KEYS[1]) > max_count
+    or tonumber(redis.call('GET', KEYS[3]) or '0') > max_bytes do
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if not oldest or oldest == member then break end
+  drop(oldest)
+end
+return 1
+"""
+
+# KEYS: index, sizes, total. ARGV: member, prefix. 1 when the record existed.
+_DELETE = """
+local member, prefix = ARGV[1], ARGV[2]
+local size = redis.call('HGET', KEYS[2], member)
+if size then redis.call('DECRBY', KEYS[3], size) end
+redis.call('HDEL', KEYS[2], member)
+redis.call('ZREM', KEYS[1], member)
+return redis.call('DEL', prefix .. member)
+"""
+
+
+def member(tenant: str, rid: str) -> str:
+    """The record's name: the tenant's digest (any characters) and the response id."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:24] + ":" + rid
+
+
+class RedisStore:
+    def __init__(self, url: str, retention: Retention, prefix: str = PREFIX) -> None:
+        self.url = url
+        self.retention = retention
+        self.prefix = prefix
+        self.client = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        # the channel's reader waits for messages as long as there are none: no read timeout,
+        # a ping every 10 s tells a dead connection
+        self._listener = aioredis.from_url(url, socket_connect_timeout=2.0,
+                                           health_check_interval=10)
+        self._keys = (prefix + "index", prefix + "sizes", prefix + "total")
+        self._put = self.client.register_script(_PUT)
+        self._delete = self.client.register_script(_DELETE)
+        self._callback = None
+        self._follower: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def _call(self, coro):
+        try:
+            return await coro
+        except (RedisError, OSError) as exc:
+            raise StoreDown(f"redis: {type(exc).__name__}: {exc}") from None
+
+    async def start(self) -> None:
+        self._follower = asyncio.get_running_loop().create_task(
+            self._follow(), name="responses-cancels")
+        await self._call(self.client.ping())
+
+    async def close(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._follower
+        for client in (self.client, self._listener):
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def get(self, tenant: str, rid: str) -> bytes | None:
+        return await self._call(self.client.get(self.prefix + member(tenant, rid)))
+
+    async def put(self, tenant: str, rid: str, record: bytes) -> None:
+        r = self.retention
+        await self._call(self._put(keys=self._keys, args=[
+            member(tenant, rid), record, int(r.ttl * 1000), time.time(), r.max_count,
+            r.max_bytes, self.prefix]))
+
+    async def delete(self, tenant: str, rid: str) -> bool:
+        return bool(await self._call(self._delete(keys=self._keys,
+                                                  args=[member(tenant, rid), self.prefix])))
+
+    async def announce_cancel(self, rid: str) -> None:
+        await self._call(self.client.publish(self.prefix + "cancel", rid))
+
+    def on_cancel(self, callback) -> None:
+        self._callback = callback
+
+    async def _follow(self) -> None:
+        """Follow the cancel channel for the life of the store, reconnecting after a loss."""
+        while True:
+            try:
+                async with self._listener.pubsub() as pubsub:
+                    await pubsub.subscribe(self.prefix + "cancel")
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message" and self._callback is not None:
+                            rid = message["data"].decode("utf-8", "replace")
+                            task = asyncio.get_running_loop().create_task(self._callback(rid))
+                            self._tasks.add(task)
+                            task.add_done_callback(self._tasks.discard)
+            except (RedisError, OSError) as exc:
+                log.warning("responses: the cancel channel was lost (%s); retrying", exc)
+            await asyncio.sleep(1.0)

@@ -1,0 +1,184 @@
+"""The gateway's side of Responses state: what a new turn needs from the store, what is kept
+after it, and cancelling one in flight.
+
+One `Responses` per serving process, built with the gateway and opened by the app's lifespan.
+A store failure costs a request only when the request needs what the store holds: a turn with
+`previous_response_id` gets 503 with Retry-After; a turn without one is served, its record
+not kept (logged and counted in `gateway_responses_store_errors_total`), so a later turn that
+names it gets 404 (docs/RESPONSES.md, "When the store is down").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter
+
+from gateway.dispatch.inflight import new_id
+from gateway.errors import BadRequest
+from gateway.responses import history
+from gateway.responses.store import Retention, SQLiteStore, Store, StoreDown
+
+log = logging.getLogger("gateway.responses")
+
+REFUSED = {
+    "background": "background responses are not supported by this gateway: send "
+                  "background=false (or leave it out) and keep the connection open, or stream",
+    "conversation": "'conversation' is not supported by this gateway: chain turns with "
+                    "previous_response_id",
+    "rid": "'rid' is assigned by the gateway (the response id)",
+    "request_id": "'request_id' is assigned by the gateway (the response id)",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Turn:
+    """One POST /v1/responses on its way: the id the client will see and what to keep."""
+
+    rid: str
+    tenant: str
+    store: bool
+    items: list  # the whole input the servers answer
+    body: bytes  # what the inference endpoint parses
+    kept: bool = field(default=False)  # the record was written
+
+
+class Responses:
+    def __init__(self, store: Store, inflight, aborts, siblings,
+                 registry: CollectorRegistry | None) -> None:
+        self.store = store
+        self.inflight = inflight  # dispatch/inflight.py: the requests running here
+        self.aborts = aborts
+        self.siblings = siblings  # the other --workers processes
+        self.running: dict[str, str] = {}  # response id -> tenant, of the turns running here
+        self.errors = Counter("gateway_responses_store_errors",
+                              "Response store operations that failed, by operation",
+                              ["operation"], registry=registry)
+
+    async def start(self) -> None:
+        self.store.on_cancel(self._cancel_here)
+        try:
+            await self.store.start()
+        except StoreDown as exc:  # served anyway; turns that need history get 503
+            self.errors.labels("start").inc()
+            log.warning("%s", exc.message)
+
+    async def stop(self) -> None:
+        await self.store.close()
+
+    async def begin(self, tenant: str, raw: bytes | bytearray) -> Turn:
+        """Check the body, expand its history, note it running (and, when stored, as
+        in_progress)."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        for name, message in REFUSED.items():
+            if body.get(name) not in (None, False):
+                raise BadRequest(message, code=f"unsupported_{name}")
+        store = body.get("store", True)
+        if not isinstance(store, bool):
+            raise BadRequest("'store' must be a boolean")
+        previous_id = body.get("previous_response_id")
+        previous = None
+        if previous_id is not None:
+            if not isinstance(previous_id, str) or not previous_id:
+                raise BadRequest("'previous_response_id' must be a response id")
+            previous = await self.read(tenant, previous_id, "previous")
+            if previous is None:
+                raise history.not_found(previous_id)
+        rid = "resp_" + new_id()
+        new = history.expand(body, previous, rid)
+        turn = Turn(rid, tenant, store, new["input"], orjson.dumps(new))
+        if store:
+            response = history.placeholder(rid, body, previous_id)
+            await self.keep(turn, response, "start")
+        self.running[rid] = tenant
+        return turn
+
+    def end(self, turn: Turn) -> None:
+        self.running.pop(turn.rid, None)
+
+    async def read(self, tenant: str, rid: str, operation: str) -> dict | None:
+        """The record of `rid` for `tenant` (None: none); StoreDown passes up (503)."""
+        try:
+            raw = await self.store.get(tenant, rid)
+        except StoreDown:
+            self.errors.labels(operation).inc()
+            raise
+        return history.parse_record(raw) if raw is not None else None
+
+    async def keep(self, turn: Turn, response: dict, operation: str = "save") -> None:
+        """Write the turn's record; a failure is logged and counted, never the client's."""
+        status = None
+        try:
+            if turn.kept and operation == "save":
+                current = await self.store.get(turn.tenant, turn.rid)
+                if current is not None and history.parse_record(current).get(
+                        "status") == "cancelled":
+                    status = response["status"] = "cancelled"  # a cancel came first
+            await self.store.put(turn.tenant, turn.rid,
+                                 history.record_of(response, turn.items, status))
+            turn.kept = True
+        except StoreDown as exc:
+            self.errors.labels(operation).inc()
+            log.warning("response %s not kept: %s", turn.rid, exc.message)
+
+    async def cancel(self, tenant: str, rid: str) -> dict | None:
+        """Cancel `rid` of `tenant`: its record says cancelled, and its legs are aborted
+        wherever it runs. The response as it now stands, or None when there is none."""
+        record = await self.read(tenant, rid, "cancel")
+        if record is None:
+            if self.running.get(rid) != tenant:
+                return None
+            await self.abort(rid)  # running, not stored (store=false)
+            return {"id": rid, "object": "response", "status": "cancelled", "output": []}
+        response = record["response"]
+        if record.get("status") in history.TERMINAL:
+            return response  # finished: a cancel changes nothing (as SGLang's)
+        response["status"] = "cancelled"
+        await self.store.put(tenant, rid, history.record_of(
+            response, record.get("input") or [], "cancelled"))
+        await self.abort(rid)
+        return response
+
+    async def abort(self, rid: str) -> None:
+        """Abort the legs of `rid`: here, in a sibling worker, or in another replica."""
+        if await self._cancel_here(rid):
+            return
+        found = await self.siblings.abort(rid, "", True)
+        if found is None:
+            await self.store.announce_cancel(rid)
+
+    async def _cancel_here(self, rid: str) -> bool:
+        tracked = self.inflight.find(rid) if rid in self.running else None
+        if tracked is None:
+            return False
+        await self.aborts.abort(tracked)
+        return True
+
+
+def build_store(config, worker) -> Store:
+    """The configured store: redis:// (shared), a file path (SQLite), else memory, or with
+    `--workers` a SQLite file in the processes' shared work directory."""
+    retention = Retention(config.responses_ttl, config.responses_max_count,
+                          config.responses_max_bytes)
+    where = config.responses_store
+    if where and where.startswith(("redis://", "rediss://", "unix://")):
+        from gateway.responses.redis_store import RedisStore  # noqa: PLC0415 - when chosen
+
+        return RedisStore(where, retention)
+    if not where and worker is not None:
+        where = os.path.join(os.path.dirname(worker.shared.lock_path), "responses.sqlite3")
+    return SQLiteStore(where or None, retention)
+
+
+def build_responses(gw) -> Responses:
+    """The process's Responses state, from the gateway's parts (runtime.Gateway)."""
+    return Responses(build_store(gw.config, gw.worker), gw.inflight, gw.aborts, gw.siblings,
+                     None if gw.worker is not None else gw.registry)

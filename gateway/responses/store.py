@@ -1,0 +1,164 @@
+"""Where relayed responses are kept: the `Store` interface and its embedded SQLite store.
+
+A record is one JSON object (history.Record: the response as the client got it, the whole
+input it answered and its output items) under (tenant, id): a lookup under another tenant
+finds nothing, so one tenant never reads, continues, deletes or cancels another's. Retention
+is bounded three ways, whichever comes first: `ttl` seconds after the record was written,
+`max_count` records and `max_bytes` bytes of records in all (the oldest go first).
+
+The SQLite store runs its statements on one worker thread (sqlite3 blocks): a file on a path
+(shared by the `--workers` processes of one host, WAL journal), or memory when no path is set
+(this process only). A store that cannot answer raises `StoreDown`; the endpoint decides what
+that costs a request (docs/RESPONSES.md, "When the store is down").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.errors import ServiceUnavailable
+
+
+class StoreDown(ServiceUnavailable):
+    """The response store did not answer (503, Retry-After)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"the response store is unavailable: {message}",
+                         headers={"retry-after": "2"})
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """How much a store keeps: per record age, record count and total bytes."""
+
+    ttl: float = 7 * 86400.0
+    max_count: int = 100_000
+    max_bytes: int = 256 * 1024 * 1024
+
+
+class Store(Protocol):
+    """Records by (tenant, id). Every method raises StoreDown when the backend is down."""
+
+    async def get(self, tenant: str, rid: str) -> bytes | None: ...
+
+    async def put(self, tenant: str, rid: str, record: bytes) -> None: ...
+
+    async def delete(self, tenant: str, rid: str) -> bool: ...
+
+    async def announce_cancel(self, rid: str) -> None:
+        """Tell every gateway sharing the store to abort `rid` if it runs it."""
+
+    def on_cancel(self, callback) -> None:
+        """`callback(rid)` runs for every cancel announced (by any sharer)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    tenant TEXT NOT NULL, id TEXT NOT NULL, written REAL NOT NULL, size INTEGER NOT NULL,
+    record BLOB NOT NULL, PRIMARY KEY (tenant, id));
+CREATE INDEX IF NOT EXISTS responses_written ON responses (written);
+"""
+
+
+class SQLiteStore:
+    """The embedded store: a SQLite file at `path`, or memory when `path` is None."""
+
+    def __init__(self, path: str | None, retention: Retention) -> None:
+        self.path = path
+        self.retention = retention
+        self._db: sqlite3.Connection | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="responses-store")
+        self._lock = threading.Lock()
+
+    async def _run(self, fn, *args):
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._thread, fn, *args)
+        except sqlite3.Error as exc:
+            raise StoreDown(f"sqlite: {exc}") from None
+
+    def _open(self) -> sqlite3.Connection:
+        if self._db is None:
+            db = sqlite3.connect(self.path or ":memory:", timeout=5.0,
+                                 check_same_thread=False, isolation_level=None)
+            if self.path:
+                db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+            self._db = db
+        return self._db
+
+    async def start(self) -> None:
+        await self._run(self._open)
+
+    async def close(self) -> None:
+        def shut() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+        await self._run(shut)
+        self._thread.shutdown(wait=False)
+
+    async def get(self, tenant: str, rid: str) -> bytes | None:
+        return await self._run(self._get, tenant, rid)
+
+    def _get(self, tenant: str, rid: str) -> bytes | None:
+        row = self._open().execute(
+            "SELECT record FROM responses WHERE tenant = ? AND id = ? AND written > ?",
+            (tenant, rid, time.time() - self.retention.ttl)).fetchone()
+        return bytes(row[0]) if row else None
+
+    async def put(self, tenant: str, rid: str, record: bytes) -> None:
+        await self._run(self._put, tenant, rid, record)
+
+    def _put(self, tenant: str, rid: str, record: bytes) -> None:
+        db, r = self._open(), self.retention
+        now = time.time()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+                       (tenant, rid, now, len(record), record))
+            db.execute("DELETE FROM responses WHERE written <= ?", (now - r.ttl,))
+            count, size = db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
+            if count > r.max_count or size > r.max_bytes:
+                self._evict(db, count - r.max_count, size - r.max_bytes)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    @staticmethod
+    def _evict(db: sqlite3.Connection, extra_count: int, extra_bytes: int) -> None:
+        """Delete the oldest records until both limits hold."""
+        doomed = []
+        for tenant, rid, size in db.execute(
+                "SELECT tenant, id, size FROM responses ORDER BY written"):
+            if extra_count <= 0 and extra_bytes <= 0:
+                break
+            doomed.append((tenant, rid))
+            extra_count -= 1
+            extra_bytes -= size
+        db.executemany("DELETE FROM responses WHERE tenant = ? AND id = ?", doomed)
+
+    async def delete(self, tenant: str, rid: str) -> bool:
+        def remove() -> bool:
+            cur = self._open().execute("DELETE FROM responses WHERE tenant = ? AND id = ?",
+                                       (tenant, rid))
+            return cur.rowcount > 0
+        return await self._run(remove)
+
+    async def announce_cancel(self, rid: str) -> None:
+        """One host: the `--workers` siblings are asked by the handler itself."""
+
+    def on_cancel(self, callback) -> None:
+        """Nothing to follow: no other replica shares this store."""
