@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from backends.sim import anthropic, info, native, openai, role_switch, tokenize_api
+from backends.sim import anthropic, info, native, openai, responses_api, role_switch, tokenize_api
 from backends.sim.config import SimConfig
 from backends.sim.httpproto import CoalescingHttpToolsProtocol
 from backends.sim.state import SimState
@@ -30,6 +30,7 @@ _ROUTES = [
     Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     Route("/v1/messages", anthropic.messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+    Route("/v1/responses", responses_api.responses, methods=["POST"]),
     Route("/abort_request", native.abort_request, methods=["POST"]),
     Route("/flush_cache", native.flush_cache, methods=["GET", "POST"]),
     Route("/pd_role_switch", role_switch.pd_role_switch, methods=["POST"]),
