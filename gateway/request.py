@@ -20,10 +20,11 @@ GENERATE = "generate"
 CHAT = "chat"
 COMPLETIONS = "completions"
 RESPONSES = "responses"  # parsed by gateway/responses/view.py, served by its own endpoint
+MESSAGES = "messages"  # Anthropic's Messages API: gateway/anthropic/
 
 ENDPOINT_PATHS = {GENERATE: "/generate", CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 # every endpoint's upstream path (those above get the plain inference endpoint in app.py)
-UPSTREAM_PATHS = {**ENDPOINT_PATHS, RESPONSES: "/v1/responses"}
+UPSTREAM_PATHS = {**ENDPOINT_PATHS, RESPONSES: "/v1/responses", MESSAGES: "/v1/messages"}
 # Fields the gateway owns (docs/SECURITY.md, "Client-supplied routing fields"): PD pairing
 # and DP-rank placement. A client value could collide with the gateway's rooms, or pin a rank
 # that contradicts the room (SGLang fails such a request: CommonKVSender's

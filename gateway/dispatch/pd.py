@@ -25,6 +25,7 @@ import time
 
 import orjson
 
+from gateway.anthropic.stream import head_failure, stream_head
 from gateway.cancel import Deadline, Expired, Interrupt
 from gateway.dispatch import rescue
 from gateway.dispatch.attempt import Answer, Attempt, Timeouts
@@ -34,14 +35,13 @@ from gateway.dispatch.inflight import Tracked
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.leg_bodies import leg_bodies
 from gateway.dispatch.prompt_logprobs import StreamMerger, merge_body, prefill_parts
-from gateway.dispatch.relay import StreamRelay, first_event
+from gateway.dispatch.relay import StreamRelay
 from gateway.dispatch.whole_body import read_whole
 from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
 from gateway.request import RequestView
 from gateway.servers.pool import Server
 from gateway.servers.probe import FOLLOW_ROOM
-from gateway.sse import leading_failure
 from gateway.timers import Timers
 from gateway.tokens.context_check import requested_new_tokens
 from gateway.upstream.client import Upstream, UpstreamResponse, status_error, translate_errors
@@ -362,8 +362,8 @@ class PDDispatcher:
                     response = None
                     attempt.verdict["decode"] = True
                     return None, Answer(200, content_type, body)
-                first = await first_event(response, attempt.decode.url)
-            failure = leading_failure(first) if first else None
+                first = await stream_head(response, attempt.view, attempt.decode.url)
+            failure = head_failure(first, attempt.view) if first else None
             if failure is not None:
                 status, message = failure
                 raise status_error("decode", attempt.decode, status,

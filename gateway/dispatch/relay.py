@@ -22,11 +22,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 
+from gateway.anthropic.errors import error_event
 from gateway.cancel import Interrupt
 from gateway.dispatch.attempt import Attempt, Timeouts
 from gateway.dispatch.prompt_logprobs import StreamMerger
 from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
+from gateway.request import MESSAGES
 from gateway.sse import DONE, EventSplitter, data_objects, event_data, frame, parsed
 from gateway.timers import Timers
 from gateway.upstream.client import UpstreamResponse, translated
@@ -186,7 +188,8 @@ class StreamRelay:
             ok, broken = False, (StreamBroken(exc, attempt.decode) if exc.retryable
                                  and attempt.on_broken is not None else None)
             if broken is None:
-                yield frame(exc.body()) + DONE
+                yield (error_event(exc) if attempt.view.endpoint == MESSAGES  # Anthropic's
+                       else frame(exc.body()) + DONE)
         finally:
             self._end(attempt, response, p_task, ok, watchdog, broken)
         if broken is not None:  # this pair is done with; the rest comes from another
@@ -246,7 +249,8 @@ def _failure(exc: BaseException, watchdog: StreamWatchdog, url: str) -> BaseExce
 # streams that end with a typed last event, not [DONE]: SGLang's /v1/responses
 # (`_responses_stream_generator_non_harmony`: response.completed, .incomplete or .failed)
 FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n",
-                b"event: response.failed\n")
+                b"event: response.failed\n",
+                b"event: message_stop\n")  # /v1/messages (`_generate_anthropic_stream`)
 
 
 def _final_event(last: bytes) -> bool:

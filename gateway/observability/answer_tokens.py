@@ -56,8 +56,10 @@ def ask_for_usage(view: RequestView, body: dict) -> None:
         body["stream_options"] = {"include_usage": True}
 
 
-# the key, JSON whitespace, a colon, whitespace, the integer (a C-level scan, no parse)
-_COUNT = re.compile(rb'"completion_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]+)')
+# the key, JSON whitespace, a colon, whitespace, the integer (a C-level scan, no parse);
+# an Anthropic answer (/v1/messages) calls it `output_tokens`
+_COUNT = re.compile(rb'"(?:completion|output)_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]+)')
+OUTPUT_KEY = b'"output_tokens"'
 
 
 def completion_total(body: bytes) -> int | None:
@@ -69,7 +71,8 @@ def completion_total(body: bytes) -> int | None:
 
 def completion_final(data: bytes) -> int | None:
     """The last count in `data` (a stream's end: its usage event, or its last meta_info)."""
-    at = data.rfind(KEY, max(0, len(data) - TAIL_LIMIT))
+    start = max(0, len(data) - TAIL_LIMIT)
+    at = max(data.rfind(KEY, start), data.rfind(OUTPUT_KEY, start))
     if at < 0:
         return None
     found = _COUNT.match(data, at)
@@ -84,7 +87,7 @@ def prompt_usage(body: bytes) -> tuple[int, int]:
     key cost more than the parse."""
     first = body[:1]
     try:
-        if first == b"{" or first == b"[" or body.lstrip()[:5] != b"data:":
+        if first == b"{" or first == b"[" or body.lstrip()[:5] not in (b"data:", b"event"):
             items = orjson.loads(body)
         else:
             items = data_objects(body)
@@ -104,7 +107,13 @@ def prompt_usage(body: bytes) -> tuple[int, int]:
             cached += meta.get("cached_tokens") or 0
             continue
         usage = item.get("usage")
-        if isinstance(usage, dict):
+        if usage is None and isinstance(item.get("message"), dict):  # Anthropic's message_start
+            usage = item["message"].get("usage")
+        if isinstance(usage, dict) and "input_tokens" in usage:  # Anthropic: the uncached part
+            cache = usage.get("cache_read_input_tokens") or 0
+            prompt += (usage.get("input_tokens") or 0) + cache
+            cached += cache
+        elif isinstance(usage, dict):
             prompt += usage.get("prompt_tokens") or 0
             details = usage.get("prompt_tokens_details") or {}
             cached += details.get("cached_tokens") or 0

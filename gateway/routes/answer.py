@@ -17,11 +17,13 @@ import time
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.anthropic.errors import error_event
 from gateway.cancel import Interrupt
 from gateway.dispatch.attempt import Answer
 from gateway.dispatch.relay import SlowClient
 from gateway.errors import GatewayError, ServiceUnavailable
 from gateway.observability.answer_tokens import StreamTokens
+from gateway.request import MESSAGES
 from gateway.routes.asgi import ClientGone
 from gateway.routes.server_protocol import CHUNKS, DEPARTURE, STALLED, WHOLE
 from gateway.sse import DONE, frame
@@ -168,7 +170,7 @@ class StreamedAnswer:
                 previous, final = final, chunk
         except asyncio.CancelledError:
             if not self.watch.interrupt.fired:  # shutting down: end the stream properly
-                await end_stream_early(send, usage.request_id)
+                await end_stream_early(send, usage.request_id, view=self.view)
                 raise
             error = self.watch.interrupt.reason()  # ours: told to the client below
             if not isinstance(error, GatewayError):
@@ -179,16 +181,21 @@ class StreamedAnswer:
             usage.tail = previous + final  # the final events: completion tokens
         self.watch.done = True
         if error is not None:
-            await end_stream_early(send, usage.request_id, error)
+            await end_stream_early(send, usage.request_id, error, self.view)
             raise StreamCut(error)
         await send({"type": "http.response.body", "body": b""})
         self.meter.bytes.pending += sent
 
 
-async def end_stream_early(send: Send, request_id: str, err: GatewayError | None = None) -> None:
-    """Close a cut stream with an error event and [DONE], not a truncated body."""
+async def end_stream_early(send: Send, request_id: str, err: GatewayError | None = None,
+                           view=None) -> None:
+    """Close a cut stream with an error event and [DONE] (an Anthropic stream: its `error`
+    event), not a truncated body."""
     err = err or ServiceUnavailable("the gateway is shutting down; the stream was cut")
-    body = b"\n\n" + frame(err.body()) + DONE
+    if view is not None and view.endpoint == MESSAGES:
+        body = b"\n\n" + error_event(err)
+    else:
+        body = b"\n\n" + frame(err.body()) + DONE
     try:
         await send({"type": "http.response.body", "body": body, "more_body": False})
     except Exception:  # noqa: BLE001 - best effort on the way out

@@ -128,7 +128,7 @@ class InferenceEndpoint:
         except GatewayError as err:
             status = err.status
             parts.state.note_error(err, self.endpoint, request_id)
-            await send_error(send, err, request_id)
+            await self.send_error(send, err, request_id)
         except (ClientGone, OSError):
             status = 499
         except Exception:  # a bug: answer 500 in the usual shape rather than drop the client
@@ -213,9 +213,13 @@ class InferenceEndpoint:
         err = GatewayError("internal gateway error; see the gateway log", status=500)
         self.parts.state.note_error(err, self.endpoint, request_id)
         try:
-            await send_error(send, err, request_id)
+            await self.send_error(send, err, request_id)
         except Exception:  # noqa: BLE001 - the response may have started already
             pass
+
+    async def send_error(self, send: Send, err: GatewayError, request_id: str) -> None:
+        """An error before the answer began, in this endpoint's shape (OpenAI's here)."""
+        await send_error(send, err, request_id)
 
     def _count(self, status: int, started: float) -> None:
         counter = self._requests.get(status)

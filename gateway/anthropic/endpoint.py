@@ -1,0 +1,121 @@
+"""The two Anthropic paths as pure ASGI endpoints, beside the OpenAI inference endpoints.
+
+* `POST /v1/messages`: the inference endpoint itself (auth, tenancy, body budget, admission,
+  PD dispatch, usage), given this path's parser (`view.parse_messages`) and Anthropic's error
+  envelope (`errors.py`) for everything the gateway refuses or fails.
+* `POST /v1/messages/count_tokens`: not a PD request; relayed to one usable server of the
+  model (decode first, as `/v1/tokenize` is), whose SGLang counts the prompt its chat template
+  makes (`AnthropicServing.handle_count_tokens`). The gateway does not count it itself: its
+  tokenizer renders OpenAI chats, and a count that differed from the server's would be wrong
+  the one time it matters (a prompt near the context limit).
+
+Both accept the key as `x-api-key` (what the Anthropic SDK sends) or `Authorization: Bearer`
+(`admission/auth.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from gateway.admission.auth import INFERENCE, Auth
+from gateway.anthropic.errors import error_bytes
+from gateway.anthropic.view import check_messages, json_object, parse_messages
+from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
+from gateway.request import MESSAGES
+from gateway.routes.asgi import ClientGone, read_body, send_bytes
+from gateway.routes.inference import InferenceEndpoint, InferenceParts, request_id_of
+from gateway.scheduling.models import Models
+from gateway.upstream.client import upstream_message
+
+COUNT_PATH = "/v1/messages/count_tokens"
+TOKENIZE_BYTES_PER_S = 4 << 20  # a server's tokenizer is given a second per 4 MiB of prompt
+
+
+async def send_anthropic_error(send: Send, err: GatewayError, request_id: str | None) -> None:
+    extra = [(k.encode(), v.encode()) for k, v in err.headers.items()]
+    if request_id:
+        extra.append((b"x-request-id", request_id.encode()))
+    await send_bytes(send, err.status, error_bytes(err, request_id), b"application/json", extra)
+
+
+class MessagesEndpoint(InferenceEndpoint):
+    """`/v1/messages`: the inference endpoint with this path's parser and error envelope."""
+
+    def __init__(self, parts: InferenceParts) -> None:
+        super().__init__(parts, MESSAGES, parse_messages)
+
+    async def send_error(self, send: Send, err: GatewayError, request_id: str) -> None:
+        await send_anthropic_error(send, err, request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class CountParts:
+    auth: Auth
+    models: Models
+    client: httpx.AsyncClient  # the control client (probes, health, relays)
+    timeout: float  # per server, plus a second per 4 MiB of body
+    max_body_bytes: int
+
+
+class CountTokens:
+    """`/v1/messages/count_tokens`, relayed to the first usable server of the model that
+    answers (a 5xx or a connection error moves to the next; none: 503)."""
+
+    def __init__(self, parts: CountParts) -> None:
+        self.parts = parts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = request_id_of(scope)
+        try:
+            status, content = await self._count(scope, receive)
+        except GatewayError as err:
+            await send_anthropic_error(send, err, request_id)
+            return
+        except ClientGone:
+            return
+        await send_bytes(send, status, content, b"application/json",
+                         [(b"x-request-id", request_id.encode())])
+
+    async def _count(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+        parts = self.parts
+        parts.auth.caller(scope, INFERENCE)
+        raw = await read_body(scope, receive, parts.max_body_bytes, buffer=True)
+        body = json_object(raw)
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("'model' is required and must be a non-empty string")
+        check_messages(body)
+        model, upstream = parts.models.lookup(name)
+        content = bytes(raw) if upstream is None else orjson.dumps({**body, "model": upstream})
+        return await self._ask(model.usable("decode") + model.usable("prefill"), content)
+
+    async def _ask(self, servers: list, content: bytes) -> tuple[int, bytes]:
+        parts = self.parts
+        timeout = parts.timeout + len(content) / TOKENIZE_BYTES_PER_S
+        last = "no usable server"
+        for server in servers:
+            try:
+                response = await parts.client.post(
+                    server.url + COUNT_PATH, content=content, timeout=timeout,
+                    headers={"content-type": "application/json"})
+            except httpx.HTTPError as exc:
+                last = f"{server.url}: {type(exc).__name__}"
+                continue
+            if response.status_code < 500:
+                return response.status_code, response.content
+            last = (f"{server.url} answered {response.status_code}: "
+                    f"{upstream_message(response.content)}")
+        raise ServiceUnavailable(f"no server could count the tokens: {last}",
+                                 headers={"retry-after": "1"})
+
+
+def messages_endpoints(inference: InferenceParts, gateway) -> dict:
+    """The Anthropic paths and their endpoints, for the app's table of hot paths."""
+    c = gateway.config
+    count = CountParts(gateway.auth, gateway.models, gateway.client, c.probe_timeout,
+                       c.max_body_bytes)
+    return {"/v1/messages": MessagesEndpoint(inference), COUNT_PATH: CountTokens(count)}
