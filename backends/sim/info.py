@@ -68,7 +68,12 @@ def _internal_state(state: SimState, rank: DpRank) -> dict[str, Any]:
     return {"dp_rank": rank.index, "last_gen_throughput": round(eng.gen_throughput, 3),
             "memory_usage": {"weight": 15.0, "kvcache": 52.0, "token_capacity":
                              state.config.max_total_tokens, "graph": 0.5},
-            "num_running_reqs": eng.num_running, "num_waiting_reqs": len(eng.waiting)}
+            "num_running_reqs": eng.num_running, "num_waiting_reqs": len(eng.waiting),
+            # InternalStateReader._add_disaggregation: what a router feeds back to
+            # /pd_role_switch (decode graph phases' memory summed)
+            "disaggregation_mode": state.config.mode,
+            "decode_cuda_graph_bs": list(state.decode_graph_bs),
+            "decode_cuda_graph_memory_gb": 0.5 if state.decode_graph_bs else 0.0}
 
 
 async def server_info(request: Request) -> Response:

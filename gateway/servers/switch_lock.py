@@ -1,0 +1,56 @@
+"""One role switch at a time per gateway: in this process and across its `--workers`.
+
+SGLang leaves serialization to its caller ("the caller must drain ingress and serialize
+role-switch requests", managers/tokenizer_control_mixin.py). Two switches at once could each
+see the other's server still serving and leave a role empty between them, so the gateway
+holds one lock for the whole procedure (drain, wait, prepare, switch, re-register).
+
+Where it lives: in one process, a flag on the event loop; with `--workers N`, an exclusive
+`fcntl.flock` on a file beside the shared block's own lock file (the thing the workers
+already share), taken without blocking: a second switch is refused (409), never queued
+behind a drain that may take minutes. The kernel drops a flock when its holder dies, so a
+worker that crashes mid-switch leaves no stale lock. Replicas share neither: the lock does
+not reach them (docs/ROLE_SWITCH.md, "Replicas").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+
+
+class SwitchBusy(Exception):
+    """Another switch holds the lock; its description is the message."""
+
+
+class SwitchLock:
+    """Held for one switch; `path` None without `--workers` (this process only)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self.holder: str | None = None  # what this process is switching now
+
+    @contextlib.contextmanager
+    def hold(self, what: str) -> Iterator[None]:
+        """Take the lock for `what` or raise SwitchBusy at once."""
+        if self.holder is not None:
+            raise SwitchBusy(f"another role switch is in progress ({self.holder})")
+        fd = None
+        if self.path is not None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise SwitchBusy("another role switch is in progress (in another worker "
+                                 "process of this gateway)") from None
+        self.holder = what
+        try:
+            yield
+        finally:
+            self.holder = None
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
