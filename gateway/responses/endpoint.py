@@ -92,8 +92,30 @@ def failed(turn: Turn, status: int) -> dict:
                       "message": f"the request ended without a response (HTTP {status})"}}
 
 
+def restorer(turn: Turn):
+    """What the client asked, back in the answer: the servers were sent `store: false` and no
+    `previous_response_id` (the gateway holds the state), so the response they made says
+    so; the client reads its own values. A byte replacement: inside a JSON string every `"`
+    is escaped, so these bytes only occur as keys (as SGLang and the simulator write JSON)."""
+    swaps = []
+    if turn.store:
+        swaps.append((b'"store":false', b'"store":true'))
+    if turn.previous is not None:
+        swaps.append((b'"previous_response_id":null',
+                      b'"previous_response_id":' + orjson.dumps(turn.previous)))
+
+    def restore(data: bytes) -> bytes:
+        for old, new in swaps:
+            if old in data:
+                data = data.replace(old, new)
+        return data
+
+    return restore if swaps else None
+
+
 class AnswerWatch:
-    """The answer on its way to the client: the final response is kept before it is sent."""
+    """The answer on its way to the client: the client's own values restored, the final
+    response kept before it is sent."""
 
     def __init__(self, responses: Responses, turn: Turn, send: Send) -> None:
         self.responses = responses
@@ -104,6 +126,8 @@ class AnswerWatch:
         self.splitter = EventSplitter()
         self.parts: list[bytes] = []
         self.done = False
+        self.restore = restorer(turn)
+        self.head: Message | None = None  # a whole answer's head, sent with its body
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -111,15 +135,39 @@ class AnswerWatch:
             for name, value in message.get("headers", ()):
                 if name == b"content-type" and value.startswith(b"text/event-stream"):
                     self.stream = True
-        elif message["type"] == "http.response.body" and self.status == 200 and not self.done:
-            body = message.get("body", b"")
-            final = self._final_event(body) if self.stream else self._whole(
-                body, message.get("more_body", False))
+            if self.status == 200 and not self.stream:
+                self.head = message  # its length follows the restored body
+                return
+        elif message["type"] == "http.response.body" and self.status == 200:
+            message = await self._body(message)
+            if message is None:
+                return
+        await self._send(message)
+
+    async def _body(self, message: Message) -> Message | None:
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        if not self.stream:
+            self.parts.append(body)
+            if more:
+                return None
+            body = b"".join(self.parts)
+            self.parts.clear()
+        if self.restore is not None:
+            body = self.restore(body)
+        if not self.done:
+            final = self._final_event(body) if self.stream else self._whole(body)
             if final is not None:
                 self.done = True
                 if self.turn.store:
                     await self.responses.keep(self.turn, final)
-        await self._send(message)
+        if self.head is not None:
+            headers = [(k, v) for k, v in self.head.get("headers", ())
+                       if k != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await self._send({**self.head, "headers": headers})
+            self.head = None
+        return {"type": "http.response.body", "body": body, "more_body": more}
 
     def _final_event(self, chunk: bytes) -> dict | None:
         for _, _, obj in parsed(self.splitter, chunk):
@@ -128,14 +176,11 @@ class AnswerWatch:
                 return response if isinstance(response, dict) else None
         return None
 
-    def _whole(self, chunk: bytes, more: bool) -> dict | None:
-        self.parts.append(chunk)
-        if more:
-            return None
+    @staticmethod
+    def _whole(body: bytes) -> dict | None:
         try:
-            answer = orjson.loads(b"".join(self.parts))
+            answer = orjson.loads(body)
         except orjson.JSONDecodeError:
             return None
-        self.parts.clear()
         return answer if isinstance(answer, dict) and answer.get("object") == "response" \
             else None

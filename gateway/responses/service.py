@@ -43,6 +43,7 @@ class Turn:
     store: bool
     items: list  # the whole input the servers answer
     body: bytes  # what the inference endpoint parses
+    previous: str | None = None  # the previous_response_id the client gave
     kept: bool = field(default=False)  # the record was written
 
 
@@ -94,7 +95,7 @@ class Responses:
                 raise history.not_found(previous_id)
         rid = "resp_" + new_id()
         new = history.expand(body, previous, rid)
-        turn = Turn(rid, tenant, store, new["input"], orjson.dumps(new))
+        turn = Turn(rid, tenant, store, new["input"], orjson.dumps(new), previous_id)
         if store:
             response = history.placeholder(rid, body, previous_id)
             await self.keep(turn, response, "start")

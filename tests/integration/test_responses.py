@@ -1,0 +1,203 @@
+"""/v1/responses through the gateway with the real OpenAI SDK, against simulated PD servers:
+plain and streamed answers, a previous_response_id chain kept by the gateway across both
+decodes (the prefill's prefix hits kept), retrieve/delete/cancel, tenants, `background`,
+and an agent framework (the OpenAI Agents SDK) end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import sim_cluster
+
+KEYS = {"tenant-a": "key-a", "tenant-b": "key-b"}
+TOKEN_DELAY = "0.01"  # seconds per decode step: a 16-token answer takes ~0.2 s
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    key_file = logs / "keys"
+    key_file.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    with sim_cluster(logs, sim_args=["--token-delay", TOKEN_DELAY, "--enable-cache-report"],
+                     gateway_args=["--api-key-file", str(key_file),
+                                   "--decode-policy", "round_robin"]) as c:
+        yield c
+
+
+def client(cluster, tenant: str = "tenant-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.gateway + "/v1", api_key=KEYS[tenant], max_retries=0)
+
+
+def served(cluster) -> dict[str, int]:
+    return {url: cluster.stats(url)["requests"].get("/v1/responses", 0)
+            for url in cluster.decode}
+
+
+def prefill_cached(cluster) -> int:
+    return sum(r["cached_tokens"] for r in cluster.stats(cluster.prefill[0][0])["dp_ranks"])
+
+
+def test_plain_answer_is_a_response_with_the_gateway_id(cluster):
+    r = client(cluster).responses.create(model="m", input="Say hello.", max_output_tokens=8)
+    assert r.id.startswith("resp_") and r.object == "response"
+    assert r.status in ("completed", "incomplete") and r.output_text
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    got = client(cluster).responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text
+
+
+def test_stream_relays_the_typed_events_and_keeps_the_final_response(cluster):
+    with client(cluster).responses.stream(model="m", input="Stream a little.") as stream:
+        kinds = [event.type for event in stream]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" in kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    body = httpx.post(cluster.gateway + "/v1/responses", headers=_auth("tenant-a"),
+                      json={"model": "m", "input": "raw stream", "stream": True}, timeout=30)
+    text = body.text
+    assert text.rstrip().rsplit("\n\n", 1)[-1].startswith("event: response.incomplete")
+    assert "data: [DONE]" not in text  # a Responses stream ends with its final event
+    rid = text.split('"id":"', 1)[1].split('"', 1)[0]
+    stored = client(cluster).responses.retrieve(rid)
+    assert stored.status in ("completed", "incomplete") and stored.output_text
+
+
+def _auth(tenant: str) -> dict:
+    return {"authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def test_chain_of_five_turns_over_both_decodes_keeps_conversation_and_prefix(cluster):
+    c = client(cluster)
+    before, cached_before = served(cluster), prefill_cached(cluster)
+    previous, turns, hits = None, [], []
+    for i in range(5):
+        cached = prefill_cached(cluster)
+        r = c.responses.create(model="m", input=f"turn {i}: tell me more", max_output_tokens=6,
+                               previous_response_id=previous)
+        hits.append(prefill_cached(cluster) - cached)
+        turns.append(r)
+        assert r.previous_response_id == previous  # the client's own, though not sent on
+        previous = r.id
+    after = served(cluster)
+    assert all(after[url] - before[url] >= 2 for url in cluster.decode), (before, after)
+    # the servers got the whole conversation: the prompt grows by each turn's exchange
+    inputs = [t.usage.input_tokens for t in turns]
+    assert inputs == sorted(inputs) and inputs[-1] > inputs[0] + 4 * 6, inputs
+    # ... and it renders into the same prefix: each turn reuses the previous turn's prompt
+    for i in range(1, 5):
+        assert hits[i] >= inputs[i - 1] - 16, (i, hits, inputs)  # (a page short at most)
+    assert prefill_cached(cluster) > cached_before
+    items = httpx.get(f"{cluster.gateway}/v1/responses/{turns[-1].id}/input_items",
+                      headers=_auth("tenant-a"), timeout=10).json()["data"]
+    assert [i["role"] for i in items] == ["user", "assistant"] * 4 + ["user"]
+    assert items[0]["content"] == "turn 0: tell me more"
+    for k in range(4):
+        assert items[2 * k + 1]["content"][0]["text"] == turns[k].output_text
+
+
+def test_delete_then_retrieve_and_continue_are_404(cluster):
+    c = client(cluster)
+    r = c.responses.create(model="m", input="to be deleted", max_output_tokens=4)
+    c.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="m", input="next", previous_response_id=r.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete(r.id)
+
+
+def test_store_false_is_not_kept_and_no_server_keeps_it(cluster):
+    c = client(cluster)
+    r = c.responses.create(model="m", input="ephemeral", store=False, max_output_tokens=4)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    kept = c.responses.create(model="m", input="kept", max_output_tokens=4)
+    assert kept.store is True  # kept by the gateway (the server was told store=false)
+    assert c.responses.retrieve(kept.id).store is True
+
+
+def test_another_tenant_sees_nothing(cluster):
+    mine = client(cluster, "tenant-a").responses.create(model="m", input="secret",
+                                                          max_output_tokens=4)
+    other = client(cluster, "tenant-b")
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="m", input="go on", previous_response_id=mine.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.cancel(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(mine.id)
+    assert client(cluster, "tenant-a").responses.retrieve(mine.id).id == mine.id
+
+
+def test_background_and_owned_fields_are_refused_with_a_clear_400(cluster):
+    c = client(cluster)
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.responses.create(model="m", input="later", background=True)
+    assert refused.value.code == "unsupported_background"
+    assert "background" in refused.value.message
+    for field in ("bootstrap_room", "request_id"):
+        answer = httpx.post(cluster.gateway + "/v1/responses", headers=_auth("tenant-a"),
+                            json={"model": "m", "input": "x", field: 7}, timeout=10)
+        assert answer.status_code == 400 and field in answer.json()["error"]["message"]
+
+
+def test_cancel_aborts_both_legs_of_a_running_stream(cluster):
+    c = client(cluster)
+    aborted_before = {url: cluster.stats(url)["aborted"] for url in cluster.decode}
+    answer: dict = {}
+    started = threading.Event()
+
+    def run() -> None:
+        with c.responses.stream(model="m", input="a long one",
+                                max_output_tokens=3000) as stream:
+            for event in stream:
+                if event.type == "response.created":
+                    answer["id"] = event.response.id
+                    started.set()
+                answer["last"] = event.type
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    assert started.wait(20)
+    cancelled = c.responses.cancel(answer["id"])
+    assert cancelled.status == "cancelled"
+    worker.join(20)
+    assert not worker.is_alive()  # the stream ended long before its 3000 tokens (30 s)
+    assert c.responses.retrieve(answer["id"]).status == "cancelled"
+    aborted = {url: cluster.stats(url)["aborted"] - aborted_before[url] for url in cluster.decode}
+    assert sum(aborted.values()) == 1, aborted
+    prefill = cluster.stats(cluster.prefill[0][0])
+    assert prefill["in_flight"] == 0
+
+
+def test_openai_agents_sdk_runs_a_conversation(cluster):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+
+    async def converse() -> tuple:
+        model = agents.OpenAIResponsesModel(model="m", openai_client=openai.AsyncOpenAI(
+            base_url=cluster.gateway + "/v1", api_key=KEYS["tenant-a"], max_retries=0))
+        # the sim ends an answer only at a stop string: one of its syllables' vowels
+        settings = agents.ModelSettings(max_tokens=64, extra_body={"stop": ["o", "u"]})
+        agent = agents.Agent(name="helper", instructions="Answer briefly.", model=model,
+                             model_settings=settings)
+        first = await agents.Runner.run(agent, "Hello there")
+        second = await agents.Runner.run(agent, "And then?",
+                                         previous_response_id=first.last_response_id)
+        return first, second
+
+    first, second = asyncio.run(converse())
+    assert isinstance(first.final_output, str) and first.final_output
+    assert second.final_output and second.last_response_id != first.last_response_id
+    items = httpx.get(f"{cluster.gateway}/v1/responses/{second.last_response_id}/input_items",
+                      headers=_auth("tenant-a"), timeout=10).json()["data"]
+    assert len(items) == 3  # Hello there, the first answer, And then?
