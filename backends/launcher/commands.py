@@ -58,8 +58,10 @@ def sglang_command(topology: Topology, server: ServerSpec) -> LaunchCommand:
         "--base-gpu-id",
         str(server.base_gpu_id),
     ]
-    if server.role == "prefill" and server.bootstrap_port is not None:
+    if server.bootstrap_port is not None and (server.role == "prefill" or server.pd_role_switch):
         argv += ["--disaggregation-bootstrap-port", str(server.bootstrap_port)]
+    if server.pd_role_switch:
+        argv.append("--enable-pd-role-switch")
     if server.ib_device:
         argv += ["--disaggregation-ib-device", server.ib_device]
     if server.role != "plain":
@@ -87,8 +89,10 @@ def sim_command(topology: Topology, server: ServerSpec) -> LaunchCommand:
         "--port",
         str(server.port),
     ]
-    if server.role == "prefill" and server.bootstrap_port is not None:
+    if server.bootstrap_port is not None and (server.role == "prefill" or server.pd_role_switch):
         argv += ["--bootstrap-port", str(server.bootstrap_port)]
+    if server.pd_role_switch:
+        argv.append("--enable-pd-role-switch")
     # as SGLang's flags: the served name defaults to the model path
     if topology.model_path_of(server):
         argv += ["--model-path", topology.model_path_of(server)]

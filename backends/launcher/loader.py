@@ -49,6 +49,7 @@ SERVER_KEYS = frozenset(
         "env",
         "model_path",
         "model_name",
+        "enable_pd_role_switch",
     }
 )
 DEFAULT_KEYS = SERVER_KEYS - {"port", "bootstrap_port"}
@@ -70,6 +71,7 @@ SCALAR_KEYS = {  # top-level key -> type
     "health_path": str,
     "health_interval_s": float,
     "stop_grace_s": float,
+    "enable_pd_role_switch": bool,  # every prefill and decode server (a server's key wins)
 }
 TOP_KEYS = frozenset(SCALAR_KEYS) | {"restart", "defaults", "models", *ROLES}
 _Merged = list[tuple[Role, int, dict[str, Any]]]
@@ -191,6 +193,8 @@ class _Parser:
             return value
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if kind is bool and isinstance(value, bool):
+            return value
         self.problems.append(f"{where}: expected {kind.__name__}, got {value!r}")
         return None
 
@@ -237,6 +241,8 @@ class _Parser:
                     merged["env"].update(self._env(f"{layer_where}.env", value))
                 elif key in ("tp_size", "base_gpu_id", "port", "bootstrap_port"):
                     merged[key] = self._scalar(f"{layer_where}.{key}", value, int)
+                elif key == "enable_pd_role_switch":
+                    merged[key] = self._scalar(f"{layer_where}.{key}", value, bool)
                 elif value is not None:
                     merged[key] = self._scalar(f"{layer_where}.{key}", value, str)
         return {key: value for key, value in merged.items() if value is not None}
@@ -274,12 +280,18 @@ class _Parser:
                     where, [table_of.get("all", {}), table_of.get(role, {}), entry]
                 )
                 server.setdefault("host", top.get("host", LOOPBACK))
-                if role != "prefill" and server.get("bootstrap_port") is not None:
-                    self.problems.append(f"{where}: bootstrap_port applies to prefill servers only")
+                switches = server.setdefault(
+                    "enable_pd_role_switch", bool(top.get("enable_pd_role_switch")))
+                if role == "plain":  # no PD role to switch
+                    server["enable_pd_role_switch"] = switches = False
+                if role != "prefill" and not switches and server.get("bootstrap_port") is not None:
+                    self.problems.append(f"{where}: bootstrap_port applies to prefill servers "
+                                         "only (and to servers with enable_pd_role_switch)")
                 merged.append((role, index, server))
-        self._assign_ports(merged, "port", top.get("base_port"), lambda role: True)
+        self._assign_ports(merged, "port", top.get("base_port"), lambda role, s: True)
         self._assign_ports(
-            merged, "bootstrap_port", top.get("bootstrap_base_port"), lambda role: role == "prefill"
+            merged, "bootstrap_port", top.get("bootstrap_base_port"),
+            lambda role, s: role == "prefill" or s["enable_pd_role_switch"],
         )
         self._assign_gpus(merged, gpu_packing)
         return tuple(
@@ -297,6 +309,7 @@ class _Parser:
                 env=tuple(s["env"].items()),
                 model_path=s.get("model_path"),
                 model_name=s.get("model_name"),
+                pd_role_switch=s["enable_pd_role_switch"],
             )
             for role, index, s in merged
         )
@@ -322,7 +335,8 @@ class _Parser:
         return found
 
     def _assign_ports(
-        self, merged: _Merged, key: str, base: int | None, wants: Callable[[Role], bool]
+        self, merged: _Merged, key: str, base: int | None,
+        wants: Callable[[Role, dict[str, Any]], bool],
     ) -> None:
         """Fill missing ports: sequential from `base`, else free ports of the server's host."""
         taken: dict[str, set[int]] = {}
@@ -332,7 +346,7 @@ class _Parser:
                     taken.setdefault(s["host"], set()).add(s[port_key])
         next_port = base
         for role, index, s in merged:
-            if not wants(role) or s.get(key) is not None:
+            if not wants(role, s) or s.get(key) is not None:
                 continue
             host_taken = taken.setdefault(s["host"], set())
             if next_port is not None:

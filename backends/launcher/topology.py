@@ -58,6 +58,9 @@ class ServerSpec:
     env: tuple[tuple[str, str], ...] = ()
     model_path: str | None = None  # this server's model, else the topology's
     model_name: str | None = None
+    # --enable-pd-role-switch: SGLang then runs a bootstrap server on every PD instance, so a
+    # decode gets a bootstrap_port too (docs/LAUNCHER.md, "Role switch")
+    pd_role_switch: bool = False
 
     @property
     def name(self) -> str:

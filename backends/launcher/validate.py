@@ -72,6 +72,10 @@ def _server_problems(server: ServerSpec) -> list[str]:
             problems.append(f"{name}: prefill servers need a bootstrap_port")
         elif not 1 <= server.bootstrap_port <= 65535:
             problems.append(f"{name}: bootstrap_port {server.bootstrap_port} is not in 1..65535")
+    elif server.pd_role_switch:
+        if server.bootstrap_port is None:  # start_disagg_service binds one on every instance
+            problems.append(f"{name}: a server with enable_pd_role_switch needs a "
+                            "bootstrap_port (SGLang runs a bootstrap server on it)")
     elif server.bootstrap_port is not None:
         problems.append(f"{name}: bootstrap_port applies to prefill servers only")
     if server.tp_size < 1:
