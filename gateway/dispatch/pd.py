@@ -9,7 +9,8 @@ client has seen anything.
 
 Deadlines: until its first progress (the prefill's answer or the decode's first byte) an
 attempt has the deadline learned for its prefill server and prompt size (gateway/health/deadlines.py),
-so a hung pair is suspected in seconds; after it, the hard --response-timeout. Every attempt
+kept while it is only queued (dispatch/first_progress.py), so a hung pair is suspected in
+seconds and a busy one is waited for; after it, the hard --response-timeout. Every attempt
 waiting on a server is registered on it: when the server is marked down or its breaker opens,
 `rescue` stops those attempts at once so they are retried elsewhere (when the role has
 another usable server; else they keep waiting under these deadlines).
@@ -26,11 +27,12 @@ import time
 import orjson
 
 from gateway.anthropic.stream import head_failure, stream_head
-from gateway.cancel import Deadline, Expired, Interrupt
+from gateway.cancel import Expired, Interrupt
 from gateway.dispatch import rescue
 from gateway.dispatch.attempt import Answer, Attempt, Timeouts
 from gateway.dispatch.bootstrap_rooms import RoomAllocator
 from gateway.dispatch.chores import Chores
+from gateway.dispatch.first_progress import first_deadline
 from gateway.dispatch.inflight import Tracked
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.leg_bodies import leg_bodies
@@ -142,8 +144,8 @@ class PDDispatcher:
         watch = _PrefillWatch(interrupt, self, attempt)
         p_task.add_done_callback(watch)
         response: UpstreamResponse | None = None
-        deadline = attempt.deadline = Deadline(
-            self.timers, interrupt, min(attempt.started_at + first, attempt.not_after))
+        deadline = attempt.deadline = first_deadline(  # kept while the attempt is queued
+            self.timers, attempt, first, self.timeouts.response, self._prefill_peers)
         try:
             response, answer = await self._decode_leg(attempt)
             self.progress(attempt)
@@ -219,6 +221,9 @@ class PDDispatcher:
                     self.model.gap_deadline(url, hard) if attempt.view.stream else
                     self.model.answer_deadline(url, requested_new_tokens(attempt.view), hard)))
             attempt.deadline.move(min(limit, attempt.not_after))
+
+    def _prefill_peers(self) -> list[Server] | None:
+        return self.ledger.peers_of("prefill")
 
     def rescue(self, server: Server, why: str) -> int:
         """Stop the attempts on `server` (down, breaker open) if a retry can go elsewhere."""

@@ -1,0 +1,119 @@
+"""Queued is not hung: what an attempt without first progress is waiting for.
+
+Under overload every prefill queue outgrows any fixed first-progress deadline. Cutting a
+request that only waits its turn sends it to the back of another queue, where it computes its
+prefill again: a retry storm that deepens the overload it reacts to. So once an attempt's
+learned deadline (gateway/health/deadlines.py) passes without progress, it is looked at
+again, and again every learned deadline (`window`) after, and kept while it is queued:
+
+* **Its place in the queue.** As of dispatch, the work ahead of it on its prefill (server or
+  DP rank) is the larger of the server's `/v1/loads` waiting uncached tokens and this
+  gateway's own in-flight prompt tokens there (every worker's), less its own. The server's
+  cumulative count of prefilled tokens (`total_prefill_uncached_tokens`) then says when that
+  work is done: the attempt's *mark* is the count at dispatch plus the work ahead. Below the
+  mark it is still queued behind older work.
+* **Silence is a hang, a busy server is not.** At each look the prefill must have moved since
+  the previous look (its count grew, or a prefill leg of ours succeeded there) and the decode
+  must have answered a `/v1/loads` poll or a request since then. A server that does neither
+  (frozen, its scheduler stuck, health checks hanging) is cut at once: a hang is detected as
+  before, within one learned deadline.
+* **Its turn came.** Past the mark the attempt should start; it is given the learned deadline
+  from its turn, or longer when every other prefill would make it wait longer (its queue and
+  this prompt at that server's measured speed): waiting here costs less than the back of a
+  longer queue (the rent-or-buy rule: wait as long as the move would cost). A decode that
+  holds a queue of its own (requests waiting, or its KV pool nearly full) while it finishes
+  requests is its admission queue: also waiting, not hung.
+
+Without the server's counters (loads polling off, or a server that does not report them) none
+of this can be judged, and the learned deadline cuts the attempt as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+DECODE_FULL = 0.9  # token usage from which a decode admits only as requests finish
+
+
+def counted(target) -> bool:
+    """Whether the target's snapshot carries the cumulative prefill counters."""
+    load = target.load
+    return load.updated_at > 0.0 and (load.prefill_tokens > 0 or load.prefill_busy_us > 0)
+
+
+def queued_ahead(target, own: int = 0) -> int:
+    """Uncached prompt tokens waiting on the prefill `target` before a request of `own`
+    tokens already counted in its in-flight figures."""
+    reported = target.load.waiting_uncached_tokens if target.load.updated_at > 0.0 else 0
+    return max(reported, target.totals()[1] - own, 0)
+
+
+def predicted_wait(target, tokens: int, own: int = 0) -> float | None:
+    """Seconds until a request of `tokens` uncached tokens sent to `target` now is prefilled:
+    the work ahead plus its own at the target's measured speed; None: speed not measured."""
+    speed = target.load.prefill_speed
+    if speed <= 0.0:
+        return None
+    return (queued_ahead(target, own) + tokens) / speed
+
+
+def shortest_wait(servers: Iterable, here, tokens: int) -> float:
+    """The shortest `predicted_wait` of `tokens` on another usable prefill of `here`'s model
+    (0 when none is known: a retry may be as fast as waiting)."""
+    best = None
+    for server in servers:
+        if server is here or not server.usable or server.model != here.model:
+            continue
+        wait = predicted_wait(server, tokens)
+        if wait is None:
+            return 0.0
+        best = wait if best is None else min(best, wait)
+    return 0.0 if best is None else best
+
+
+class QueueWatch:
+    """The looks at one attempt without progress (monotonic times); see the module doc."""
+
+    __slots__ = ("prefill", "decode", "window", "mark", "seen", "moved_at", "turn_at",
+                 "elsewhere", "counted", "ahead")
+
+    def __init__(self, prefill, decode, own: int, window: float, started: float,
+                 elsewhere: Callable[[], float]) -> None:
+        self.prefill = prefill  # the prefill target: a Server or its DP rank
+        self.decode = decode
+        self.window = window
+        self.elsewhere = elsewhere  # the shortest predicted wait on another prefill
+        self.counted = counted(prefill)
+        self.ahead = queued_ahead(prefill, own)
+        self.seen = prefill.load.prefill_tokens
+        self.mark = self.seen + self.ahead
+        self.moved_at = started  # when the prefill was last seen to move (from dispatch on)
+        self.turn_at = started if self.ahead == 0 else None
+
+    def queued(self) -> bool:
+        """Whether the work ahead of it at dispatch was not all done at the last look."""
+        return self.counted and self.seen < self.mark
+
+    def look(self, now: float) -> float | None:
+        """The time of the next look, or None: cut the attempt now."""
+        if not self.counted:
+            return None
+        load = self.prefill.load
+        if load.prefill_tokens > self.seen:  # the snapshot asked at `updated_at` saw it move
+            self.seen = load.prefill_tokens
+            self.moved_at = max(self.moved_at, load.updated_at)
+        decode = self.decode
+        heard = min(max(self.moved_at, self.prefill.server.last_success),
+                    max(decode.load.updated_at, decode.last_success))
+        if heard + self.window <= now:
+            return None  # a silent server: a hang
+        if self.seen < self.mark:
+            return heard + self.window  # queued behind work that is being done
+        if self.turn_at is None:
+            self.turn_at = load.updated_at  # its turn came by this snapshot
+        dload = decode.load
+        if (dload.waiting > 0 or dload.token_usage >= DECODE_FULL) \
+                and decode.last_success + self.window > now:
+            return heard + self.window  # in its decode's admission queue, which moves
+        until = self.turn_at + max(self.window, self.elsewhere())
+        return min(until, heard + self.window) if until > now else None
