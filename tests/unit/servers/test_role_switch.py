@@ -1,0 +1,182 @@
+"""The role-switch procedure against scripted SGLang answers (no sockets), its request
+validation and its lock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from gateway.errors import BadRequest, NotFound
+from gateway.servers.pool import Server, ServerPool
+from gateway.servers.role_switch import (
+    RoleSwitcher,
+    SwitchAsk,
+    SwitchBroken,
+    SwitchParts,
+    SwitchRefused,
+)
+from gateway.servers.switch_lock import SwitchBusy, SwitchLock
+
+P0, P1, D0 = "http://p0:1", "http://p1:1", "http://d0:1"
+OK = {"success": True, "message": "ok", "old_role": "prefill", "new_role": "decode",
+      "safe_to_restore": False}
+
+
+def fleet() -> ServerPool:
+    pool = ServerPool()
+    for url, role in ((P0, "prefill"), (P1, "prefill"), (D0, "decode")):
+        pool.add(Server(url, role, verified=True, model="m"))
+    return pool
+
+
+def switcher(pool: ServerPool, answer: Callable[[dict], httpx.Response],
+             told: list | None = None) -> tuple[RoleSwitcher, list[dict]]:
+    """`answer(body)` scripts P1's /pd_role_switch; D0's /server_info reports its graphs."""
+    asked: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            return httpx.Response(200, json={"internal_states": [
+                {"decode_cuda_graph_memory_gb": 0.5, "decode_cuda_graph_bs": [1, 2]}]})
+        body = json.loads(request.content)
+        asked.append(body)
+        return answer(body)
+
+    async def register(url, role, port, require_probe=False, model=None):
+        return pool.add(Server(url, role, verified=True, model=model))
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    tell = (lambda *a, **k: told.append(a)) if told is not None else (lambda *a, **k: None)
+    parts = SwitchParts(pool, client, register, pool.remove, tell, 1.0, SwitchLock())
+    return RoleSwitcher(parts), asked
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_success_sends_the_peer_figures_and_moves_the_server():
+    pool = fleet()
+    told: list = []
+    sw, asked = switcher(pool, lambda body: httpx.Response(200, json=OK), told)
+    answer = run(sw.switch(SwitchAsk(P1, "decode", deadline=5)))
+    assert answer["new_role"] == "decode" and answer["server"]["role"] == "decode"
+    assert [s.url for s in pool.role("decode")] == [D0, P1]
+    assert asked == [
+        {"new_role": "decode", "decode_cuda_graph_memory_gb": 0.5, "decode_cuda_graph_bs": [1, 2],
+         "prepare_only": True},
+        {"new_role": "decode", "decode_cuda_graph_memory_gb": 0.5, "decode_cuda_graph_bs": [1, 2]}]
+    assert [t[0] for t in told] == ["drain", "remove", "add"]
+    assert not pool.get(P1).draining
+
+
+def test_not_idle_is_asked_again_until_the_deadline_then_put_back():
+    pool = fleet()
+    busy = {"success": False, "message": "instance is not idle; drain all requests before "
+            "switching", "safe_to_restore": True}
+    sw, asked = switcher(pool, lambda body: httpx.Response(400, json=busy))
+    with pytest.raises(SwitchRefused, match="not idle") as caught:
+        run(sw.switch(SwitchAsk(P1, "decode", deadline=0.35)))
+    assert caught.value.code == "role_switch_busy" and caught.value.status == 409
+    assert len(asked) >= 3  # asked every 0.1 s
+    server = pool.get(P1)
+    assert (server.role, server.draining, server.misconfigured) == ("prefill", False, None)
+
+
+def test_not_idle_then_ready_goes_on():
+    pool = fleet()
+    answers = iter([httpx.Response(400, json={"success": False, "safe_to_restore": True,
+                                              "message": "instance is not idle; drain"}),
+                    httpx.Response(200, json={**OK, "message": "ready"}),
+                    httpx.Response(200, json=OK)])
+    sw, asked = switcher(pool, lambda body: next(answers))
+    run(sw.switch(SwitchAsk(P1, "decode", deadline=5)))
+    assert [b.get("prepare_only", False) for b in asked] == [True, True, False]
+
+
+@pytest.mark.parametrize(("answer", "kind", "code"), [
+    pytest.param(httpx.Response(400, json={"success": False, "safe_to_restore": True,
+                                           "message": "--enable-pd-role-switch is not set"}),
+                 SwitchRefused, "role_switch_refused", id="safe-refusal"),
+    pytest.param(httpx.Response(404, text="Not Found"), SwitchRefused, "role_switch_refused",
+                 id="no-route"),
+    pytest.param(httpx.Response(400, json={"success": False, "safe_to_restore": False,
+                                           "message": "instance is unhealthy after a failed "
+                                           "role switch; restart required"}),
+                 SwitchBroken, "role_switch_failed", id="unsafe"),
+])
+def test_prepare_answers(answer, kind, code):
+    pool = fleet()
+    sw, asked = switcher(pool, lambda body: answer)
+    with pytest.raises(kind) as caught:
+        run(sw.switch(SwitchAsk(P1, "decode")))
+    assert caught.value.code == code and len(asked) == 1
+    server = pool.get(P1)
+    if kind is SwitchRefused:
+        assert (server.draining, server.misconfigured, server.healthy) == (False, None, True)
+    else:
+        assert server.draining and not server.healthy and "restart required" in \
+            server.misconfigured
+
+
+def test_no_answer_to_the_switch_itself_takes_the_server_out():
+    pool = fleet()
+
+    def answer(body: dict) -> httpx.Response:
+        if body.get("prepare_only"):
+            return httpx.Response(200, json={**OK, "message": "ready"})
+        raise httpx.ReadTimeout("slow")
+    sw, _ = switcher(pool, answer)
+    with pytest.raises(SwitchBroken, match="its state is unknown"):
+        run(sw.switch(SwitchAsk(P1, "decode")))
+    assert not pool.get(P1).usable
+
+
+def test_refusals_before_anything_is_asked():
+    pool = fleet()
+    sw, asked = switcher(pool, lambda body: httpx.Response(200, json=OK))
+    with pytest.raises(SwitchRefused) as empty:
+        run(sw.switch(SwitchAsk(D0, "prefill")))
+    assert empty.value.code == "role_empty"
+    pool.get(P0).draining = True  # a draining peer does not count
+    with pytest.raises(SwitchRefused, match="last serving prefill"):
+        run(sw.switch(SwitchAsk(P1, "decode")))
+    with pytest.raises(SwitchRefused) as same:
+        run(sw.switch(SwitchAsk(D0, "decode")))
+    assert same.value.code == "already_in_role"
+    with pytest.raises(NotFound):
+        run(sw.switch(SwitchAsk("http://nope:1", "decode")))
+    assert asked == []
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    pytest.param({"role": "decode"}, "'url'", id="no-url"),
+    pytest.param({"url": P0, "role": "both"}, "'role'", id="role"),
+    pytest.param({"url": P0, "role": "decode", "deadline": -1}, "'deadline'", id="deadline"),
+    pytest.param({"url": P0, "role": "decode", "deadline": True}, "'deadline'", id="bool"),
+    pytest.param({"url": P0, "role": "decode", "decode_cuda_graph_memory_gb": "1"},
+                 "'decode_cuda_graph_memory_gb'", id="gb"),
+    pytest.param({"url": P0, "role": "decode", "decode_cuda_graph_bs": [0]},
+                 "'decode_cuda_graph_bs'", id="bs"),
+])
+def test_ask_validation(body, field):
+    with pytest.raises(BadRequest, match=field):
+        SwitchAsk.parse(body)
+
+
+def test_the_lock_refuses_a_second_holder_here_and_through_the_file(tmp_path):
+    path = str(tmp_path / "switch.lock")
+    one, other = SwitchLock(path), SwitchLock(path)  # two processes' views of one file
+    with one.hold("a -> decode"):
+        with pytest.raises(SwitchBusy, match="a -> decode"):
+            with one.hold("b"):
+                pass
+        with pytest.raises(SwitchBusy, match="another worker"):
+            with other.hold("b"):
+                pass
+    with other.hold("b"):  # released
+        pass
