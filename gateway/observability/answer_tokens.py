@@ -109,10 +109,14 @@ def prompt_usage(body: bytes) -> tuple[int, int]:
         usage = item.get("usage")
         if usage is None and isinstance(item.get("message"), dict):  # Anthropic's message_start
             usage = item["message"].get("usage")
+        if usage is None and isinstance(item.get("response"), dict):  # a Responses event
+            usage = item["response"].get("usage")
         if isinstance(usage, dict) and "input_tokens" in usage:  # Anthropic: the uncached part
             cache = usage.get("cache_read_input_tokens") or 0
             prompt += (usage.get("input_tokens") or 0) + cache
-            cached += cache
+            details = usage.get("input_tokens_details")  # Responses: all in input_tokens
+            cached += cache + ((details.get("cached_tokens") or 0)
+                               if isinstance(details, dict) else 0)
         elif isinstance(usage, dict):
             prompt += usage.get("prompt_tokens") or 0
             details = usage.get("prompt_tokens_details") or {}

@@ -1,0 +1,90 @@
+"""The embedded response store: per-tenant records, the three retention limits, a file two
+processes share, and StoreDown when it cannot answer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.responses import store as store_module
+from gateway.responses.store import Retention, SQLiteStore, StoreDown
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with(store: SQLiteStore, work):
+    await store.start()
+    try:
+        return await work(store)
+    finally:
+        await store.close()
+
+
+def test_records_are_per_tenant():
+    async def work(s):
+        await s.put("a", "resp_1", b'{"x":1}')
+        return (await s.get("a", "resp_1"), await s.get("b", "resp_1"),
+                await s.delete("b", "resp_1"), await s.delete("a", "resp_1"),
+                await s.get("a", "resp_1"))
+
+    assert run(_with(SQLiteStore(None, Retention()), work)) == (
+        b'{"x":1}', None, False, True, None)
+
+
+@pytest.mark.parametrize("retention, sizes, kept", [
+    pytest.param(Retention(max_count=3), [10] * 5, ["r2", "r3", "r4"], id="count"),
+    pytest.param(Retention(max_bytes=2500), [1000] * 4, ["r2", "r3"], id="bytes"),
+    pytest.param(Retention(max_count=10, max_bytes=10_000), [100] * 4,
+                 ["r0", "r1", "r2", "r3"], id="within-limits"),
+])
+def test_the_oldest_go_first(retention, sizes, kept, monkeypatch):
+    clock = iter(range(1000, 2000))
+    monkeypatch.setattr(store_module.time, "time", lambda: float(next(clock)))
+
+    async def work(s):
+        for i, size in enumerate(sizes):
+            await s.put("t", f"r{i}", b"x" * size)
+        return [f"r{i}" for i in range(len(sizes)) if await s.get("t", f"r{i}") is not None]
+
+    assert run(_with(SQLiteStore(None, retention), work)) == kept
+
+
+def test_a_record_past_its_ttl_is_gone(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(store_module.time, "time", lambda: now[0])
+
+    async def work(s):
+        await s.put("t", "old", b"1")
+        now[0] += 59
+        alive = await s.get("t", "old")
+        now[0] += 2
+        return alive, await s.get("t", "old")
+
+    assert run(_with(SQLiteStore(None, Retention(ttl=60)), work)) == (b"1", None)
+
+
+def test_a_file_is_shared_by_two_stores(tmp_path):
+    path = str(tmp_path / "responses.sqlite3")
+
+    async def work():
+        one, two = SQLiteStore(path, Retention()), SQLiteStore(path, Retention())
+        await one.start()
+        await two.start()
+        try:
+            await one.put("t", "resp_9", b"kept")
+            return await two.get("t", "resp_9")
+        finally:
+            await one.close()
+            await two.close()
+
+    assert run(work()) == b"kept"
+
+
+def test_an_unusable_path_is_store_down(tmp_path):
+    store = SQLiteStore(str(tmp_path / "missing-dir" / "x.sqlite3"), Retention())
+    with pytest.raises(StoreDown) as down:
+        run(store.start())
+    assert down.value.status == 503 and down.value.headers["retry-after"]
