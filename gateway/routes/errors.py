@@ -1,4 +1,5 @@
-"""Every error as an OpenAI-style JSON answer, including unknown routes and methods."""
+"""Every error as an OpenAI-style JSON answer, including unknown routes and methods; under
+`/v1/messages` in Anthropic's envelope (gateway/anthropic/errors.py), as SGLang's handlers do."""
 
 from __future__ import annotations
 
@@ -7,24 +8,35 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.anthropic import errors as anthropic
 from gateway.errors import GatewayError, NotFound, error_body, error_bytes
 
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's envelope there, as SGLang answers on them
 
-def json_error(err: GatewayError) -> Response:
-    return Response(error_bytes(err), status_code=err.status, media_type="application/json",
+
+def json_error(err: GatewayError, path: str = "") -> Response:
+    body = anthropic.error_bytes(err) if path.startswith(ANTHROPIC_PATHS) else error_bytes(err)
+    return Response(body, status_code=err.status, media_type="application/json",
                     headers=err.headers)
 
 
 async def gateway_error(request: Request, exc: Exception) -> Response:
-    return json_error(exc) if isinstance(exc, GatewayError) else await http_error(request, exc)
+    if isinstance(exc, GatewayError):
+        return json_error(exc, request.url.path)
+    return await http_error(request, exc)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
     """Starlette's 404/405 and friends in the OpenAI error shape."""
     status = getattr(exc, "status_code", 500)
     if status == 404:
-        return json_error(NotFound(f"no route {request.method} {request.url.path}"))
+        return json_error(NotFound(f"no route {request.method} {request.url.path}"),
+                          request.url.path)
     detail = getattr(exc, "detail", None) or "request failed"
+    if request.url.path.startswith(ANTHROPIC_PATHS):
+        headers = dict(getattr(exc, "headers", None) or {})
+        return json_error(GatewayError(f"{request.method} {request.url.path}: {detail}",
+                                       status=status, headers=headers), request.url.path)
     kind = "invalid_request_error" if status < 500 else "internal_error"
     headers = dict(getattr(exc, "headers", None) or {})
     return Response(orjson.dumps(error_body(f"{request.method} {request.url.path}: {detail}",
