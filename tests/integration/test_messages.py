@@ -163,3 +163,13 @@ def test_decode_stalling_mid_stream_ends_with_an_error_event(fresh):
     assert pieces  # the stream had begun: it cannot be retried from scratch
     assert caught.value.body["type"] == "error"
     assert caught.value.body["error"]["type"] == "api_error"
+
+
+@pytest.mark.parametrize(("method", "path", "status", "kind"), [
+    ("GET", "/v1/messages", 405, "invalid_request_error"),
+    ("POST", "/v1/messages/batches", 404, "not_found_error"),
+], ids=["wrong-method", "unknown-path"])
+def test_route_errors_under_messages_are_anthropic(fresh, method, path, status, kind):
+    r = httpx.request(method, fresh.gateway + path, headers={"x-api-key": KEY}, timeout=10)
+    assert r.status_code == status
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind
