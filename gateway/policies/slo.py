@@ -189,6 +189,10 @@ class SloPolicy(CacheAwarePolicy):
         tie = self.options.tie_seconds or 1e-9
         return sides[rotating_argmin([round((a + s) / tie) for a, s, _ in sides], turn)][2]
 
+    def on_dispatch(self, server: Server, view: RequestView) -> None:
+        if self.role != "decode":  # what a decode holds is what its prefill sent it
+            super().on_dispatch(server, view)
+
     def on_servers_changed(self, servers: Sequence[Server]) -> None:
         super().on_servers_changed(servers)
         if self.role != "decode":
