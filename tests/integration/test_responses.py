@@ -201,3 +201,14 @@ def test_openai_agents_sdk_runs_a_conversation(cluster):
     items = httpx.get(f"{cluster.gateway}/v1/responses/{second.last_response_id}/input_items",
                       headers=_auth("tenant-a"), timeout=10).json()["data"]
     assert len(items) == 3  # Hello there, the first answer, And then?
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}],
+                         ids=["no-key", "wrong-key"])
+def test_a_caller_without_an_inference_key_is_refused(cluster, headers):
+    for method, path in [("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
+                         ("POST", "/v1/responses/resp_1/cancel")]:
+        answer = httpx.request(method, cluster.gateway + path, headers=headers, timeout=10,
+                               json={"model": "m", "input": "x"})
+        assert answer.status_code == 401, (path, answer.text)
+        assert answer.json()["error"]["type"] == "authentication_error"
