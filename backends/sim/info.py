@@ -96,7 +96,9 @@ async def server_info(request: Request) -> Response:
         "enable_priority_scheduling": cfg.enable_priority_scheduling,
         "schedule_low_priority_values_first": cfg.schedule_low_priority_values_first,
         "abort_on_priority_when_disabled": cfg.abort_on_priority_when_disabled,
-        "disaggregation_mode": cfg.mode,
+        # build_server_info: the launch configuration, which a runtime role switch leaves
+        # as it was (the live role: /model_info and internal_states)
+        "disaggregation_mode": state.launch_mode,
         "disaggregation_transfer_backend": cfg.transfer_backend,
         "disaggregation_bootstrap_port": cfg.bootstrap_port,
         "disaggregation_ib_device": None,

@@ -36,6 +36,7 @@ class SimState:
     pd_role_switch_in_progress: bool = False
     decode_graph_bs: list[int] = field(default_factory=list)
     role_switches: int = 0
+    launch_mode: str = ""  # /server_info's disaggregation_mode: the launch configuration
 
     @classmethod
     def build(cls, config: SimConfig) -> SimState:
@@ -43,7 +44,7 @@ class SimState:
         ranks = build_ranks(config, open_ttl=2 * max(config.bootstrap_timeout,
                                                      config.waiting_timeout) + 60)
         state = cls(config=config, ranks=ranks, stats=SimStats(), telemetry=Telemetry(config),
-                    rng=random.Random(config.seed))
+                    rng=random.Random(config.seed), launch_mode=config.mode)
         if len(ranks) > 1:
             state.controller = DpController(config, ranks)
         # start_disagg_service (managers/disagg_service.py): a prefill runs the bootstrap

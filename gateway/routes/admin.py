@@ -37,7 +37,7 @@ from gateway.routes.asgi import read_json
 from gateway.routes.fleet import Fleet
 from gateway.scheduling.scheduler import Scheduler
 from gateway.servers.pool import ROLES, Server
-from gateway.servers.probe import fetch_server_info
+from gateway.servers.probe import fetch_server_info, live_mode
 from gateway.tokens.prompt_tokens import PromptTokens
 
 MAX_DRAIN_WAIT = 3600.0
@@ -130,7 +130,7 @@ async def _require_sglang(fleet: Fleet, url: str, role: str) -> None:
         info = await fetch_server_info(fleet.client, url, fleet.probe_timeout)
     except ConnectionError as exc:
         raise BadRequest(f"{url} did not answer as an SGLang {role} server: {exc}") from None
-    mode = info.get("disaggregation_mode")
+    mode = live_mode(info)  # after a role switch, not the launch mode
     if mode != role:
         raise BadRequest(f"{url} is not an SGLang {role} server (its /server_info says "
                          f"disaggregation_mode {str(mode)[:40]!r})")

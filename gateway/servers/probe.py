@@ -80,8 +80,21 @@ async def fetch_server_info(client: httpx.AsyncClient, url: str, timeout: float)
     raise ConnectionError(f"cannot read server info from {url}: {last}")
 
 
+def live_mode(info: dict) -> str | None:
+    """The role a server runs now. SGLang's top-level `disaggregation_mode` is its launch
+    configuration, which a runtime role switch (`POST /pd_role_switch`) leaves as it was; its
+    schedulers' internal state says the live role (InternalStateReader._add_disaggregation,
+    re-derived on every flip), so that one wins where a server reports it."""
+    states = info.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        mode = states[0].get("disaggregation_mode")
+        if isinstance(mode, str):
+            return mode
+    return info.get("disaggregation_mode")
+
+
 def facts_from_info(info: dict, url: str, role: str) -> ServerFacts:
-    mode = info.get("disaggregation_mode")
+    mode = live_mode(info)
     if mode is not None and mode != role:
         raise RoleMismatch(
             f"{url} was given as a {role} server but runs with "

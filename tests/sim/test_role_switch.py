@@ -21,6 +21,15 @@ def switch(sim: Sim, **body) -> httpx.Response:
     return sim.post("/pd_role_switch", json=body)
 
 
+def live_role(sim: Sim) -> str:
+    """The role now: /model_info's and the schedulers' internal state (/server_info's own
+    top-level field stays the launch configuration, as SGLang's)."""
+    info = sim.get("/server_info").json()
+    assert sim.get("/model_info").json()["disaggregation_mode"] == \
+        info["internal_states"][0]["disaggregation_mode"]
+    return info["internal_states"][0]["disaggregation_mode"]
+
+
 def own_bootstrap() -> tuple[str, str]:
     """A decode started with the flag runs a bootstrap server too: give it its own port."""
     return "--bootstrap-port", str(free_port())
@@ -54,11 +63,11 @@ def test_decode_to_prefill_and_back_serves_each_role(sim_factory, room):
     prefill = sim_factory("prefill", *PD_FLAGS)
     ready = switch(flipper, new_role="prefill", prepare_only=True)
     assert ready.status_code == 200 and ready.json()["message"] == "ready"
-    assert flipper.get("/server_info").json()["disaggregation_mode"] == "decode"
+    assert live_role(flipper) == "decode"
     assert switch(flipper, new_role="prefill").json()["message"] == "ok"
     info = flipper.get("/server_info").json()
-    assert info["disaggregation_mode"] == "prefill"
-    assert info["disaggregation_bootstrap_port"] == port
+    assert live_role(flipper) == "prefill"
+    assert (info["disaggregation_mode"], info["disaggregation_bootstrap_port"]) == ("decode", port)
     # the bootstrap server was up from launch: the new prefill pairs with a decode at once
     assert pd_request(flipper, port, other_decode, room()) == [200, 200]
     # started as a decode, its graphs are captured: no graph memory needed to go back
@@ -82,7 +91,8 @@ def test_a_prefill_becoming_decode_needs_the_graph_memory(sim_factory):
     prefill.post("/sim/faults", json={"gpu_free_gb": 80})
     r = switch(prefill, new_role="decode", decode_cuda_graph_memory_gb=0.5)
     assert r.status_code == 200, r.text
-    assert prefill.get("/server_info").json()["disaggregation_mode"] == "decode"
+    assert live_role(prefill) == "decode"
+    assert prefill.get("/server_info").json()["internal_states"][0]["decode_cuda_graph_bs"]
 
 
 def test_a_busy_instance_is_not_switched(sim_factory, room):
@@ -102,7 +112,7 @@ def test_a_busy_instance_is_not_switched(sim_factory, room):
     assert refused.json()["message"] == ("instance is not idle; drain all requests before "
                                          "switching")
     assert refused.json()["safe_to_restore"] is True
-    assert prefill.get("/server_info").json()["disaggregation_mode"] == "prefill"
+    assert live_role(prefill) == "prefill"
 
 
 def test_a_switch_failing_midway_leaves_it_unhealthy(sim_factory):

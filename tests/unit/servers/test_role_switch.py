@@ -12,6 +12,7 @@ import pytest
 
 from gateway.errors import BadRequest, NotFound
 from gateway.servers.pool import Server, ServerPool
+from gateway.servers.probe import facts_from_info, live_mode
 from gateway.servers.role_switch import (
     RoleSwitcher,
     SwitchAsk,
@@ -180,3 +181,16 @@ def test_the_lock_refuses_a_second_holder_here_and_through_the_file(tmp_path):
                 pass
     with other.hold("b"):  # released
         pass
+
+
+@pytest.mark.parametrize(("info", "mode"), [
+    pytest.param({"disaggregation_mode": "decode",
+                  "internal_states": [{"disaggregation_mode": "prefill"}]}, "prefill",
+                 id="switched: the schedulers' role wins"),
+    pytest.param({"disaggregation_mode": "decode", "internal_states": [{}]}, "decode",
+                 id="older server: the launch mode"),
+    pytest.param({"disaggregation_mode": "prefill"}, "prefill", id="no internal states"),
+])
+def test_live_mode(info, mode):
+    assert live_mode(info) == mode
+    assert facts_from_info(info, "http://s:1", mode).mode == mode
