@@ -9,7 +9,8 @@ dispatch, so the forecast is of the servers as they are when it would be sent:
 * else `shed` (batch by default): 429 with Retry-After (the predicted excess, at least 1 s),
   code `slo_unattainable`, nothing sent to any server;
 * else `queue` (interactive, standard): it waits for a pair that can serve it in what is
-  left of its objective, looking again whenever a request ends and every `POLL` seconds;
+  left of its objective (the `LOOK` most urgent waiters ask again whenever a request ends
+  and every `POLL` seconds; the others only watch their own time);
   once even an idle pair could not (the wait used the budget up), 503 with Retry-After,
   nothing sent: a request certain to miss is not started.
 
@@ -21,6 +22,8 @@ stream), feeds `gateway_slo_prediction_error`, and counts met / missed per class
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -32,8 +35,23 @@ from gateway.slo.objectives import Objectives
 from gateway.slo.ticket import Ticket
 
 POLL = 0.05  # seconds between looks of a queued request when nothing ends meanwhile
+LOOK = 4  # queued requests that ask for forecasts (the most urgent)
 MAX_OPEN = 1 << 17  # tickets awaiting their request's end (a bound, should ends go unseen)
 CLASSES = Objectives.CLASSES
+
+
+class _Waiter:
+    """A request queued in the gate: its urgency (class, since) and what wakes it."""
+
+    __slots__ = ("key", "future")
+
+    def __init__(self, key: tuple[int, float]) -> None:
+        self.key = key
+        self.future: asyncio.Future | None = None
+
+
+def _urgency(waiter: _Waiter) -> tuple[int, float]:
+    return waiter.key
 
 
 class SloGate:
@@ -43,7 +61,7 @@ class SloGate:
         self.forecast = forecast  # Scheduler.forecast
         self.metrics = metrics
         self._open: dict[str, Ticket] = {}  # request id -> its ticket, until it ends
-        self._changed: asyncio.Future | None = None
+        self._waiting: list[_Waiter] = []  # queued requests, most urgent first
         self._outcomes: dict[tuple[int, str], object] = {}
         self._errors = {kind: metrics.buffered_histogram(
             metrics.slo_prediction_error.labels(kind)) for kind in ("ttft", "itl")}
@@ -76,31 +94,41 @@ class SloGate:
                 "ms); nothing was sent; retry later", code="slo_unattainable",
                 headers={"retry-after": _seconds(forecast.ttft - objective.ttft)})
         self._count(klass, "queued")
-        await self._wait(view, objective.ttft, klass)
+        await self._wait(view, objective.ttft, klass, forecast.compute + forecast.transfer)
 
-    async def _wait(self, view: RequestView, budget: float, klass: int) -> None:
+    async def _wait(self, view: RequestView, budget: float, klass: int,
+                    floor: float) -> None:
+        """Wait for a pair that can meet what is left of `budget`; `floor` is the request's
+        own compute and transfer (under it even an idle pair misses). Only the `LOOK` most
+        urgent waiters (class, then age) ask for forecasts, when a request ends and every
+        `POLL` seconds: waiting costs no CPU per waiter under overload."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        while True:
-            changed = self._changed
-            if changed is None or changed.done():
-                changed = self._changed = loop.create_future()
-            try:
-                await asyncio.wait_for(asyncio.shield(changed), POLL)
-            except TimeoutError:
-                pass
-            left = budget - (time.perf_counter() - started)
-            forecast = self.forecast(view)
-            if forecast is None or forecast.ttft <= left:
-                return
-            if left <= forecast.compute + forecast.transfer:  # not even an idle pair: a miss
-                view.slo.shed = True
-                self._count(klass, "shed")
-                raise ServiceUnavailable(
-                    f"no server pair could start this request within its time-to-first-"
-                    f"token objective ({budget * 1e3:g} ms) while it waited; nothing was "
-                    "sent; retry later", code="slo_unattainable",
-                    headers={"retry-after": _seconds(forecast.ttft - left)})
+        waiter = _Waiter((klass, started))
+        bisect.insort(self._waiting, waiter, key=_urgency)
+        try:
+            while True:
+                waiter.future = loop.create_future()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.future, POLL)
+                left = budget - (time.perf_counter() - started)
+                if self._waiting.index(waiter) < LOOK:
+                    forecast = self.forecast(view)
+                    if forecast is None or forecast.ttft <= left:
+                        return
+                    floor, excess = forecast.compute + forecast.transfer, forecast.ttft - left
+                else:
+                    excess = budget
+                if left <= floor:  # not even an idle pair could make it now: a certain miss
+                    view.slo.shed = True
+                    self._count(klass, "shed")
+                    raise ServiceUnavailable(
+                        f"no server pair could start this request within its time-to-first-"
+                        f"token objective ({budget * 1e3:g} ms) while it waited; nothing was "
+                        "sent; retry later", code="slo_unattainable",
+                        headers={"retry-after": _seconds(excess)})
+        finally:
+            self._waiting.remove(waiter)
 
     # -- when a request ends (the usage sink) --------------------------------------------------
 
@@ -115,9 +143,9 @@ class SloGate:
     def observe(self, record) -> None:
         """Learn from one ended request (observability/usage.RequestUsage) and count it."""
         ticket = self._open.pop(record.request_id, None)
-        changed = self._changed
-        if changed is not None and not changed.done():
-            changed.set_result(None)  # a slot may have freed: queued requests look again
+        for waiter in self._waiting[:LOOK]:  # a slot may have freed: the first look again
+            if waiter.future is not None and not waiter.future.done():
+                waiter.future.set_result(None)
         if ticket is None:
             return
         ticket.release()

@@ -126,3 +126,21 @@ def test_ended_requests_teach_the_model_and_count_met_or_missed() -> None:
     assert count(metrics, "interactive", "missed") == 1
     assert [round(args[3], 3) for args in learned] == [0.4, 1.5]  # TTFT from the pick
     assert [round(args[4], 3) for args in learned] == [0.05, 0.05]  # (0.5 s / 10 gaps)
+
+
+def test_queued_requests_do_not_each_ask_for_forecasts() -> None:
+    forecasts = Forecasts(3.0)
+    slo, _ = gate(forecasts)
+
+    async def scenario() -> None:
+        views = [request(slo, INTERACTIVE, rid=f"r{i}") for i in range(40)]
+        waiting = [asyncio.ensure_future(slo.admit(v)) for v in views]
+        await asyncio.sleep(0.3)  # six polls
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    asyncio.run(scenario())
+    # 40 at arrival, then the 4 most urgent per poll (every waiter per poll: 280)
+    assert 40 < forecasts.asked < 80
+    assert slo._waiting == []
