@@ -154,10 +154,12 @@ class RoleSwitcher:
         self._drain(server, True)
         started = time.monotonic()
         deadline = started + ask.deadline
+        asked = False  # the switch itself was sent: from then on its state may have changed
         try:
             await self._wait_idle(server, deadline, ask.deadline)
             body = await self._body(server, ask)
             await self._call(server, {**body, "prepare_only": True}, deadline, prepare=True)
+            asked = True
             await self._call(server, body, deadline, prepare=False)
         except _Refused as exc:
             self._drain(server, was_draining)
@@ -168,6 +170,12 @@ class RoleSwitcher:
             raise SwitchBroken(f"{server.url} broke while switching to {ask.new_role} and is "
                                f"out of rotation until it is restarted and added again: {exc}",
                                code="role_switch_failed") from None
+        except BaseException:  # cancelled (shutdown) or a bug: never left drained for nothing
+            if asked:
+                self._take_out(server, ask.new_role, "the switch was interrupted")
+            else:
+                self._drain(server, was_draining)
+            raise
         fresh = await self._register_again(server, ask.new_role)
         return {"switched": True, "old_role": old, "new_role": ask.new_role,
                 "waited_s": round(time.monotonic() - started, 3), "server": fresh.snapshot()}

@@ -194,3 +194,22 @@ def test_the_lock_refuses_a_second_holder_here_and_through_the_file(tmp_path):
 def test_live_mode(info, mode):
     assert live_mode(info) == mode
     assert facts_from_info(info, "http://s:1", mode).mode == mode
+
+
+def test_a_cancelled_switch_puts_the_server_back():
+    pool = fleet()
+    sw, asked = switcher(pool, lambda body: httpx.Response(200, json=OK))
+    pool.get(P1).in_flight = 1  # a request of ours still runs there
+
+    async def cancel_midway() -> None:
+        task = asyncio.ensure_future(sw.switch(SwitchAsk(P1, "decode", deadline=30)))
+        await asyncio.sleep(0.2)
+        assert pool.get(P1).draining
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    run(cancel_midway())
+    server = pool.get(P1)
+    assert (server.role, server.draining, server.misconfigured, asked) == (
+        "prefill", False, None, [])
+    assert sw.parts.lock.holder is None
