@@ -212,3 +212,19 @@ def test_a_caller_without_an_inference_key_is_refused(cluster, headers):
                                json={"model": "m", "input": "x"})
         assert answer.status_code == 401, (path, answer.text)
         assert answer.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_failing_decode_is_retried_before_the_first_event(cluster):
+    bad = cluster.decode[0]
+    httpx.post(bad + "/sim/faults", json={"error_rate": 1.0}, timeout=5).raise_for_status()
+    try:
+        c = client(cluster)
+        failed_before = cluster.stats(bad)["faults_applied"].get("error_rate", 0)
+        for _ in range(2):  # round robin: one of them meets the failing decode first
+            with c.responses.stream(model="m", input="retry me", max_output_tokens=4) as s:
+                kinds = [event.type for event in s]
+            assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+            assert "error" not in kinds
+        assert cluster.stats(bad)["faults_applied"].get("error_rate", 0) > failed_before
+    finally:
+        cluster.reset()
