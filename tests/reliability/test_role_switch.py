@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -82,8 +83,9 @@ def error(response: httpx.Response) -> dict:
     return response.json()["error"]
 
 
-def test_switch_both_ways_under_light_load(rig):
-    rig = rig(1, 2, FLAG)
+def test_switch_both_ways_under_light_load(rig, tmp_path):
+    access = tmp_path / "access.log"
+    rig = rig(1, 2, FLAG, gateway_args=(*GATEWAY_ARGS, "--access-log", str(access)))
     flipper = rig.decode[1]
     with Load(rig.gateway, loops=2, max_new_tokens=16) as load:
         load.wait_count(10, 0, 30)
@@ -105,6 +107,13 @@ def test_switch_both_ways_under_light_load(rig):
     assert len(outcomes) >= 20
     assert rig.switched("switched") == 2
     assert "is now a prefill server" in rig.gateway_proc.log()
+
+    def switch_lines() -> list[dict]:
+        lines = [json.loads(line) for line in access.read_text().splitlines()]
+        return [line for line in lines if line["endpoint"] == "/admin/servers/role"]
+    wait_until(lambda: len(switch_lines()) == 2, 10, "two access-log lines")
+    assert [(x["status"], x["prefill"], x["decode"]) for x in switch_lines()] == [
+        (200, flipper.url, None), (200, None, flipper.url)]
 
 
 def test_busy_past_the_deadline_is_put_back(rig):
