@@ -32,6 +32,7 @@ from gateway.upstream.client import REFUSED
 # failures that do not spend an attempt: the gateway stopped it to move it (a rescue), or
 # the server refused the connection (nothing was sent, nothing computed)
 FREE = frozenset({RESCUED, REFUSED})
+ROLLING = 5.0  # seconds: another server's success this recent means faults roll, not a dead role
 
 
 class Proxy:
@@ -58,11 +59,12 @@ class Proxy:
         not_after = loop.time() + self.request_timeout  # each attempt's deadline is capped
         if tracked.not_after is not None and tracked.not_after < not_after:
             not_after = tracked.not_after  # the client's own deadline (admission/tenancy.py)
-        failed = 0  # attempts that failed on their servers (a rescue is the gateway's move)
+        failed = 0  # attempts that failed on servers that looked sound when picked
         try:
             for number in range(1, 2 * self.max_attempts + 1):
                 attempt, by_policy = self._attempt(view, tracked, placement, depth, avoid,
                                                    number)
+                doubtful = _doubtful(attempt, avoid)
                 attempt.not_after = not_after
                 tracked.attempts.add(attempt)
                 try:
@@ -74,7 +76,8 @@ class Proxy:
                     if tracked.trace is not None:
                         tracked.trace.failed(exc, number - 1)
                     last_error = exc
-                    failed += exc.reason not in FREE
+                    spent = self._spends(exc, attempt, doubtful)
+                    failed += spent
                     if not exc.retryable or failed == self.max_attempts \
                             or number == 2 * self.max_attempts:
                         raise
@@ -83,11 +86,8 @@ class Proxy:
                     # the leg that reported it (a prefill's "bootstrap failed" means its
                     # decode never came for the KV)
                     avoid += (attempt.prefill, attempt.decode)
-                    self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
-                    if tracked.usage is not None:
-                        tracked.usage.retries += 1
-                    delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
-                    delay *= 0.5 + random.random() / 2
+                    delay = self._retrying(exc, tracked, number,
+                                           hold=not spent and exc.reason not in FREE)
                     if loop.time() + delay >= not_after:
                         raise self._out_of_time(last_error) from None
                     await asyncio.sleep(delay)
@@ -116,6 +116,38 @@ class Proxy:
         if attempt.resumable:
             Resumed(self, view, tracked, attempt, depth)
         return attempt, self.scheduler.by_policy(view, target, prefer)
+
+    def _spends(self, exc: UpstreamError, attempt: Attempt, doubtful: bool) -> bool:
+        """Whether a failed attempt spends one of `--max-attempts`. Not a rescue nor a
+        refused connection (`FREE`), nor a quick failure of a doubtful pair while another
+        server of the failing leg's role served a request in the last `ROLLING` seconds:
+        faults then roll over the servers of a role, each failing a request in turn, and the
+        budget would be gone in a second while each server recovers within seconds; such
+        attempts wait `backoff_max` between them and stay within the cap of twice
+        `--max-attempts` in all. A timeout always spends one (it cost the client the whole
+        deadline), and so does a failure while no other server of the role serves (a role
+        that is broken as a whole fails fast)."""
+        if exc.reason in FREE:
+            return False
+        if not doubtful or exc.status == 504 or exc.leg not in ("prefill", "decode"):
+            return True
+        since = time.monotonic() - ROLLING
+        return not any(w.last_success > since for w in self.scheduler.pool.role(exc.leg)
+                       if w is not attempt.prefill and w is not attempt.decode)
+
+    def _retrying(self, exc: UpstreamError, tracked: Tracked, number: int,
+                  hold: bool) -> float:
+        """Count the retry and return its delay: capped exponential backoff with jitter; after
+        a doubtful pair's quick failure that spent nothing (`hold`: faults roll) at least
+        `backoff_max`, so that the next pick comes after the health checks had time to find a
+        server recovered, instead of trying the same broken servers again at once."""
+        self.metrics.retries.labels(exc.leg, _reason(exc)).inc()
+        if tracked.usage is not None:
+            tracked.usage.retries += 1
+        delay = min(self.backoff_max, self.backoff * 2 ** (number - 1))
+        if hold:
+            delay = max(delay, self.backoff_max)
+        return delay * (0.5 + random.random() / 2)
 
     def _out_of_time(self, last_error: GatewayError | None) -> GatewayError:
         detail = f"; last failure: {last_error.message}" if last_error else ""
@@ -169,6 +201,14 @@ class Resumed:
         finally:
             if nxt.close is not None:
                 await nxt.close()
+
+
+def _doubtful(attempt: Attempt, avoid: list[Server]) -> bool:
+    """Whether the pair was picked with no sound choice left: one of its servers had failed
+    this request already, or was not usable (panic routing) or suspected hung."""
+    now = time.monotonic()
+    return any(w in avoid or not w.usable or w.suspect_until > now
+               for w in (attempt.prefill, attempt.decode))
 
 
 def _reason(exc: UpstreamError) -> str:
