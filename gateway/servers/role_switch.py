@@ -118,6 +118,7 @@ class SwitchParts:
     probe_timeout: float
     lock: SwitchLock
     refuse_all: str | None = None  # why this gateway cannot switch at all (None: it can)
+    forget_pairs: Callable[[str], None] = lambda url: None  # PairHealth.forget
 
 
 class RoleSwitcher:
@@ -267,6 +268,7 @@ class RoleSwitcher:
         """Out of the pool and back in as `role`, from a fresh /server_info."""
         p = self.parts
         p.unregister(server.url)
+        p.forget_pairs(server.url)  # its pairs were another role's
         p.tell("remove", server.url)
         try:
             fresh = await p.register(server.url, role, None, require_probe=True,
