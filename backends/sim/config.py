@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from backends.sim.timing import DEFAULT_PROFILE, H100_8B_ESTIMATE, KNOB_HELP, KNOBS, PROFILES
+
 Mode = Literal["prefill", "decode", "null"]
 MODES: tuple[str, ...] = ("prefill", "decode", "null")
 SGLANG_VERSION = "0.5.23"
@@ -22,17 +24,9 @@ DEFAULT_GRAPH_BS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
 LOAD_BALANCE_METHODS: tuple[str, ...] = (
     "auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens")
 
-# Timing-model figures (milliseconds) for an 8B dense model in bf16 on one
-# H100; docs/SIMULATOR.md explains where each one comes from.
-H100_8B_TIMING: dict[str, float] = {
-    "prefill_overhead_ms": 5.0,
-    "prefill_ms_per_token": 0.05,
-    "decode_step_ms": 7.0,
-    "decode_ms_per_req": 0.07,
-    "decode_ms_per_kv_token": 0.00004,
-    "transfer_overhead_ms": 1.0,
-    "transfer_ms_per_token": 0.003,
-}
+# The earlier H100 estimate by its knob names (backends/sim/timing.py holds the profiles).
+H100_8B_TIMING: dict[str, float] = H100_8B_ESTIMATE.knobs()
+_T = DEFAULT_PROFILE  # the calibrated H200 profile: every timing default below
 
 
 @dataclass
@@ -122,13 +116,18 @@ class SimConfig:
     chunked_prefill_size: int = 8192
     context_length: int = 131_072
     default_max_new_tokens: int = 16
-    prefill_overhead_ms: float = H100_8B_TIMING["prefill_overhead_ms"]
-    prefill_ms_per_token: float = H100_8B_TIMING["prefill_ms_per_token"]
-    decode_step_ms: float = H100_8B_TIMING["decode_step_ms"]
-    decode_ms_per_req: float = H100_8B_TIMING["decode_ms_per_req"]
-    decode_ms_per_kv_token: float = H100_8B_TIMING["decode_ms_per_kv_token"]
-    transfer_overhead_ms: float = H100_8B_TIMING["transfer_overhead_ms"]
-    transfer_ms_per_token: float = H100_8B_TIMING["transfer_ms_per_token"]
+    timing: str = DEFAULT_PROFILE.name  # the --timing profile the knobs below start from
+    prefill_overhead_ms: float = _T.prefill_overhead_ms
+    prefill_ms_per_token: float = _T.prefill_ms_per_token
+    prefill_ms_per_mpair_new: float = _T.prefill_ms_per_mpair_new
+    prefill_ms_per_mpair_cached: float = _T.prefill_ms_per_mpair_cached
+    prefill_floor_ms: float = _T.prefill_floor_ms
+    prefill_floor_ms_per_cached_token: float = _T.prefill_floor_ms_per_cached_token
+    decode_step_ms: float = _T.decode_step_ms
+    decode_ms_per_req: float = _T.decode_ms_per_req
+    decode_ms_per_kv_token: float = _T.decode_ms_per_kv_token
+    transfer_overhead_ms: float = _T.transfer_overhead_ms
+    transfer_ms_per_token: float = _T.transfer_ms_per_token
     token_delay: float | None = None
     bootstrap_timeout: float = 30.0
     waiting_timeout: float = 30.0
@@ -212,20 +211,11 @@ def _flag_table() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
                                  "help": "longest prompt + output"}),
         (("--default-max-new-tokens",), {"type": int, "default": d.default_max_new_tokens,
                                          "help": "max_new_tokens when a request gives none"}),
-        (("--prefill-overhead-ms",), {"type": float, "default": d.prefill_overhead_ms,
-                                      "help": "fixed cost of one prefill batch"}),
-        (("--prefill-ms-per-token",), {"type": float, "default": d.prefill_ms_per_token,
-                                       "help": "cost per uncached prompt token"}),
-        (("--decode-step-ms",), {"type": float, "default": d.decode_step_ms,
-                                 "help": "fixed cost of one decode step"}),
-        (("--decode-ms-per-req",), {"type": float, "default": d.decode_ms_per_req,
-                                    "help": "decode step cost per running request"}),
-        (("--decode-ms-per-kv-token",), {"type": float, "default": d.decode_ms_per_kv_token,
-                                         "help": "decode step cost per context token in the batch"}),
-        (("--transfer-overhead-ms",), {"type": float, "default": d.transfer_overhead_ms,
-                                       "help": "fixed cost of one KV transfer (prefill)"}),
-        (("--transfer-ms-per-token",), {"type": float, "default": d.transfer_ms_per_token,
-                                        "help": "KV transfer cost per prompt token"}),
+        (("--timing",), {"choices": tuple(PROFILES), "default": d.timing,
+                         "help": "timing profile (docs/SIMULATOR.md); the knobs below override"}),
+        *(((f"--{k.replace('_', '-')}",), {"type": float, "default": argparse.SUPPRESS,
+                                          "help": f"{KNOB_HELP[k]}, ms (default: --timing's)"})
+          for k in KNOBS),
         (("--token-delay",), {"type": float, "default": None,
                               "help": "fixed seconds per decode step, overriding the model"}),
         (("--fast",), {"action": "store_true", "help": "zero every timing-model delay (tests)"}),
@@ -299,7 +289,8 @@ def config_from_args(argv: list[str] | None = None) -> SimConfig:
 
 
 def _resolve(ns: argparse.Namespace) -> SimConfig:
-    timing = {k: getattr(ns, k) for k in H100_8B_TIMING}
+    profile = PROFILES[ns.timing].knobs()
+    timing = {k: getattr(ns, k, profile[k]) for k in KNOBS}  # a given flag beats the profile
     if ns.fast:
         timing = {k: 0.0 for k in timing}
     token_delay = 0.0 if ns.fast and ns.token_delay is None else ns.token_delay
@@ -344,7 +335,7 @@ def _resolve(ns: argparse.Namespace) -> SimConfig:
         schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
         abort_on_priority_when_disabled=ns.abort_on_priority_when_disabled,
         enable_pd_role_switch=ns.enable_pd_role_switch, disable_cuda_graph=ns.disable_cuda_graph,
-        faults=faults, **timing,
+        faults=faults, timing=ns.timing, **timing,
     )
 
 

@@ -4,10 +4,13 @@ Each scheduler turn runs one chunked-prefill batch (if any request is
 admitted and not yet prefilled), then one decode step for every decoding
 request; each takes its modeled duration:
 
-    prefill batch = prefill_overhead_ms + prefill_ms_per_token * uncached tokens
-    decode step   = decode_step_ms + decode_ms_per_req * batch
-                    + decode_ms_per_kv_token * context tokens in the batch
+    prefill batch = TimingProfile.prefill_batch_ms over each request's (tokens extended in
+                    this batch, tokens whose KV was there before them)
+    decode step   = TimingProfile.decode_ms(batch, context tokens in the batch)
                     (or a fixed --token-delay)
+
+with the profile of --timing and the knob flags (backends/sim/timing.py, fitted to the GPU
+table in loadtests/calibration/).
 
 Admission is FIFO, bounded by --max-running-requests and the KV pool size.
 
@@ -30,6 +33,7 @@ from typing import Any
 from backends.sim.config import SimConfig
 from backends.sim.job import Job
 from backends.sim.radix import RadixCache
+from backends.sim.timing import KNOBS, PROFILES, with_knobs
 
 _THROUGHPUT_WINDOW = 5.0
 _HIT_WINDOW = 64
@@ -41,6 +45,7 @@ class Engine:
     def __init__(self, config: SimConfig, cache: RadixCache) -> None:
         self.config = config
         self.cache = cache
+        self.timing = with_knobs(PROFILES[config.timing], {k: getattr(config, k) for k in KNOBS})
         self.waiting: deque[Job] = deque()
         self.prefilling: list[Job] = []
         self.decoding: list[Job] = []
@@ -205,16 +210,19 @@ class Engine:
         assert self._loop is not None
         started = self._loop.time()
         budget = self.config.chunked_prefill_size
-        tokens = 0
+        chunks: list[tuple[int, int]] = []  # (extended now, KV already in the pool)
         for job in self.prefilling:
             if budget <= 0:
                 break
             take = min(job.remaining_prefill, budget)
+            chunks.append((take, job.prompt_tokens - job.remaining_prefill))
             job.remaining_prefill -= take
             budget -= take
-            tokens += take
-        cfg = self.config
-        seconds = (cfg.prefill_overhead_ms + cfg.prefill_ms_per_token * tokens) / 1e3
+        tokens = sum(take for take, _ in chunks)
+        # mirrors one ScheduleBatch in extend mode (ModelRunner.forward_extend): a chunk of a
+        # prompt attends over its cached prefix and the chunks before it (PrefillAdder's
+        # chunked requests); the H200 table's prefill rows calibrate it.
+        seconds = self.timing.prefill_batch_ms(chunks) / 1e3
         self._step = (tokens, seconds)
         self._after(started, seconds, self._end_prefill)
 
@@ -266,9 +274,9 @@ class Engine:
         if cfg.token_delay is not None:
             seconds = cfg.token_delay
         else:
-            kv = sum(j.context_len for j in batch)
-            seconds = (cfg.decode_step_ms + cfg.decode_ms_per_req * len(batch)
-                       + cfg.decode_ms_per_kv_token * kv) / 1e3
+            # mirrors ModelRunner.forward_decode replayed from CudaGraphRunner's graph: the
+            # H200 table's decode rows (batch x context) calibrate it
+            seconds = self.timing.decode_ms(len(batch), sum(j.context_len for j in batch)) / 1e3
         self._after(started, seconds, self._end_decode, batch)
 
     def _end_decode(self, batch: list[Job]) -> None:

@@ -192,7 +192,9 @@ def test_loads_count_prefill_steps_like_the_scheduler():
     """total_prefill_uncached_tokens / total_prefill_busy_us grow by each prefill step's
     extended tokens and its modelled time (Scheduler._record_step_counters), so a router
     can read the server's prefill speed from two snapshots."""
-    sim = Sim("null", fast=False)  # the H100 timing model: 5 ms a step + 0.05 ms a token
+    # the H100 estimate's linear model: 5 ms a step + 0.05 ms a token (test_timing.py checks
+    # the calibrated default's)
+    sim = Sim("null", "--timing", "h100-8b-estimate", fast=False)
     try:
         def counters() -> tuple[int, int]:
             entry = sim.get("/v1/loads").json()["loads"][0]
