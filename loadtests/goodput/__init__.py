@@ -1,0 +1,1 @@
+"""SLO goodput benchmark: requests per second served within their objectives (run.py)."""

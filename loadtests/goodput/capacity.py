@@ -1,0 +1,272 @@
+"""The cluster's capacity bound: a discrete-event simulation of the same servers, in-process.
+
+The DES replays a plan on P prefill and D decode servers that follow the simulator's scheduler
+(`backends/sim/engine.py`) with the benchmark's `Physics`: a prefill server admits its FIFO
+queue (up to `max_running_requests`), matches each prompt against its own prefix cache (the
+simulator's `RadixCache`, LRU, the KV pool's size) at admission, computes chunked-prefill
+steps of `chunked_prefill_size` tokens, caches the prompt, and sends the KV (transfer time);
+the first token reaches the client when the KV reaches the decode (flows._run_decode). A decode
+server admits within its KV pool and runs continuous-batching steps, one token per request per
+step. No network, no proxy, no HTTP.
+
+Placement sees everything a router could wish for: the exact state of every server at each
+arrival (queues, caches, batches), with no staleness. Each request goes to the prefill that
+finishes it first (queued uncached work ahead + its own uncached tokens on that server's
+cache + transfer), and to the decode with the least KV in use or waiting. A request that no
+prefill can serve within its TTFT objective is refused at arrival (it counts as missed and
+costs no work), as Conductor's early rejection does. This is a strong offline placement, not a
+proven optimum; the bound is the highest rate at which it meets the objectives for >= 90% of
+the requests, found by `capacity_rate` (an upward search, then bisection on the rate).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backends.sim.radix import RadixCache
+from loadtests.goodput.physics import Physics
+from loadtests.goodput.workload import MixShape, Plan, Planned, mixed_plan
+
+TARGET = 0.9  # attainment that counts as serving a rate
+
+
+@dataclass(eq=False)
+class _Job:
+    req: Planned
+    ids: list[int]
+    cached: int = 0
+    remaining: int = 0  # uncached prompt tokens still to compute
+    first: float | None = None  # seconds from the run's start
+    last: float | None = None
+    tokens: int = 0  # generated so far (the first came with the KV)
+    refused: bool = False
+
+    @property
+    def context(self) -> int:
+        return len(self.ids) + self.tokens
+
+
+class _Clock:
+    """The event queue: callbacks at simulated times, in order (ties: first scheduled)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, when: float, call: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (when, next(self._seq), call))
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, call = heapq.heappop(self._heap)
+            call()
+
+
+class _Decode:
+    def __init__(self, clock: _Clock, physics: Physics) -> None:
+        self.clock, self.physics = clock, physics
+        self.waiting: deque[_Job] = deque()
+        self.decoding: list[_Job] = []
+        self.busy = False
+
+    @property
+    def load(self) -> int:
+        """KV tokens held or about to be: what the placement balances."""
+        return sum(j.context for j in self.decoding) + sum(j.context for j in self.waiting)
+
+    def submit(self, job: _Job) -> None:
+        job.first = job.last = self.clock.now
+        job.tokens = 1
+        if job.req.max_tokens <= 1:
+            return
+        self.waiting.append(job)
+        if not self.busy:
+            self.busy = True
+            self._turn()
+
+    def _turn(self) -> None:
+        running = len(self.decoding)
+        used = sum(j.context for j in self.decoding)
+        while self.waiting and running < self.physics.max_running:
+            job = self.waiting[0]
+            need = job.context + job.req.max_tokens - job.tokens
+            if running and used + need > self.physics.kv_tokens:
+                break
+            self.decoding.append(self.waiting.popleft())
+            running += 1
+            used += job.context
+        if not self.decoding:
+            self.busy = False
+            return
+        batch = list(self.decoding)
+        step = self.physics.decode_step_ms(len(batch), used) / 1e3
+        self.clock.at(self.clock.now + step, lambda: self._end(batch))
+
+    def _end(self, batch: list[_Job]) -> None:
+        now = self.clock.now
+        for job in batch:
+            job.tokens += 1
+            job.last = now
+        self.decoding = [j for j in self.decoding if j.tokens < j.req.max_tokens]
+        self._turn()
+
+
+class _Prefill:
+    def __init__(self, clock: _Clock, physics: Physics) -> None:
+        self.clock, self.physics = clock, physics
+        self.cache = RadixCache(1, physics.kv_tokens)
+        self.waiting: deque[tuple[_Job, _Decode]] = deque()
+        self.prefilling: list[tuple[_Job, _Decode]] = []
+        self.busy = False
+        self.busy_until = 0.0
+
+    def finish_estimate(self, ids: list[int]) -> float:
+        """When a prompt sent now would have its KV at a decode: the queue ahead and this
+        prompt cut into chunked-prefill batches in FIFO order, after the running step."""
+        cached = self.cache.match(ids)
+        queue = [(j.remaining, len(j.ids) - j.remaining)
+                 for j, _ in (*self.prefilling, *self.waiting)]
+        queue.append((len(ids) - cached, cached))
+        start = max(self.clock.now, self.busy_until)
+        return start + (self._drain_ms(queue) + self.physics.transfer_ms(len(ids))) / 1e3
+
+    def _drain_ms(self, queue: list[tuple[int, int]]) -> float:
+        total, batch, budget = 0.0, [], self.physics.chunk
+        for new, cached in queue:
+            while new > 0:
+                take = min(new, budget)
+                batch.append((take, cached))
+                new, cached, budget = new - take, cached + take, budget - take
+                if budget == 0:
+                    total += self.physics.prefill_batch_ms(batch)
+                    batch, budget = [], self.physics.chunk
+        return total + (self.physics.prefill_batch_ms(batch) if batch else 0.0)
+
+    def submit(self, job: _Job, decode: _Decode) -> None:
+        job.remaining = len(job.ids) - self.cache.match(job.ids)
+        self.waiting.append((job, decode))
+        if not self.busy:
+            self._step()
+
+    def _step(self) -> None:
+        """Admit (matching the cache now), then one chunked-prefill batch (engine.py)."""
+        used = sum(len(j.ids) for j, _ in self.prefilling)
+        while self.waiting and len(self.prefilling) < self.physics.max_running:
+            job, decode = self.waiting[0]
+            need = len(job.ids) + job.req.max_tokens
+            if self.prefilling and used + need > self.physics.kv_tokens:
+                break
+            self.waiting.popleft()
+            used += len(job.ids)
+            job.cached = self.cache.match(job.ids)
+            job.remaining = len(job.ids) - job.cached
+            self.prefilling.append((job, decode))
+        self.busy = bool(self.prefilling)
+        if not self.busy:
+            return
+        budget, chunks = self.physics.chunk, []
+        for job, _ in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(job.remaining, budget)
+            chunks.append((take, len(job.ids) - job.remaining))
+            job.remaining -= take
+            budget -= take
+        self.busy_until = self.clock.now + self.physics.prefill_batch_ms(chunks) / 1e3
+        self.clock.at(self.busy_until, self._end)
+
+    def _end(self) -> None:
+        done = [(j, d) for j, d in self.prefilling if j.remaining <= 0]
+        self.prefilling = [(j, d) for j, d in self.prefilling if j.remaining > 0]
+        for job, decode in done:
+            self.cache.insert(job.ids)
+            delay = self.physics.transfer_ms(len(job.ids)) / 1e3
+            self.clock.at(self.clock.now + delay, lambda j=job, d=decode: d.submit(j))
+        self._step()
+
+
+@dataclass(frozen=True)
+class DesResult:
+    rate: float
+    requests: int
+    attained: int
+    refused: int
+
+    @property
+    def attainment(self) -> float:
+        return self.attained / self.requests if self.requests else 1.0
+
+
+def met(job: _Job) -> bool:
+    if job.refused or job.first is None:
+        return False
+    ttft_ms = (job.first - job.req.at) * 1e3
+    gaps = job.tokens - 1
+    itl_ms = ((job.last or job.first) - job.first) * 1e3 / gaps if gaps > 0 else 0.0
+    return ttft_ms <= job.req.ttft_ms and itl_ms <= job.req.itl_ms
+
+
+def simulate(plan: Plan, prefills: int, decodes: int, physics: Physics) -> DesResult:
+    """Replay `plan` on the DES cluster with the all-seeing placement."""
+    jobs = replay(plan, prefills, decodes, physics)
+    return DesResult(plan.rate, len(jobs), sum(met(j) for j in jobs),
+                     sum(j.refused for j in jobs))
+
+
+def replay(plan: Plan, prefills: int, decodes: int, physics: Physics) -> list[_Job]:
+    """Every request of `plan` as the DES served it."""
+    clock = _Clock()
+    ps = [_Prefill(clock, physics) for _ in range(prefills)]
+    ds = [_Decode(clock, physics) for _ in range(decodes)]
+    jobs = [_Job(req, req.prompt_ids()) for req in plan.requests]
+
+    def arrive(job: _Job) -> None:
+        when, best = min(((p.finish_estimate(job.ids), i) for i, p in enumerate(ps)))
+        if (when - job.req.at) * 1e3 > job.req.ttft_ms:
+            job.refused = True
+            return
+        decode = min(ds, key=lambda d: d.load)
+        ps[best].submit(job, decode)
+
+    for job in jobs:
+        clock.at(job.req.at, lambda j=job: arrive(j))
+    clock.run()
+    return jobs
+
+
+def capacity_rate(shape: MixShape, duration: float, seed: int, prefills: int, decodes: int,
+                  physics: Physics, start: float = 10.0, precision: float = 0.03,
+                  log: Callable[[str], None] = print) -> tuple[float, list[DesResult]]:
+    """The highest rate (requests/s) whose plan the DES serves with >= 90% attainment: double
+    from `start` until a rate fails, then bisect to `precision` (relative)."""
+    tried: list[DesResult] = []
+
+    def ok(rate: float) -> bool:
+        result = simulate(mixed_plan(shape, rate, duration, seed), prefills, decodes, physics)
+        tried.append(result)
+        log(f"   capacity DES: {rate:7.2f} req/s -> attainment {result.attainment:.3f} "
+            f"({result.refused} refused of {result.requests})")
+        return result.attainment >= TARGET
+
+    low, high = 0.0, start
+    while ok(high):
+        low, high = high, high * 2
+        if high > 1e5:
+            raise RuntimeError("the DES serves any rate: check the physics")
+    while low == 0.0 and high > 0.5:
+        high /= 2
+        if ok(high):
+            low, high = high, high * 2
+            break
+    while high - low > precision * max(low, 1e-9):
+        middle = (low + high) / 2
+        if ok(middle):
+            low = middle
+        else:
+            high = middle
+    return low, sorted(tried, key=lambda r: r.rate)

@@ -1,0 +1,125 @@
+"""The goodput benchmark: its interpolation, its capacity DES, and a `--quick` run.
+
+The DES tests open no sockets: a lone request's TTFT must be exactly the timing profile's
+prefill plus transfer (the DES computes with the servers' physics), a tiny rate is served
+within the objectives and a rate far past the cluster is not. The quick run starts real
+processes on loopback (2 prefill + 1 decode sims, our gateway with its defaults and with
+round robin) and checks the report's structure and invariants, not speed: at 3 requests/s our
+gateway meets the objectives (1.5 s TTFT against tens of milliseconds of modelled work) for at
+least 90% of the requests even on a busy machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from loadtests.goodput.capacity import replay, simulate
+from loadtests.goodput.physics import Physics
+from loadtests.goodput.report import goodput
+from loadtests.goodput.workload import QUICK_SHAPE, Objectives, Plan, mixed_plan
+from tests.procs import ROOT
+
+
+@pytest.mark.parametrize(("points", "rate", "lower_bound"), [
+    pytest.param([(10, 1.0), (20, 0.95), (30, 0.85)], 25.0, False, id="crossing-interpolated"),
+    pytest.param([(10, 1.0), (20, 0.8), (30, 0.95)], 15.0, False, id="first-crossing-counts"),
+    pytest.param([(10, 0.5)], 10 * 0.1 / 0.5, False, id="below-the-lowest-from-zero"),
+    pytest.param([(30, 0.99), (10, 1.0)], 30.0, True, id="all-attained-lower-bound"),
+    pytest.param([(10, 0.9), (20, 0.7)], 10.0, False, id="exactly-0.9-attains"),
+])
+def test_goodput_is_where_attainment_first_falls_below_90_percent(points, rate, lower_bound):
+    got = goodput(points)
+    assert got.rate == pytest.approx(rate)
+    assert got.lower_bound is lower_bound
+
+
+def test_objectives_give_long_prompts_the_longer_ttft():
+    objectives = Objectives()
+    assert objectives.ttft_for(4096) == 1500.0
+    assert objectives.ttft_for(4097) == 3000.0
+
+
+def test_a_lone_request_in_the_des_takes_the_profiles_prefill_and_transfer():
+    physics = Physics(kv_tokens=65536)
+    plan = mixed_plan(QUICK_SHAPE, 5.0, 4.0, seed=1)
+    lone = replace(plan, requests=plan.requests[:1])
+    job = replay(lone, 2, 1, physics)[0]
+    tokens = len(job.ids)
+    expected = physics.prefill_batch_ms([(tokens, 0)]) + physics.transfer_ms(tokens)
+    assert (job.first - job.req.at) * 1e3 == pytest.approx(expected)
+    assert job.tokens == job.req.max_tokens  # every token generated
+    assert job.last > job.first
+
+
+def test_the_des_serves_a_tiny_rate_and_not_one_far_past_the_cluster():
+    physics = Physics(kv_tokens=4096)
+    small = simulate(mixed_plan(QUICK_SHAPE, 3.0, 4.0, seed=0), 2, 1, physics)
+    assert small.requests > 5 and small.attainment == 1.0
+    flood = simulate(mixed_plan(QUICK_SHAPE, 3000.0, 2.0, seed=0), 2, 1, physics)
+    assert flood.attainment < 0.5
+    assert 0 < flood.refused < flood.requests  # refused at arrival, not all of them
+
+
+def test_plans_are_the_same_for_every_router_and_carry_objectives():
+    one = mixed_plan(QUICK_SHAPE, 8.0, 4.0, seed=3)
+    two = mixed_plan(QUICK_SHAPE, 8.0, 4.0, seed=3)
+    assert isinstance(one, Plan) and one == two
+    assert set(one.counts()) == {"chat", "docqa", "short"}
+    request = one.requests[0]
+    assert request.headers() == {"x-slo-ttft-ms": f"{request.ttft_ms:g}",
+                                 "x-slo-itl-ms": f"{request.itl_ms:g}"}
+    assert request.body()["stream"] is True
+    assert len(request.prompt_ids()) == request.prompt_tokens
+
+
+def _check_row(row: dict) -> None:
+    assert 0.0 <= row["attainment"] <= 1.0, row
+    assert row["attained"] <= row["sent"], row
+    assert row["refused_retry_after"] <= row["refused"] <= row["sent"], row
+    assert row["attained"] + row["refused"] + row["errors"] <= row["sent"], row
+    for value in row["by_kind"].values():
+        assert 0.0 <= value <= 1.0, row
+
+
+def test_quick_run_reports_every_router_and_rate_with_sane_figures(tmp_path):
+    out = tmp_path / "goodput.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.goodput", "--quick", "--out", str(out),
+         "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    output = done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0, output
+
+    results = json.loads(out.read_text())
+    assert results["capacity"]["rate"] > 0, output
+    rows = results["sweep"]
+    assert {(r["target"], r["rate"]) for r in rows} == {
+        (t, rate) for t in ("gateway", "gateway:round_robin") for rate in (3.0, 8.0)}, output
+    for row in rows:
+        _check_row(row)
+        assert row["sent"] > 3, row
+    ours_low = next(r for r in rows if r["target"] == "gateway" and r["rate"] == 3.0)
+    assert ours_low["attainment"] >= 0.9, ours_low
+    assert ours_low["errors"] == 0, ours_low["error_samples"]
+    assert 0 < ours_low["ttft_p50_ms"] <= ours_low["ttft_p90_ms"], ours_low
+    assert 0 < ours_low["itl_p50_ms"] <= ours_low["itl_p90_ms"], ours_low
+
+    over = results["past_capacity"]
+    _check_row(over)
+    assert over["cut_for_waiting"] >= 0 and "gateway_retries_total" in over["metrics_read"]
+    # the gateway answered every request it was sent: its own count of answers moved
+    answered = sum(v for k, v in over["gateway_metrics"].items()
+                   if k.startswith("gateway_requests_total"))
+    assert answered == over["sent"], over["gateway_metrics"]
+    # the simulated prefills saw a leg for every request served (read from their counters)
+    assert over["prefill_legs"] >= over["attained"] > 0, over
+
+    assert set(results["goodput"]) == {"gateway", "gateway:round_robin"}
+    for figure in results["goodput"].values():
+        assert figure["rate"] > 0
+    assert any(line.startswith("goodput gateway:") for line in results["summary"])
