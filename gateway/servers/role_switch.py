@@ -46,6 +46,7 @@ SWITCH_TIMEOUT = 300.0  # SGLang tears down, rebuilds and may capture decode gra
 MAX_DEADLINE = 3600.0
 NOT_IDLE = "instance is not idle"
 RETRY_EVERY = 0.1  # seconds between asks while SGLang says it is not idle
+VERIFY_TRIES, VERIFY_EVERY = 10, 0.5  # re-reading /server_info after the flip
 
 
 class SwitchRefused(GatewayError):
@@ -270,13 +271,18 @@ class RoleSwitcher:
         p.unregister(server.url)
         p.forget_pairs(server.url)  # its pairs were another role's
         p.tell("remove", server.url)
-        try:
-            fresh = await p.register(server.url, role, None, require_probe=True,
-                                     model=server.model)
-        except GatewayError as exc:  # it switched, yet its /server_info does not say so
-            raise SwitchBroken(f"{server.url} switched to {role} but did not answer as one "
-                               f"({exc.message}); it is out of the pool: add it again when it "
-                               "does", code="role_switch_unverified") from None
+        for attempt in range(VERIFY_TRIES):  # its event loop restarts in the new role first
+            try:
+                fresh = await p.register(server.url, role, None, require_probe=True,
+                                         model=server.model)
+                break
+            except GatewayError as exc:  # not (yet) answering as its new role
+                if attempt + 1 == VERIFY_TRIES:
+                    raise SwitchBroken(
+                        f"{server.url} switched to {role} but did not answer as one "
+                        f"({exc.message}); it is out of the pool: add it again when it does",
+                        code="role_switch_unverified") from None
+                await asyncio.sleep(VERIFY_EVERY)
         p.tell("add", server.url, role=role, bootstrap_port=fresh.bootstrap_port,
                model=server.model)
         return fresh

@@ -4,6 +4,7 @@ validation and its lock."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 
@@ -215,3 +216,27 @@ def test_a_cancelled_switch_puts_the_server_back():
     assert (server.role, server.draining, server.misconfigured, asked) == (
         "prefill", False, None, [])
     assert sw.parts.lock.holder is None
+
+
+@pytest.mark.parametrize(("refusals", "switched"), [(2, True), (10, False)],
+                         ids=["answers-its-new-role-late", "never-does"])
+def test_the_new_role_is_verified_again_and_again(monkeypatch, refusals, switched):
+    monkeypatch.setattr("gateway.servers.role_switch.VERIFY_EVERY", 0.0)
+    pool = fleet()
+    sw, _ = switcher(pool, lambda body: httpx.Response(200, json=OK))
+    left = [refusals]
+    register = sw.parts.register
+
+    async def late(url, role, port, require_probe=False, model=None):
+        if left[0]:
+            left[0] -= 1
+            raise BadRequest(f"{url} was given as a {role} server but runs with "
+                             "--disaggregation-mode prefill")
+        return await register(url, role, port, require_probe, model)
+    sw.parts = dataclasses.replace(sw.parts, register=late)
+    if switched:
+        assert run(sw.switch(SwitchAsk(P1, "decode")))["server"]["role"] == "decode"
+    else:
+        with pytest.raises(SwitchBroken) as caught:
+            run(sw.switch(SwitchAsk(P1, "decode")))
+        assert caught.value.code == "role_switch_unverified" and pool.get(P1) is None
