@@ -229,7 +229,7 @@ class _Runner:
         setup, args = self.setup, self.args
         plan = mixed_plan(setup.shape, rate, setup.duration, args.seed)
         got = measure(name, self.cluster, plan, args.timeout, self.log_dir, self.peer_python)
-        row = make_row(name, rate, got.pairs, got.elapsed)
+        row = make_row(name, rate, got.pairs, plan.duration)
         print(f"   {name} at {rate:.1f} req/s: {row.sent} sent, attainment "
               f"{100 * row.attainment:.1f}%, refused {row.refused}, errors {row.errors}, "
               f"TTFT p90 {row.ttft_p90_ms:.0f} ms, ITL p90 {row.itl_p90_ms:.1f} ms; cores: "
@@ -239,7 +239,7 @@ class _Runner:
 
     @staticmethod
     def _extra(got) -> dict:
-        return {"argv": got.argv, "gateway_metrics": got.metrics,
+        return {"argv": got.argv, "elapsed_s": got.elapsed, "gateway_metrics": got.metrics,
                 "busiest_server_cores": got.busiest_server_cores,
                 "proxy_cores": got.proxy_cores, "prefill_legs": got.prefill_legs}
 
