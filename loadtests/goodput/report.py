@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from loadtests.goodput.client import Outcome
 from loadtests.goodput.workload import KINDS, Planned
-from loadtests.routing.report import percentile, render_text
+from loadtests.routing.report import percentile, render_markdown, render_text
 
 TARGET = 0.9
 
@@ -129,6 +129,12 @@ def cells(row: RateRow) -> list[str]:
 
 def sweep_table(rows: list[RateRow]) -> str:
     return render_text(HEADER, [cells(r) for r in rows])
+
+
+def markdown(rows: list[RateRow], lines: list[str]) -> str:
+    """The sweep table and the summary lines, for docs/BENCHMARKS.md."""
+    return (render_markdown(HEADER, [cells(r) for r in rows]) + "\n\n"
+            + "\n".join(f"* {line}" for line in lines) + "\n")
 
 
 def summary(goodputs: dict[str, Goodput], capacity: float, ours: str,

@@ -39,7 +39,7 @@ from loadtests import peers
 from loadtests.goodput.capacity import capacity_rate
 from loadtests.goodput.measure import OURS, cut_for_waiting, measure
 from loadtests.goodput.physics import Physics
-from loadtests.goodput.report import goodput, make_row, summary, sweep_table
+from loadtests.goodput.report import goodput, make_row, markdown, summary, sweep_table
 from loadtests.goodput.workload import QUICK_SHAPE, MixShape, mixed_plan
 from loadtests.routing.cluster import SimOptions, sim_cluster
 from loadtests.routing.targets import KNOWN
@@ -106,6 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "that could end past this (the device's 10-minute call); the skipped "
                         "runs are listed")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--markdown", type=Path, help="write the table and summary as Markdown")
     parser.add_argument("--log-dir", type=Path, help="process logs (default: a temporary dir)")
     peers.add_arguments(parser)
     return parser.parse_args(argv)
@@ -310,3 +311,5 @@ class _Runner:
                 f"{over['prefill_legs']} for {over['sent'] - over['refused']} not refused")
         self.results["summary"] = lines
         print("\n" + "\n".join(lines), flush=True)
+        if self.args.markdown is not None:
+            self.args.markdown.write_text(markdown(self.rows, lines))
