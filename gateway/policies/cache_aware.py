@@ -14,7 +14,8 @@ the exact state see `prefix_cache`). What it does better than sglang-router's `c
 - the load signal counts the tokens still to compute (a prefill's in-flight request by the
   part predicted uncached there) and server-reported `/v1/loads` figures, not only request
   counts, and a request's cost on a target adds its own uncached part there (`load.py`): a
-  server holding a hot document does not look busy for serving it;
+  server holding a hot document does not look busy for serving it; with `--workers`, the
+  gateway's counters summed over the workers alone (`scores`);
 - servers whose match is within a few percent of the best count as tied, so a few characters
   of coincidental overlap past a shared system prompt do not pin every request to one server;
   of the tied, the first in ring order of the prompt's anchor with bounded load wins
@@ -168,7 +169,7 @@ class CacheAwarePolicy(Policy):
         if len(candidates) == 1:
             return candidates[0]
         now = time.monotonic()
-        scores = load_scores(candidates, options, now)
+        scores = self.scores(candidates, now)
         lengths = [matched.get(w.url, 0) for w in candidates]
         unit = 1 if isinstance(key, str) else CHARS_PER_TOKEN
         costs = with_uncached(scores, lengths, key_len, key_len * unit / CHARS_PER_TOKEN,
@@ -203,6 +204,18 @@ class CacheAwarePolicy(Policy):
                 scores = [s if ok else INF for s, ok in zip(scores, room, strict=True)]
         self._decisions["load"] += 1
         return candidates[rotating_argmin(scores, turn)]
+
+    def scores(self, candidates: Sequence[Server], now: float) -> list[float]:
+        """Load scores (gateway/scheduling/load.py). With `--workers`, on this gateway's
+        counters alone (every worker's, summed: exact and immediate): a `/v1/loads` snapshot
+        still counts the other workers' requests that ended since it was taken (a process
+        takes only its own off it), so the server that had just answered a conversation's
+        turn looked busy to the worker that got the next turn, which moved the conversation
+        off its cache (0.821 against 0.873 with one worker; docs/WORKERS.md)."""
+        if self.prefixes is None:
+            return load_scores(candidates, self.options, now)
+        unit = self.options.token_unit
+        return [requests + tokens / unit for requests, tokens in (w.totals() for w in candidates)]
 
     def predicted_hit(self, server: Server, view: RequestView) -> float | None:
         matched, key_len = self._last_match

@@ -18,8 +18,15 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
+from gateway.policies import create_policy
+from gateway.prefix.shared import WORDS, SharedPrefixes
+from gateway.request import CHAT, parse_request
+from gateway.servers.load import ServerLoad
+from gateway.servers.pool import Server
+from gateway.servers.probe import ServerFacts
 from tests.integration.conftest import sim
 from tests.procs import HOST, Proc, free_port, python, running
 
@@ -378,3 +385,39 @@ def test_workers_keep_a_conversation_on_the_server_of_its_last_turn(tmp_path):
         turn2 = [*turn1, reply, {"role": "user", "content": "And the one from the south?"}]
         homes = [send(gateway, turn2)[0] for _ in range(3 * WORKERS)]
         assert homes == [home] * len(homes), (home, placed, homes)
+
+
+def test_a_snapshot_that_counts_another_workers_finished_turns_does_not_move_a_chat():
+    """Two worker processes' cache_aware policies (their own servers and /v1/loads snapshots,
+    one shared prefix table), in process: a conversation's turn 1, routed by worker A, ended;
+    worker B's snapshot of that server was taken while A's requests ran there, and B cannot
+    take A's finished requests off it. B gets turn 2 on a new connection: it must stay on the
+    server of turn 1. It moved before (the ghost load made the other server "clearly
+    cheaper": 24 chats x 6 turns lost 5 points of hit ratio with 2 workers, docs/WORKERS.md)."""
+    table = SharedPrefixes(memoryview(bytearray(8 * WORDS)).cast("q"))
+    urls = ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+
+    def worker():
+        servers = [Server(url=url, role="prefill") for url in urls]
+        for server in servers:
+            server.apply_facts(ServerFacts("prefill", 8998, "sim-model", 1))
+            server.load = ServerLoad(updated_at=time.monotonic())
+        policy = create_policy("cache_aware", "prefill", None)
+        policy.share(table)
+        policy.on_servers_changed(servers)
+        return policy, servers
+
+    def view(messages):
+        return parse_request(CHAT, orjson.dumps({"messages": messages, "max_tokens": 8}))
+
+    (a, a_servers), (b, b_servers) = worker(), worker()
+    turn1 = [{"role": "system", "content": "You answer for the port authority. " * 30},
+             {"role": "user", "content": "When does the ferry from the north berth leave?"}]
+    home = a.pick(a_servers, view(turn1))
+    a.on_dispatch(home, view(turn1))
+    theirs = next(s for s in b_servers if s.url == home.url)
+    theirs.load = ServerLoad(running=6, updated_at=time.monotonic())  # A's, since ended
+    turn2 = [*turn1, {"role": "assistant", "content": "At nine, from berth four."},
+             {"role": "user", "content": "And the one from the south berth, when?"}]
+    went = b.pick(b_servers, view(turn2))
+    assert went.url == home.url, "worker B moved the conversation off its cache"
