@@ -125,7 +125,7 @@ class SloPolicy(CacheAwarePolicy):
                     continue
                 pairs.append((target, decode, model.combine(
                     target.url, decode.url, wait, compute, transfer, admit, step)))
-        if not pairs:  # every pair quarantined: the scheduler's rule, any partner
+        if not pairs and blocked is not None:  # all quarantined: as the scheduler, any
             return self._pairs(prefills, decodes, view, matched, anchor, now, None)
         return pairs
 
