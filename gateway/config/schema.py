@@ -78,7 +78,7 @@ class GatewayConfig:
 
     # Scheduling
     policy: str | None = _opt(
-        None, "policy for both roles (default: cache_aware for prefill, least_load for decode)")
+        None, "policy for both roles (default: slo, the joint pair choice by predicted latency)")
     prefill_policy: str | None = _opt(None, "policy for choosing the prefill server")
     decode_policy: str | None = _opt(None, "policy for choosing the decode server")
     policy_options: dict | None = _opt(
@@ -142,6 +142,23 @@ class GatewayConfig:
         5, "consecutive request failures that open a server's breaker")
     breaker_cooldown: Seconds = _opt(10.0, "seconds an open breaker waits before a probe")
     loads_interval: OptionalSeconds = _opt(2.0, "seconds between /v1/loads polls (0 = off)")
+
+    # Automatic rebalancing (gateway/servers/rebalance.py, docs/ROLE_SWITCH.md): off by default
+    rebalance: bool = _opt(
+        False, "switch servers between prefill and decode by measured pressure (servers need "
+        "--enable-pd-role-switch); gateway_desired_servers is published either way")
+    rebalance_ttft_ms: Annotated[float, Field(gt=0, le=600_000)] = _opt(
+        1500.0, "TTFT objective the prefill pressure is measured against, ms")
+    rebalance_itl_ms: Annotated[float, Field(gt=0, le=60_000)] = _opt(
+        60.0, "mean ITL objective the decode pressure is measured against, ms")
+    rebalance_window: Annotated[float, Field(ge=1, le=3600)] = _opt(
+        10.0, "seconds a pressure must hold before a switch")
+    rebalance_cooldown: Annotated[float, Field(ge=0, le=86400)] = _opt(
+        60.0, "seconds after a switch (or a failed one) before the next")
+    rebalance_max_per_hour: Annotated[int, Field(ge=1, le=3600)] = _opt(
+        6, "automatic switches allowed in any hour")
+    rebalance_min_servers: Annotated[int, Field(ge=1, le=64)] = _opt(
+        1, "servers each role keeps at least (per model)")
 
     # Admission and limits
     max_body_bytes: Bytes = _opt(32 * 1024 * 1024, "largest accepted request body")
