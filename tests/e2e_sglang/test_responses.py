@@ -29,7 +29,7 @@ def round_robin_gateway(cluster: SglangCluster):
     is then spread over both decodes by construction."""
     port = free_port()
     argv = python("-m", "gateway", "--host", HOST, "--port", str(port),
-                  "--decode-policy", "round_robin")
+                  "--prefill-policy", "cache_aware", "--decode-policy", "round_robin")
     for server in cluster.prefill:
         argv += ["--prefill", server.url, str(server.bootstrap_port)]
     for server in cluster.decode:

@@ -25,6 +25,7 @@ def cluster(tmp_path_factory):
     key_file.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
     with sim_cluster(logs, sim_args=["--token-delay", TOKEN_DELAY, "--enable-cache-report"],
                      gateway_args=["--api-key-file", str(key_file),
+                                   "--prefill-policy", "cache_aware",
                                    "--decode-policy", "round_robin"]) as c:
         yield c
 
@@ -162,7 +163,8 @@ def test_cancel_aborts_both_legs_of_a_running_stream(cluster):
             for event in stream:
                 if event.type == "response.created":
                     answer["id"] = event.response.id
-                    started.set()
+                elif event.type == "response.output_text.delta":
+                    started.set()  # the decode generates: its prefill leg is done
                 answer["last"] = event.type
 
     worker = threading.Thread(target=run, daemon=True)

@@ -84,7 +84,8 @@ def test_cancel_through_another_replica_aborts_the_running_one(cluster, logs, re
                 for event in stream:
                     if event.type == "response.created":
                         answer["id"] = event.response.id
-                        started.set()
+                    elif event.type == "response.output_text.delta":
+                        started.set()  # the decode generates
 
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
