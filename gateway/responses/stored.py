@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.responses import history
 from gateway.responses.service import Responses
+from gateway.responses.store import StoreDown
 
 
 def _id(request: Request) -> str:
@@ -43,7 +44,7 @@ async def delete(request: Request, responses: Responses) -> Response:
     rid = _id(request)
     try:
         deleted = await responses.store.delete(request.state.caller.tenant, rid)
-    except Exception:
+    except StoreDown:
         responses.errors.labels("delete").inc()
         raise
     if not deleted:
