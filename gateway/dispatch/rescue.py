@@ -109,12 +109,14 @@ def pair_cohort(attempt: Attempt) -> None:
     """An attempt made no progress within its learned deadline: the attempts on the same pair
     that have waited about as long are stopped now too (they are in the same situation), rather
     than each waiting out its own deadline on a pair likely hung. Attempts of other pairs are
-    left alone: which of the two servers hangs is unknown."""
+    left alone: which of the two servers hangs is unknown, and so are those still queued
+    behind work their prefill is doing (dispatch/first_progress.py)."""
     cutoff = attempt.started_at + 1.0
     decode = attempt.decode
     for other in list(attempt.prefill.attempts):
+        queued = getattr(other.deadline, "queued", None)
         if (other is not attempt and other.decode is decode and not other.progressed
-                and other.started_at <= cutoff):
+                and other.started_at <= cutoff and not (queued is not None and queued())):
             _stop(other, UpstreamError(
                 f"the pair of prefill {attempt.prefill.url} and decode {decode.url} is "
                 "suspected hung (a request waiting as long timed out)", leg="both",
