@@ -1,0 +1,235 @@
+"""Automatic rebalancing: move a server to the role that is pressed, through the by-hand
+switch's own procedure (role_switch.py), when the pressures (pressure.py) say so.
+
+Every interval (the `/v1/loads` poll's) the loop measures each model's pressures, publishes
+what each role needs (`gateway_desired_servers`, with rebalancing off too), and, with
+`--rebalance`, asks for one switch when all of these hold:
+
+* one role was pressed at HIGH or more at every reading of the last window (a burst shorter
+  than the window moves nothing);
+* the other role would stand at TARGET or below with one server fewer, and keeps at least
+  the minimum (never below 1): HIGH > TARGET is the hysteresis, since the role that gave a
+  server up cannot then read HIGH without the load itself changing;
+* the cool-down since the last attempt is over, and fewer than the hourly budget of
+  attempts were made in the last hour (refused attempts count: a server that keeps saying
+  no is not asked again and again).
+
+The server moved is the one cheapest to drain: fewest requests of ours in flight, then the
+least KV in use (the cache it would lose; SGLang drops its radix cache on a flip). Each
+attempt is one log line with the pressures that caused it and one count of
+`gateway_rebalance_decisions_total{from,to,reason,outcome}`.
+
+With `--workers`, worker 0 alone decides (its `/v1/loads` figures are its own polls and its
+metrics read every worker's streams); the switch lock (switch_lock.py) still serializes it
+with the admin API's switches of any worker. Replicas do not coordinate: turn it on in one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.servers.pool import Server, ServerPool
+from gateway.servers.pressure import TARGET, Pressure, PressureGauge
+from gateway.servers.role_switch import RoleSwitcher, SwitchAsk
+
+log = logging.getLogger("gateway.rebalance")
+
+HIGH = 1.0  # a role pressed this hard for a whole window asks for a server
+HOUR = 3600.0
+ITL_METRIC = "gateway_inter_token_latency_seconds"
+
+
+@dataclass(frozen=True, slots=True)
+class RebalanceOptions:
+    """The `--rebalance*` settings, in seconds."""
+
+    enabled: bool = False
+    ttft_s: float = 1.5
+    itl_s: float = 0.06
+    window: float = 10.0
+    cooldown: float = 60.0
+    per_hour: int = 6
+    minimum: int = 1
+    interval: float = 2.0
+    deadline: float = 60.0  # the drain deadline of each switch
+
+    @classmethod
+    def from_config(cls, c) -> RebalanceOptions:
+        return cls(c.rebalance, c.rebalance_ttft_ms / 1e3, c.rebalance_itl_ms / 1e3,
+                   c.rebalance_window, c.rebalance_cooldown, c.rebalance_max_per_hour,
+                   c.rebalance_min_servers, max(0.5, c.loads_interval or 2.0))
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One role gives a server to the other, and why (the pressed role's signal)."""
+
+    old: str
+    new: str
+    reason: str
+
+
+def decide(history: list[Pressure], window: float, minimum: int) -> Move | None:
+    """The move the readings of the last `window` seconds call for, or None (pure)."""
+    if not history or history[-1].at - history[0].at < window:
+        return None  # not a whole window of readings yet
+    last = history[-1]
+    for needy, giver in (("prefill", "decode"), ("decode", "prefill")):
+        if last.of(giver).servers <= max(1, minimum):
+            continue
+        if all(p.of(needy).value >= HIGH and p.of(giver).without_one() <= TARGET
+               for p in history):
+            return Move(giver, needy, f"{needy}_{last.of(needy).signal}")
+    return None
+
+
+def cheapest(servers: list[Server]) -> Server:
+    """The server whose drain costs least: fewest of ours in flight, least KV in use."""
+    return min(servers, key=lambda s: (s.totals()[0] + len(s.attempts), s.load.used_tokens,
+                                       s.url))
+
+
+class Rebalancer:
+    """The loop; one per worker process (only the deciding one switches)."""
+
+    def __init__(self, pool: ServerPool, switcher: RoleSwitcher, options: RebalanceOptions,
+                 read_itl: Callable[[], tuple[float, float]], counted: Any,
+                 decides: bool = True) -> None:
+        self.pool = pool
+        self.switcher = switcher
+        self.options = options
+        self.read_itl = read_itl
+        self.counted = counted  # gateway_rebalance_decisions (from, to, reason, outcome)
+        self.decides = decides and options.enabled
+        self.gauges: dict[str | None, PressureGauge] = {}
+        self.history: dict[str | None, deque[Pressure]] = {}
+        self.desired: dict[tuple[str, str], int] = {}  # (model, role) -> servers needed
+        self.pressures: dict[tuple[str, str], float] = {}
+        self.attempts: deque[float] = deque()  # monotonic times of the last hour's attempts
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.interval)
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not stop the loop, nor the gateway
+                log.exception("rebalance step failed")
+
+    async def step(self, now: float | None = None) -> Move | None:
+        """One reading of every model; at most one switch. The move made, if any."""
+        now = time.monotonic() if now is None else now
+        itl = self.read_itl()
+        by_model: dict[str | None, list[Server]] = {}
+        for server in self.pool:
+            by_model.setdefault(server.model, []).append(server)
+        chosen: tuple[str | None, Move] | None = None
+        for model, servers in by_model.items():
+            move = self._read(model, servers, itl, now)
+            if move is not None and chosen is None:
+                chosen = (model, move)
+        for model in [m for m in self.history if m not in by_model]:
+            del self.history[model], self.gauges[model]
+        if chosen is None or not self._may_switch(now):
+            return None
+        model, move = chosen
+        await self._switch(model, move, now)
+        return move
+
+    def _read(self, model: str | None, servers: list[Server], itl: tuple[float, float],
+              now: float) -> Move | None:
+        o = self.options
+        gauge = self.gauges.get(model)
+        if gauge is None:
+            gauge = self.gauges[model] = PressureGauge(o.ttft_s, o.itl_s)
+        pressure = gauge.measure(servers, itl, now)
+        label = model or "default"
+        for role in ("prefill", "decode"):
+            self.desired[(label, role)] = pressure.of(role).needed(o.minimum)
+            self.pressures[(label, role)] = round(pressure.of(role).value, 4)
+        history = self.history.setdefault(model, deque())
+        history.append(pressure)
+        while len(history) > 1 and now - history[1].at >= o.window:
+            history.popleft()  # keep just one reading at or before the window's start
+        return decide(list(history), o.window, o.minimum) if self.decides else None
+
+    def _may_switch(self, now: float) -> bool:
+        while self.attempts and now - self.attempts[0] >= HOUR:
+            self.attempts.popleft()
+        if len(self.attempts) >= self.options.per_hour:
+            return False
+        return not self.attempts or now - self.attempts[-1] >= self.options.cooldown
+
+    async def _switch(self, model: str | None, move: Move, now: float) -> None:
+        givers = [s for s in self.pool.role(move.old) if s.model == model and s.serving]
+        if len(givers) <= max(1, self.options.minimum):
+            return
+        server = cheapest(givers)
+        why = self.history[model][-1].describe()
+        self.attempts.append(now)
+        self.history[model].clear()  # a new window after any attempt: the fleet changed
+        log.warning("rebalance: switching %s from %s to %s (%s for %gs: %s)", server.url,
+                    move.old, move.new, move.reason, self.options.window, why)
+        ask = SwitchAsk(server.url, move.new, self.options.deadline)
+        try:
+            body = await self.switcher.switch(ask)
+        except GatewayError as err:
+            outcome = (err.code or "error").removeprefix("role_switch_")
+            log.warning("rebalance: %s stays %s: %s", server.url, move.old, err.message)
+        else:
+            outcome = "switched"
+            log.warning("rebalance: %s is now a %s server (drained and switched in %.3fs)",
+                        server.url, move.new, body["waited_s"])
+        self.counted.labels(move.old, move.new, move.reason, outcome).inc()
+
+    def figures(self) -> dict[str, dict[tuple[str, str], float]]:
+        """What `gateway_desired_servers` and `gateway_role_pressure` show."""
+        return {"desired": dict(self.desired), "pressure": dict(self.pressures)}
+
+
+def itl_totals(families: list) -> tuple[float, float]:
+    """The cumulative (sum, count) of streamed inter-token gaps, all endpoints."""
+    total = count = 0.0
+    for family in families:
+        if family.name != ITL_METRIC:
+            continue
+        for sample in family.samples:
+            if sample.name == ITL_METRIC + "_sum":
+                total += sample.value
+            elif sample.name == ITL_METRIC + "_count":
+                count += sample.value
+    return total, count
+
+
+def for_gateway(gw, switcher: RoleSwitcher) -> Rebalancer:
+    """The gateway's rebalancer, its figures on /metrics; worker 0 decides with --workers.
+    Kubernetes discovery refuses switches (docs/ROLE_SWITCH.md): there it only advises."""
+    options = RebalanceOptions.from_config(gw.config)
+    deciding = gw.worker is None or gw.worker.id == 0
+    if options.enabled and switcher.parts.refuse_all is not None:
+        log.warning("--rebalance: no automatic switches here (%s); "
+                    "gateway_desired_servers is still published", switcher.parts.refuse_all)
+        deciding = False
+    rebalancer = Rebalancer(gw.pool, switcher, options, lambda: itl_totals(gw.read_metrics()),
+                            gw.metrics.rebalance_decisions, decides=deciding)
+    gw.metrics.watch_rebalance(rebalancer.figures)
+    return rebalancer
