@@ -157,6 +157,11 @@ class Metrics:
             "switched, refused (the server said no; put back as it was), busy (still in flight "
             "at the deadline; put back), failed (broken midway; taken out), conflict (another "
             "switch running, or a role would be left empty)", ["outcome"], registry=own)
+        self.rebalance_decisions = Counter(
+            "gateway_rebalance_decisions", "Automatic role switches asked (--rebalance), by "
+            "the role giving a server, the role getting it, the pressure signal that called "
+            "for it (e.g. prefill_queue, decode_slots) and the switch's outcome",
+            ["from", "to", "reason", "outcome"], registry=own)
 
     def buffered_counter(self, child) -> BufferedCounter:
         return self.buffer.counter(child)
@@ -189,6 +194,11 @@ class Metrics:
         self.registry.register(SchedulerCollector(scheduler))
 
 
+    def watch_rebalance(self, figures) -> None:
+        """`gateway_desired_servers` and `gateway_role_pressure` (gateway/servers/rebalance.py;
+        `figures()` gives {"desired": {(model, role): n}, "pressure": {...}})."""
+        self.registry.register(RebalanceCollector(figures))
+
     def watch_admission(self, admission) -> None:
         """Gauges of the admission queue (read at scrape time: this process's queue)."""
         self.registry.register(AdmissionCollector(admission))
@@ -219,6 +229,29 @@ class AdmissionCollector(Collector):
             "count that grows after traffic is a leak)")
         alive.add_metric([], tasks)
         yield alive
+
+
+class RebalanceCollector(Collector):
+    """What the pressure model says each role needs (for HPA/KEDA, docs/ROLE_SWITCH.md)."""
+
+    def __init__(self, figures) -> None:
+        self.figures = figures
+
+    def collect(self) -> Iterable:
+        figures = self.figures()
+        desired = GaugeMetricFamily(
+            "gateway_desired_servers", "Servers each role needs to stand at 75% of its "
+            "pressure (prefill queue/busy, decode slots/KV/ITL against the objectives)",
+            labels=["model", "role"])
+        pressure = GaugeMetricFamily(
+            "gateway_role_pressure", "Each role's pressure (1: at its limit)",
+            labels=["model", "role"])
+        for (model, role), value in figures["desired"].items():
+            desired.add_metric([model, role], value)
+        for (model, role), value in figures["pressure"].items():
+            pressure.add_metric([model, role], value)
+        yield desired
+        yield pressure
 
 
 class SchedulerCollector(Collector):
