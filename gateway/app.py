@@ -42,6 +42,7 @@ from gateway.routes.info import InfoParts
 from gateway.routes.operations import OperationParts
 from gateway.routes.role_switch import RoleSwitchParts
 from gateway.runtime import Gateway
+from gateway.servers.rebalance import for_gateway
 
 Handler = Callable[[Request, Any], Awaitable[Response]]
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -183,9 +184,11 @@ def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None 
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gateway.start()
         await responses.start()
+        rebalancer.start()  # --rebalance, and gateway_desired_servers (servers/rebalance.py)
         try:
             yield
         finally:
+            await rebalancer.stop()
             await responses.stop()
             await gateway.stop()
 
@@ -196,7 +199,9 @@ def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None 
     endpoints["/v1/responses"] = ResponsesEndpoint(
         InferenceEndpoint(inference, RESPONSES, parse_responses), gateway.auth, responses,
         config.max_body_bytes)
-    routes = build_routes(endpoints, gateway.auth, route_parts(gateway, responses))
+    parts = route_parts(gateway, responses)
+    rebalancer = for_gateway(gateway, parts.role_switch.switcher)
+    routes = build_routes(endpoints, gateway.auth, parts)
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
     # a path with a trailing slash is a 404 in the error shape, not a redirect to a URL built
     # from the client's own Host header (docs/SECURITY.md, "Paths")
