@@ -36,25 +36,35 @@ WAIT_SHARE = 0.5  # of the TTFT objective the prefill queue may take
 
 @dataclass(frozen=True, slots=True)
 class RolePressure:
-    """One role's pressure, its serving servers and the signal that set it."""
+    """One role's pressure, its serving servers and the signal that set it. `load` is the
+    part that spreads over the servers (all of it but the ITL: a step has a fixed cost that
+    one more decode does not divide), the part a change of count is projected with."""
 
     value: float
     servers: int
     signal: str  # "busy", "queue", "slots", "kv", "itl" or "idle"
+    load: float = -1.0  # -1: the same as value
+
+    @property
+    def spread(self) -> float:
+        return self.value if self.load < 0 else self.load
 
     def needed(self, minimum: int) -> int:
-        """Servers this role needs to stand at TARGET (never below `minimum`)."""
+        """Servers this role needs to stand at TARGET (never below `minimum`); one more
+        than it has while the ITL alone is over its objective."""
         if self.servers == 0:
             return minimum
-        return max(minimum, math.ceil(self.servers * self.value / TARGET - 1e-9))
+        count = math.ceil(self.servers * self.spread / TARGET - 1e-9)
+        if self.signal == "itl" and self.value >= 1.0:
+            count = max(count, self.servers + 1)
+        return max(minimum, count)
 
     def without_one(self) -> float:
-        """The pressure if one server left (the same work over one fewer)."""
-        return math.inf if self.servers <= 1 else self.value * self.servers / (self.servers - 1)
-
-    def with_one(self) -> float:
-        """The pressure if one server joined."""
-        return self.value * self.servers / (self.servers + 1)
+        """The load if one server left (the same work over one fewer); inf while the role
+        is over an objective already (the ITL: fewer decodes cannot make it shorter)."""
+        if self.servers <= 1 or self.value >= 1.0:
+            return math.inf
+        return self.spread * self.servers / (self.servers - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +141,7 @@ class PressureGauge:
         sums = _role(len(servers), {"slots": slots, "kv": kv})
         itl = self._itl_ratio(itl_totals)
         if servers and itl > sums.value:
-            return RolePressure(itl, len(servers), "itl")
+            return RolePressure(itl, len(servers), "itl", sums.value)
         return sums
 
     def _itl_ratio(self, totals: tuple[float, float]) -> float:
