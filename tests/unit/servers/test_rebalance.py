@@ -109,7 +109,7 @@ def pressed_fleet() -> tuple[ServerPool, Server]:
 
 def run_steps(rebalancer: Rebalancer, pool: ServerPool, until: float) -> None:
     async def steps() -> None:
-        t = 0.0
+        t = 1.0  # a snapshot at 0.0 reads as never taken
         while t <= until:
             for s in pool:
                 s.load.updated_at = t
@@ -125,7 +125,7 @@ def test_cool_down_and_hourly_budget_count_refused_attempts():
                                minimum=1, interval=1)
     rebalancer = Rebalancer(pool, switcher, options, lambda: (0.0, 0.0), counted)
     run_steps(rebalancer, pool, until=60)
-    times = [2.0, 12.0, 22.0]  # each after a cool-down; then the hour's budget is spent
+    times = [3.0, 13.0, 23.0]  # a window, then each after a cool-down; then the hour's budget is spent
     assert list(rebalancer.attempts) == times
     assert len(switcher.asked) == len(times)
     assert switcher.asked[0] == ("http://d2", "prefill")  # the least KV in use
