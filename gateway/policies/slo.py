@@ -195,10 +195,8 @@ class SloPolicy(CacheAwarePolicy):
 
     def on_servers_changed(self, servers: Sequence[Server]) -> None:
         super().on_servers_changed(servers)
-        if self.role != "decode":
-            present = {w.url for w in servers}
-            present.update(r.url for w in servers for r in (w.ranks or ()))
-            self.model.forget_targets(present)
+        if self.role != "decode":  # the targets: servers, or their DP ranks
+            self.model.forget_targets({w.url for w in servers})
 
     def stats(self) -> dict:
         return {**super().stats(), "moves": dict(self._moves), "model": self.model.factors()}

@@ -6,6 +6,7 @@ import pytest
 
 from gateway.errors import BadRequest
 from gateway.policies.slo import SloOptions, SloPolicy
+from gateway.servers.pool import Rank
 from gateway.slo.model import LatencyModel, predicted_wait
 from gateway.slo.objectives import Objectives, SloClass
 from gateway.slo.physics import H200_LLAMA3_8B
@@ -181,3 +182,16 @@ def test_headers_override_class_defaults_in_milliseconds() -> None:
 def test_a_bad_objective_header_is_a_400(value) -> None:
     with pytest.raises(BadRequest, match="x-slo-ttft-ms"):
         Objectives(None).of([(b"x-slo-ttft-ms", value)], 1)
+
+
+def test_dp_ranks_are_targets_and_what_left_is_forgotten() -> None:
+    slo = policy()
+    whole = server("p")
+    ranks = whole.ranks = [Rank(whole, 0), Rank(whole, 1)]
+    slo.on_servers_changed(ranks)  # the scheduler hands over targets, ranks among them
+    target, _ = slo.pick_pair(ranks, [server("d", "decode")], generate_ids(PROMPT), never)
+    slo.model.observe(target.url, "d", slo.model.predict(target, server("d", "decode"),
+                                                          4000, 0), 1.0, None)
+    assert target.url in slo.model.factors()["ttft"]
+    slo.on_servers_changed([])
+    assert slo.model.factors()["ttft"] == {}
