@@ -38,6 +38,15 @@ from gateway.servers.pool import Server
 from gateway.slo.model import LatencyModel, Prediction
 from gateway.tokens.context_check import requested_new_tokens
 
+
+def near_turn(costs: Sequence[float], tie: float, turn: int) -> int:
+    """Index of the lowest cost; costs within `tie` of it are ties, taken in turn (a
+    quantized cost would split near-equal servers at a rounding edge, and an idle fleet's
+    sequential requests would all go to one side of it)."""
+    low = min(costs)
+    return rotating_argmin([0.0 if c <= low + tie else 1.0 for c in costs], turn)
+
+
 OUTPUT_GUESS = 128  # output tokens of a request that sets no budget (weighs its ITL)
 INF = float("inf")
 
@@ -159,8 +168,8 @@ class SloPolicy(CacheAwarePolicy):
         turn = self._turn
 
         def best(options: list[tuple]) -> tuple:
-            costs = [round((p[2].ttft + out * p[2].itl) / tie) for p in options]
-            return options[rotating_argmin(costs, turn)]
+            costs = [p[2].ttft + out * p[2].itl for p in options]
+            return options[near_turn(costs, tie, turn)]
 
         own = [p for p in pairs if p[0] is anchor]
         home = best(own or pairs)
@@ -186,8 +195,8 @@ class SloPolicy(CacheAwarePolicy):
         turn = self._turn
         self._turn += 1
         sides = self._decodes(candidates, view, time.monotonic())
-        tie = self.options.tie_seconds or 1e-9
-        return sides[rotating_argmin([round((a + s) / tie) for a, s, _ in sides], turn)][2]
+        return sides[near_turn([a + s for a, s, _ in sides], self.options.tie_seconds,
+                               turn)][2]
 
     def on_dispatch(self, server: Server, view: RequestView) -> None:
         if self.role != "decode":  # what a decode holds is what its prefill sent it

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.policies.slo import SloOptions, SloPolicy
+from gateway.policies.slo import SloOptions, SloPolicy, near_turn
 from gateway.servers.pool import Rank
 from gateway.slo.model import LatencyModel, predicted_wait
 from gateway.slo.objectives import Objectives, SloClass
@@ -195,3 +195,22 @@ def test_dp_ranks_are_targets_and_what_left_is_forgotten() -> None:
     assert target.url in slo.model.factors()["ttft"]
     slo.on_servers_changed([])
     assert slo.model.factors()["ttft"] == {}
+
+
+def test_sequential_requests_on_an_idle_fleet_take_the_decodes_in_turn() -> None:
+    slo = policy()
+    p = server("p", load={"prefill_speed": 20_000.0}, age=1.0)
+    # figures a few KV tokens apart: a few microseconds of predicted step, a tie
+    a = server("a", "decode", load={"used_tokens": 1000}, age=1.0)
+    b = server("b", "decode", load={"used_tokens": 1200}, age=1.0)
+    chosen = [slo.pick_pair([p], [a, b], generate_ids(list(range(i, i + 300))), never)[1].url
+              for i in range(6)]
+    assert sorted(chosen) == ["a", "a", "a", "b", "b", "b"]
+
+
+@pytest.mark.parametrize(("costs", "picks"), [
+    pytest.param([0.0124, 0.0126], {0, 1}, id="straddling_a_rounding_edge_still_tie"),
+    pytest.param([0.010, 0.020], {0}, id="clearly_lower_always"),
+])
+def test_near_costs_are_taken_in_turn(costs, picks) -> None:
+    assert {near_turn(costs, 0.005, turn) for turn in range(4)} == picks

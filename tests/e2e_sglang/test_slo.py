@@ -1,0 +1,80 @@
+"""SLO scheduling on real SGLang (the CPU rig): the gateway's TTFT forecasts follow what the
+servers do. A gateway with `--policy slo` in front of the cluster's servers sends streamed
+chats of a few prompt sizes one after the other; once it has seen a few, the median of
+observed / predicted TTFT (`gateway_slo_prediction_error`) lies within 0.67-1.5: the prior is
+an H200's, so this is the servers' measured speed and the learned factors at work."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e_sglang.conftest import SglangCluster
+from tests.procs import HOST, free_port, python, running
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+WORDS = "the quick brown fox jumps over a lazy dog while rain falls on the hills ".split()
+
+
+@pytest.fixture(scope="module")
+def slo_gateway(sglang_cluster: SglangCluster, tmp_path_factory) -> Iterator[str]:
+    port = free_port()
+    argv = python("-m", "gateway", "--port", str(port), "--policy", "slo",
+                  "--health-interval", "3", "--loads-interval", "0.5")
+    for server in sglang_cluster.prefill:
+        argv += ["--prefill", server.url, str(server.bootstrap_port)]
+    for server in sglang_cluster.decode:
+        argv += ["--decode", server.url]
+    url = f"http://{HOST}:{port}"
+    with running("gateway-slo", argv, tmp_path_factory.mktemp("logs"), url + "/readiness"):
+        yield url
+
+
+def chat(client: httpx.Client, url: str, model: str, words: int, tag: int) -> None:
+    text = f"{tag} " + " ".join(WORDS[(tag + i) % len(WORDS)] for i in range(words))
+    body = {"model": model, "stream": True, "max_tokens": 4,
+            "messages": [{"role": "user", "content": text}]}
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for _ in r.iter_bytes():
+            pass
+
+
+def ratios(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "gateway_slo_prediction_error_bucket" and \
+                    sample.labels.get("kind") == "ttft":
+                out[sample.labels["le"]] = sample.value
+    return out
+
+
+def test_forecasts_follow_the_real_servers(slo_gateway, sglang_cluster) -> None:
+    with httpx.Client(timeout=120) as client:
+        for i in range(6):  # learn the servers
+            chat(client, slo_gateway, sglang_cluster.model_name, (50, 400)[i % 2], i)
+        before = ratios(slo_gateway)
+        for i in range(6, 18):
+            chat(client, slo_gateway, sglang_cluster.model_name, (50, 400)[i % 2], i)
+        policies = client.get(slo_gateway + "/admin/policies").json()
+
+    def settled() -> dict[str, float]:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            after = ratios(slo_gateway)
+            if after.get("+Inf", 0) - before.get("+Inf", 0) >= 12:
+                return after
+            time.sleep(0.2)
+        raise AssertionError(f"12 forecasts not compared: {ratios(slo_gateway)}")
+
+    after = settled()
+    below = after["0.67"] - before.get("0.67", 0)
+    within = after["1.5"] - before.get("1.5", 0)
+    assert below < 6 <= within, f"{below:g} of 12 under 0.67, {within:g} at most 1.5: {after}"
+    assert policies["prefill"]["stats"]["model"]["observed"] >= 18
