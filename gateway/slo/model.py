@@ -18,8 +18,10 @@
 Learned online (`observe`): the gateway compares what it predicted with what it saw (TTFT
 from the pick, mean ITL of the stream) and keeps, per prefill target, per (prefill, decode)
 pair and per decode, a factor: an exponentially weighted mean of log(observed / predicted),
-clamped to [1/8, 8]. A pair's factor learns what its prefill's does not (the transfer path,
-the decode's admission). The factors start at 1 (the physics, and the server's own speed).
+clamped to [1/8, 8]. TTFT factors are layered: the fleet's (what every pair shows), what a
+prefill target adds to it, what a pair adds to that (its transfer path, its decode's
+admission); a target not yet observed has the fleet's. They start at 1 (the physics, and
+the server's own speed).
 """
 
 from __future__ import annotations
@@ -90,6 +92,11 @@ class LatencyModel:
 
     def __init__(self, physics: Physics = H200_LLAMA3_8B) -> None:
         self.physics = physics
+        # log factors: the fleet's (what every pair shows: the gateway's own path, a
+        # slower device than the prior's), then what a target and a pair add to it; a
+        # target nobody has observed yet starts at the fleet's, not at the prior, so the
+        # ones observed do not look slower than the unknown ones for being known
+        self._fleet = 0.0
         self._ttft: dict[str, float] = {}  # prefill target url -> log factor
         self._pair: dict[tuple[str, str], float] = {}  # (prefill, decode) -> log factor
         self._itl: dict[str, float] = {}  # decode url -> log factor
@@ -139,7 +146,7 @@ class LatencyModel:
                 transfer: float, admit: float, step: float) -> Prediction:
         """The pair's forecast from its parts, with what was learned of its servers."""
         raw = wait + compute + transfer + admit
-        factor = math.exp(self._ttft.get(target_url, 0.0)
+        factor = math.exp(self._fleet + self._ttft.get(target_url, 0.0)
                           + self._pair.get((target_url, decode_url), 0.0))
         return Prediction(raw * factor, self.itl(decode_url, step), wait, compute, transfer, admit, raw, step)
 
@@ -184,6 +191,8 @@ class LatencyModel:
         self.observed += 1
         if ttft is not None and ttft > 0:
             error = _log_ratio(ttft, predicted.raw_ttft)
+            self._fleet += ALPHA * (error - self._fleet)
+            error -= self._fleet  # what this target adds to what every target shows
             own = self._ttft.get(target_url, 0.0)
             own += ALPHA * (error - own)
             self._ttft[target_url] = own
@@ -207,6 +216,7 @@ class LatencyModel:
     def factors(self) -> dict:
         """The learned factors (the admin API's policy figures)."""
         return {
+            "fleet": round(math.exp(self._fleet), 3),
             "ttft": {url: round(math.exp(v), 3) for url, v in self._ttft.items()},
             "pair": {f"{p} -> {d}": round(math.exp(v), 3) for (p, d), v in self._pair.items()},
             "itl": {url: round(math.exp(v), 3) for url, v in self._itl.items()},

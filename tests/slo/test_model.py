@@ -214,3 +214,14 @@ def test_sequential_requests_on_an_idle_fleet_take_the_decodes_in_turn() -> None
 ])
 def test_near_costs_are_taken_in_turn(costs, picks) -> None:
     assert {near_turn(costs, 0.005, turn) for turn in range(4)} == picks
+
+
+def test_an_unobserved_target_starts_at_the_fleets_factor_not_the_prior() -> None:
+    model = LatencyModel()
+    seen, unseen = (server(u, load={"prefill_speed": 20_000.0}, age=1.0) for u in ("a", "b"))
+    d = server("d", "decode")
+    for _ in range(40):  # every request 3x slower than the prior says (the gateway's path)
+        guess = model.predict(seen, d, 500, 0)
+        model.observe("a", "d", guess, 3 * guess.raw_ttft, None)
+    assert model.predict(unseen, d, 500, 0).ttft == pytest.approx(
+        model.predict(seen, d, 500, 0).ttft, rel=0.05)
