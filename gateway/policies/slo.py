@@ -10,8 +10,9 @@ latency model (gateway/slo/model.py) then prices every candidate:
     itl(d)     = decode step at d's batch and context with this request added
 
 and moves the request off the anchor only when that pays: when the anchor's pair cannot meet
-the request's TTFT objective and another can, or (no objective) when another target's
-predicted TTFT, its recompute of the prefix included, is `move_factor` times lower. A hot
+the request's TTFT objective and another can, or (no objective) when work is queued at the
+anchor and another target's predicted TTFT, its recompute of the prefix included, is
+`move_factor` times lower. A hot
 prefix is thus copied to a second target exactly when the queue on its holder outgrows a
 recompute elsewhere, and comes back as the queue drains.
 
@@ -180,7 +181,9 @@ class SloPolicy(CacheAwarePolicy):
                 self._moves["objective"] += 1
                 return best(meeting)
         fastest = min(pairs, key=lambda p: p[2].ttft)
-        if fastest[0] is not anchor and \
+        # only a queue at the anchor is worth a move: with none, what separates forecasts is
+        # the servers' learned pace, and following it would undo the anchor's load spreading
+        if fastest[0] is not anchor and home[2].wait > 0 and \
                 home[2].ttft > fastest[2].ttft * self.options.move_factor + tie:
             self._moves["faster"] += 1
             return best([p for p in pairs if p[0] is fastest[0]])

@@ -225,3 +225,17 @@ def test_an_unobserved_target_starts_at_the_fleets_factor_not_the_prior() -> Non
         model.observe("a", "d", guess, 3 * guess.raw_ttft, None)
     assert model.predict(unseen, d, 500, 0).ttft == pytest.approx(
         model.predict(seen, d, 500, 0).ttft, rel=0.05)
+
+
+def test_without_a_queue_the_anchor_keeps_its_load_spreading() -> None:
+    slo = policy()
+    a, b = (server(u, load={"prefill_speed": 20_000.0}, age=1.0) for u in ("a", "b"))
+    d = server("d", "decode")
+    for _ in range(20):  # a learned to be 4x slower than b, nothing queued on either
+        for target, slower in ((a, 4.0), (b, 1.0)):
+            guess = slo.model.predict(target, d, 50, 0)
+            slo.model.observe(target.url, "d", guess, slower * guess.raw_ttft, None)
+    assert slo.model.predict(a, d, 50, 0).ttft > 2 * slo.model.predict(b, d, 50, 0).ttft
+    chosen = [slo.pick_pair([a, b], [server("d", "decode")], generate_ids([i, i + 1]),
+                            never)[0].url for i in range(6)]
+    assert sorted(chosen) == ["a", "a", "a", "b", "b", "b"]
