@@ -1,0 +1,1 @@
+"""The shifting-workload benchmark of automatic rebalancing (docs/BENCHMARKS.md, "Rebalancing")."""

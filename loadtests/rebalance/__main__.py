@@ -1,0 +1,5 @@
+import sys
+
+from loadtests.rebalance.run import main
+
+sys.exit(main())
