@@ -78,7 +78,7 @@ class GatewayConfig:
 
     # Scheduling
     policy: str | None = _opt(
-        None, "policy for both roles (default: slo, the joint pair choice by predicted latency)")
+        None, "policy for both roles (default: cache_aware for prefill, least_load for decode)")
     prefill_policy: str | None = _opt(None, "policy for choosing the prefill server")
     decode_policy: str | None = _opt(None, "policy for choosing the decode server")
     policy_options: dict | None = _opt(
