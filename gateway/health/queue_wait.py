@@ -17,7 +17,11 @@ again, and again every learned deadline (`window`) after, and kept while it is q
   must have answered a `/v1/loads` poll or a request since then. A server that does neither
   (frozen, its scheduler stuck, health checks hanging) is cut at once: a hang is detected as
   before, within one learned deadline.
-* **Its turn came.** Past the mark the attempt should start; it is given the learned deadline
+* **Its predicted turn.** The work ahead at the prefill's measured speed, twice over
+  (`QUEUE_FACTOR`), is as long as it stays queued below its mark: work ahead that never gets
+  done (requests stuck on a hung decode, which the gateway still counts in flight) keeps
+  nothing waiting past it.
+* **Its turn came.** Past the mark (or its predicted turn) the attempt should start; it is given the learned deadline
   from its turn, or longer when every other prefill would make it wait longer (its queue and
   this prompt at that server's measured speed): waiting here costs less than the back of a
   longer queue (the rent-or-buy rule: wait as long as the move would cost). A decode that
@@ -30,9 +34,11 @@ of this can be judged, and the learned deadline cuts the attempt as before.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 DECODE_FULL = 0.9  # token usage from which a decode admits only as requests finish
+QUEUE_FACTOR = 2.0  # slack on a predicted queue wait (the speed and the work ahead drift)
 
 
 def counted(target) -> bool:
@@ -74,8 +80,8 @@ def shortest_wait(servers: Iterable, here, tokens: int) -> float:
 class QueueWatch:
     """The looks at one attempt without progress (monotonic times); see the module doc."""
 
-    __slots__ = ("prefill", "decode", "window", "mark", "seen", "moved_at", "turn_at",
-                 "elsewhere", "counted", "ahead")
+    __slots__ = ("prefill", "decode", "window", "mark", "seen", "started", "moved_at",
+                 "turn_at", "elsewhere", "counted", "ahead", "due")
 
     def __init__(self, prefill, decode, own: int, window: float, started: float,
                  elsewhere: Callable[[], float]) -> None:
@@ -87,12 +93,22 @@ class QueueWatch:
         self.ahead = queued_ahead(prefill, own)
         self.seen = prefill.load.prefill_tokens
         self.mark = self.seen + self.ahead
+        self.started = started
         self.moved_at = started  # when the prefill was last seen to move (from dispatch on)
         self.turn_at = started if self.ahead == 0 else None
+        # its predicted turn, with slack: the work ahead at the measured speed, QUEUE_FACTOR
+        # times (work ahead that never gets done, such as requests stuck on a hung decode,
+        # keeps no attempt queued past it)
+        speed = prefill.load.prefill_speed
+        self.due = started + (QUEUE_FACTOR * self.ahead / speed if speed > 0.0 else 0.0)
 
     def queued(self) -> bool:
-        """Whether the work ahead of it at dispatch was not all done at the last look."""
-        return self.counted and self.seen < self.mark
+        """Whether it is queued now: the work ahead of it at dispatch not all done, and its
+        prefill seen to move since the dispatch, within the last window (a server that
+        froze before or since shows nothing: its attempts are no longer queued)."""
+        now = time.monotonic()
+        return (self.counted and self.seen < self.mark and self.moved_at > self.started
+                and now - self.moved_at < self.window and now < self.due + self.window)
 
     def look(self, now: float) -> float | None:
         """The time of the next look, or None: cut the attempt now."""
@@ -107,10 +123,10 @@ class QueueWatch:
                     max(decode.load.updated_at, decode.last_success))
         if heard + self.window <= now:
             return None  # a silent server: a hang
-        if self.seen < self.mark:
+        if self.seen < self.mark and now < self.due + self.window:
             return heard + self.window  # queued behind work that is being done
-        if self.turn_at is None:
-            self.turn_at = load.updated_at  # its turn came by this snapshot
+        if self.turn_at is None:  # its turn came by this snapshot, or is past due
+            self.turn_at = load.updated_at if self.seen >= self.mark else self.due
         dload = decode.load
         if (dload.waiting > 0 or dload.token_usage >= DECODE_FULL) \
                 and decode.last_success + self.window > now:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gateway.health.queue_wait import QueueWatch, predicted_wait, shortest_wait
@@ -18,11 +20,11 @@ def server(role: str, url: str, **load) -> Server:
     return s
 
 
-def watch(ahead: int = 10_000, elsewhere: float = 0.0, counters: bool = True):
-    prefill = server("prefill", "http://p0", updated_at=T0 - 1, waiting_uncached_tokens=ahead,
+def watch(ahead: int = 10_000, elsewhere: float = 0.0, counters: bool = True, at: float = T0):
+    prefill = server("prefill", "http://p0", updated_at=at - 1, waiting_uncached_tokens=ahead,
                      prefill_tokens=50_000 if counters else 0, prefill_speed=2000.0)
-    decode = server("decode", "http://d0", updated_at=T0 - 1)
-    return QueueWatch(prefill, decode, 500, WINDOW, T0, lambda: elsewhere), prefill, decode
+    decode = server("decode", "http://d0", updated_at=at - 1)
+    return QueueWatch(prefill, decode, 500, WINDOW, at, lambda: elsewhere), prefill, decode
 
 
 def poll(s: Server, at: float, **change) -> None:
@@ -44,7 +46,18 @@ def test_a_look_while_queued(moved, decode_polled, kept):
     assert (later is not None) is kept
     if kept:
         assert later == T0 + 2 + WINDOW  # one window after the last sign of progress
-        assert w.queued()
+
+
+@pytest.mark.parametrize("moved", [True, False], ids=["moving", "frozen-since-dispatch"])
+def test_queued_now_needs_progress_seen_since_the_dispatch(moved):
+    """What a suspected pair's cohort asks (rescue.pair_cohort): a queued attempt is left
+    alone, one on a prefill that has shown nothing since its dispatch is not queued."""
+    now = time.monotonic()
+    w, prefill, decode = watch(at=now - 3)
+    poll(prefill, now - 1, prefill_tokens=50_000 + (4000 if moved else 0))
+    poll(decode, now - 1)
+    w.look(now)
+    assert w.queued() is moved
 
 
 def test_past_its_mark_it_gets_one_window_from_its_turn():
@@ -93,3 +106,19 @@ def test_shortest_wait_elsewhere_leaves_out_this_server_and_unusable_ones():
     down = server("prefill", "http://p2", updated_at=T0, prefill_speed=1000.0)
     down.healthy = False
     assert shortest_wait([here, busy, down], here, 1000) == pytest.approx(10.0)
+
+
+def test_work_ahead_that_never_gets_done_keeps_it_queued_only_until_its_predicted_turn():
+    """10,000 tokens ahead at 2,000 tokens/s: due 2 x 5 s after dispatch. The prefill keeps
+    moving, but never reaches the mark (what was ahead is stuck on a hung decode)."""
+    w, prefill, decode = watch(ahead=10_000)
+    for at in range(int(T0) + 4, int(T0) + 30, 4):
+        poll(prefill, at, prefill_tokens=prefill.load.prefill_tokens + 100)
+        poll(decode, at)
+        later = w.look(at + 0.5)
+        if at + 0.5 >= T0 + 10 + WINDOW:  # due, plus one window from its predicted turn
+            assert later is None, at
+            break
+        assert later is not None, at
+    else:
+        pytest.fail("never cut")
