@@ -66,8 +66,8 @@ def roles(rig: SwitchRig) -> dict[str, int]:
 @pytest.fixture
 def rig(tmp_path) -> Iterator:
     with contextlib.ExitStack() as stack:
-        def make(gateway_args: tuple[str, ...]) -> SwitchRig:
-            made = SwitchRig(tmp_path, gateway_args, 1, 2, (FLAG, *SLOW))
+        def make(gateway_args: tuple[str, ...], n_decode: int = 2) -> SwitchRig:
+            made = SwitchRig(tmp_path, gateway_args, 1, n_decode, (FLAG, *SLOW))
             stack.callback(made.close)
             return made.start()
 
@@ -117,3 +117,20 @@ def test_off_by_default_it_only_advises(rig):
     assert roles(rig) == {"prefill": 1, "decode": 2}
     assert rig.metrics().total(DECISIONS) == 0
     assert rig.metrics().value("gateway_desired_servers", role="decode") == 1
+
+
+def test_with_workers_one_process_decides(rig):
+    """Each worker reads the same pressure and keeps its own cool-down; worker 0 alone asks,
+    so the prefills, pressed still, get no second server before the cool-down is over (a
+    second decider, with no cool-down of its own yet, would switch within a reading)."""
+    rig = rig((*REBALANCE, "--workers", "2"), n_decode=3)
+    with long_prompts(rig) as load:
+        wait_until(lambda: roles(rig)["prefill"] == 2, 60, "a decode switched to prefill",
+                   detail=lambda: roles(rig))
+        first = time.monotonic()
+        while time.monotonic() < first + 3.5:  # within the 5 s cool-down
+            assert roles(rig) == {"prefill": 2, "decode": 2}, roles(rig)
+            time.sleep(0.2)
+        outcomes = load.stop()
+    assert not failures(outcomes), summary(outcomes)
+    assert rig.metrics().total(DECISIONS) == 1
