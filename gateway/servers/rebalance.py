@@ -229,6 +229,9 @@ def for_gateway(gw, switcher: RoleSwitcher) -> Rebalancer:
         log.warning("--rebalance: no automatic switches here (%s); "
                     "gateway_desired_servers is still published", switcher.parts.refuse_all)
         deciding = False
+    if options.enabled and not gw.config.loads_interval:
+        log.warning("--rebalance with --loads-interval 0: no load figures to read, so no "
+                    "role is ever pressed and nothing switches")
     rebalancer = Rebalancer(gw.pool, switcher, options, lambda: itl_totals(gw.read_metrics()),
                             gw.metrics.rebalance_decisions, decides=deciding)
     gw.metrics.watch_rebalance(rebalancer.figures)
