@@ -41,13 +41,16 @@ from gateway.tokens.context_check import requested_new_tokens
 
 
 def near_turn(costs: Sequence[float], tie: float, turn: int) -> int:
-    """Index of the lowest cost; costs within `tie` of it are ties, taken in turn (a
-    quantized cost would split near-equal servers at a rounding edge, and an idle fleet's
-    sequential requests would all go to one side of it)."""
+    """Index of the lowest cost; costs within `tie` seconds and `NEAR` of it are ties,
+    taken in turn: a quantized cost would split near-equal servers at a rounding edge, and
+    learned factors differ by their noise, so an idle fleet's sequential requests would all
+    go to the server that happened to measure a little faster."""
     low = min(costs)
-    return rotating_argmin([0.0 if c <= low + tie else 1.0 for c in costs], turn)
+    bound = low * (1.0 + NEAR) + tie
+    return rotating_argmin([0.0 if c <= bound else 1.0 for c in costs], turn)
 
 
+NEAR = 0.1  # forecasts within 10% are ties (about the noise of a learned factor)
 OUTPUT_GUESS = 128  # output tokens of a request that sets no budget (weighs its ITL)
 INF = float("inf")
 

@@ -211,6 +211,8 @@ def test_sequential_requests_on_an_idle_fleet_take_the_decodes_in_turn() -> None
 @pytest.mark.parametrize(("costs", "picks"), [
     pytest.param([0.0124, 0.0126], {0, 1}, id="straddling_a_rounding_edge_still_tie"),
     pytest.param([0.010, 0.020], {0}, id="clearly_lower_always"),
+    pytest.param([0.200, 0.215], {0, 1}, id="within_the_noise_of_a_learned_factor"),
+    pytest.param([0.200, 0.240], {0}, id="beyond_it"),
 ])
 def test_near_costs_are_taken_in_turn(costs, picks) -> None:
     assert {near_turn(costs, 0.005, turn) for turn in range(4)} == picks
