@@ -3,7 +3,7 @@ it needs: the rebalancer's input (rebalance.py) and `gateway_desired_servers`.
 
 A pressure is a number where 1.0 means "at its limit":
 
-* prefill, per server, the larger of
+* prefill, the larger of
   - its busy share: the time it spent prefilling over the wall time between two `/v1/loads`
     snapshots (SGLang's cumulative `total_prefill_busy_us`, Scheduler._record_step_counters);
   - its queue: the uncached prompt tokens waiting there (`num_waiting_uncached_tokens`) over
@@ -12,12 +12,12 @@ A pressure is a number where 1.0 means "at its limit":
     decode's admission). The latency model's `predicted_wait` is not used as is: it counts
     this gateway's requests still open on the prefill, and a PD prefill leg stays open until
     its KV has left, so under long outputs it would read a queue that is not there;
-* decode, per server, the larger of its batch slots in use (running and waiting over
+* decode, the largest of its batch slots in use (running and waiting over
   `max_running_requests`) and its KV pool in use (`token_usage`); for the role, also the
   mean inter-token gap the gateway streamed over the last interval against the ITL objective.
 
-A role's pressure is the mean over its serving servers (the scheduler spreads the load, so
-the mean is what one more or one fewer server changes). A server with no fresh snapshot adds
+Each signal is a mean over the role's serving servers (the scheduler spreads the load, so the
+mean is what one more or one fewer server changes); the role's pressure is the strongest. A server with no fresh snapshot adds
 nothing but its count.
 """
 
