@@ -13,7 +13,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from backends.sim.timing import DEFAULT_PROFILE, H100_8B_ESTIMATE, KNOB_HELP, KNOBS, PROFILES
+from backends.sim.timing import (
+    H100_8B_ESTIMATE,
+    KNOB_HELP,
+    KNOBS,
+    PROFILES,
+    SIM_DEFAULT_PROFILE,
+)
 
 Mode = Literal["prefill", "decode", "null"]
 MODES: tuple[str, ...] = ("prefill", "decode", "null")
@@ -26,7 +32,7 @@ LOAD_BALANCE_METHODS: tuple[str, ...] = (
 
 # The earlier H100 estimate by its knob names (backends/sim/timing.py holds the profiles).
 H100_8B_TIMING: dict[str, float] = H100_8B_ESTIMATE.knobs()
-_T = DEFAULT_PROFILE  # the calibrated H200 profile: every timing default below
+_T = SIM_DEFAULT_PROFILE  # every timing default below (timing.py says why not the H200's)
 
 
 @dataclass
@@ -116,7 +122,7 @@ class SimConfig:
     chunked_prefill_size: int = 8192
     context_length: int = 131_072
     default_max_new_tokens: int = 16
-    timing: str = DEFAULT_PROFILE.name  # the --timing profile the knobs below start from
+    timing: str = SIM_DEFAULT_PROFILE.name  # the --timing profile the knobs below start from
     prefill_overhead_ms: float = _T.prefill_overhead_ms
     prefill_ms_per_token: float = _T.prefill_ms_per_token
     prefill_ms_per_mpair_new: float = _T.prefill_ms_per_mpair_new
