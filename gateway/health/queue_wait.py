@@ -34,6 +34,7 @@ of this can be judged, and the learned deadline cuts the attempt as before.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -99,8 +100,10 @@ class QueueWatch:
         # its predicted turn, with slack: the work ahead at the measured speed, QUEUE_FACTOR
         # times (work ahead that never gets done, such as requests stuck on a hung decode,
         # keeps no attempt queued past it)
+        # (its speed not measured yet, a few seconds after start: the mark alone decides)
         speed = prefill.load.prefill_speed
-        self.due = started + (QUEUE_FACTOR * self.ahead / speed if speed > 0.0 else 0.0)
+        self.due = started + (QUEUE_FACTOR * self.ahead / speed if speed > 0.0
+                              else math.inf if self.ahead else 0.0)
 
     def queued(self) -> bool:
         """Whether it is queued now: the work ahead of it at dispatch not all done, and its

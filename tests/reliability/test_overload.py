@@ -19,9 +19,11 @@ from tests.rigs.faults import wait_until
 
 PROMPT_TOKENS = 500
 MS_PER_TOKEN = 1.0  # 0.5 s of prefill per prompt: the queue, not the compute, is long
-# the decodes wait for the KV and the prefills for their decode as long as the queue takes
+# the decodes wait for the KV and the prefills for their decode as long as the queue takes;
+# a prefill step of 1,024 tokens lasts 1 s (8,192 would take 8 s, longer than the learned
+# deadline: a server's count moves once a step, docs/RELIABILITY.md)
 SIM_ARGS = ("--prefill-ms-per-token", str(MS_PER_TOKEN), "--waiting-timeout", "120",
-            "--bootstrap-timeout", "120")
+            "--bootstrap-timeout", "120", "--chunked-prefill-size", "1024")
 BURST = 40
 FLOOR = 5.0  # the default --hang-floor
 

@@ -122,3 +122,21 @@ def test_work_ahead_that_never_gets_done_keeps_it_queued_only_until_its_predicte
         assert later is not None, at
     else:
         pytest.fail("never cut")
+
+
+def test_before_its_speed_is_measured_the_mark_alone_decides():
+    w, prefill, decode = watch(ahead=10_000)
+    w.due = float("inf")  # as built when the prefill's speed is not measured yet
+    for at in range(int(T0) + 4, int(T0) + 40, 4):
+        poll(prefill, at, prefill_tokens=prefill.load.prefill_tokens + 100)
+        poll(decode, at)
+        assert w.look(at + 0.5) is not None, at
+
+
+def test_the_predicted_turn_is_not_bounded_before_the_speed_is_known():
+    prefill = server("prefill", "http://p0", updated_at=T0 - 1, waiting_uncached_tokens=4000,
+                     prefill_tokens=50_000)
+    decode = server("decode", "http://d0", updated_at=T0 - 1)
+    assert QueueWatch(prefill, decode, 500, WINDOW, T0, lambda: 0.0).due == float("inf")
+    prefill.load.prefill_speed = 1000.0
+    assert QueueWatch(prefill, decode, 500, WINDOW, T0, lambda: 0.0).due == T0 + 8.0
