@@ -15,6 +15,8 @@ deadline's expiry, or `rescued`, stopped as a suspected hang) and requests answe
 from __future__ import annotations
 
 import asyncio
+import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -55,7 +57,8 @@ class Defaults:
             args += ["--prefill", server.url, str(server.bootstrap_port)]
         for server in cluster.decodes:
             args += ["--decode", server.url]
-        return args
+        # a candidate default, measured as "ours" before it ships (e.g. "--policy slo")
+        return args + shlex.split(os.environ.get("GOODPUT_GATEWAY_ARGS", ""))
 
 
 def target_of(name: str) -> Defaults | Target:

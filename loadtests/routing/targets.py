@@ -22,7 +22,7 @@ from loadtests.launch import HOST, free_port
 from loadtests.routing.cluster import Cluster
 
 GATEWAY_POLICIES = ("cache_aware", "prefix_cache", "min_ttft", "least_load", "round_robin",
-                    "random")
+                    "random", "slo")
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "random")
 ALL = ([f"gateway:{p}" for p in GATEWAY_POLICIES]
        + [f"sglang-router:{p}" for p in ROUTER_POLICIES] + ["mini-lb"])
@@ -32,7 +32,7 @@ WORKERS = ["gateway:cache_aware@w4", "gateway:prefix_cache@w4"]
 KNOWN = ALL + WORKERS + ["sglang-router:round_robin", "sglang-router:cache_aware+dp-aware",
                          "oracle"]
 QUICK = ["gateway:cache_aware", "gateway:round_robin"]
-CAPACITY_POLICIES = ("cache_aware", "prefix_cache")  # take option cache_tokens
+CAPACITY_POLICIES = ("cache_aware", "prefix_cache", "slo")  # take option cache_tokens
 # DP ranks: our default (cache_aware) and exact-index policies against the peers
 DP = ["gateway:cache_aware", "gateway:prefix_cache", "sglang-router:cache_aware",
       "sglang-router:round_robin", "mini-lb"]
