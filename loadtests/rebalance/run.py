@@ -1,6 +1,6 @@
 """Shifting-workload benchmark: automatic rebalancing against every static split.
 
-    python -m loadtests.rebalance            # 4 servers, 3 phases, 4 runs: ~6 min on 2 cores
+    python -m loadtests.rebalance            # 4 servers, 3 phases, 4 runs: ~7 min on 2 cores
     python -m loadtests.rebalance --quick    # 3 servers, short phases, 2 runs (the CI test)
 
 Each run starts fresh simulated servers (`backends.sim --enable-pd-role-switch`, every one
