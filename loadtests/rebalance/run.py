@@ -33,11 +33,12 @@ from loadtests.routing.cluster import SimServer, free_ports
 from loadtests.routing.workloads import CHAT_PATH
 
 HOST = "127.0.0.1"
-# decode: 40 ms a step + 1 ms a request, 10 at most (50 ms at a full batch, under the 60 ms
-# objective: a full decode queues requests, which the TTFT then shows); prefill: 0.12 ms a
-# token (a 4,000-token prompt takes about half a second)
-SIM_FLAGS = ("--log-level", "warning", "--enable-pd-role-switch", "--decode-step-ms", "40",
-             "--decode-ms-per-req", "1", "--decode-ms-per-kv-token", "0",
+# the H200 calibration's shape (docs/SIMULATOR.md), slowed: decode 40 ms a step + 1 ms a
+# request, 10 at most (50 ms at a full batch, under the 60 ms objective: a full decode queues
+# requests, which the TTFT then shows); prefill 0.12 ms a token (a 4,000-token prompt takes
+# about half a second)
+SIM_FLAGS = ("--log-level", "warning", "--enable-pd-role-switch", "--timing", "h200-llama3-8b",
+             "--decode-step-ms", "40", "--decode-ms-per-req", "1", "--decode-ms-per-kv-token", "0",
              "--max-running-requests", "10", "--prefill-ms-per-token", "0.12",
              "--bootstrap-timeout", "10", "--waiting-timeout", "10")
 REBALANCE = ("--rebalance", "--rebalance-window", "2", "--rebalance-cooldown", "6",
