@@ -5,6 +5,7 @@ prefill's cache (SGLang itself keeps no response state in PD mode)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import httpx
@@ -85,3 +86,61 @@ def test_chain_of_five_turns_over_both_decodes(sglang_cluster: SglangCluster) ->
     assert [i["role"] for i in items] == ["user", "assistant"] * 4 + ["user"]
     for k in range(4):
         assert items[2 * k + 1]["content"][0]["text"] == turns[k].output_text
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _stops(texts: list[str]) -> list[str]:
+    """Two-character stop strings such that each greedy answer in `texts` ends at one after
+    at least one character: a random tiny model never emits EOS, and the Agents SDK takes an
+    answer cut by max_output_tokens (`incomplete`) as a model error."""
+    stops: list[str] = []
+    for text in texts:
+        if _first_stop(text, stops) is not None:
+            continue
+        for i in range(1, len(text) - 1):
+            if text.find(text[i:i + 2]) == i:
+                stops.append(text[i:i + 2])
+                break
+    return stops
+
+
+def test_openai_agents_sdk_converses_through_the_gateway(sglang_cluster: SglangCluster) -> None:
+    """An agent framework that speaks only Responses (the OpenAI Agents SDK) runs two turns,
+    the second continuing the first by `previous_response_id`, which the gateway expands."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    gw, model_name = client(sglang_cluster.gateway), sglang_cluster.model_name
+    ask = {"model": model_name, "instructions": "Answer briefly.", "temperature": 0,
+           "max_output_tokens": 24}
+    first_probe = gw.responses.create(input="Hello there", **ask)
+    second_probe = gw.responses.create(input="And then?", store=False,
+                                       previous_response_id=first_probe.id, **ask)
+    stops = _stops([first_probe.output_text, second_probe.output_text])
+    for text in (first_probe.output_text, second_probe.output_text):
+        assert (_first_stop(text, stops) or 0) >= 1, (text, stops)
+
+    async def converse() -> tuple:
+        model = agents.OpenAIResponsesModel(
+            model=model_name,
+            openai_client=openai.AsyncOpenAI(base_url=sglang_cluster.gateway + "/v1",
+                                             api_key="x", max_retries=0, timeout=120))
+        settings = agents.ModelSettings(max_tokens=24, temperature=0,
+                                        extra_body={"stop": stops})
+        agent = agents.Agent(name="helper", instructions="Answer briefly.", model=model,
+                             model_settings=settings)
+        first = await agents.Runner.run(agent, "Hello there")
+        second = await agents.Runner.run(agent, "And then?",
+                                         previous_response_id=first.last_response_id)
+        return first, second
+
+    first, second = asyncio.run(converse())
+    assert isinstance(first.final_output, str) and first.final_output
+    assert isinstance(second.final_output, str) and second.final_output
+    assert second.last_response_id != first.last_response_id
+    items = httpx.get(f"{sglang_cluster.gateway}/v1/responses/{second.last_response_id}"
+                      "/input_items", timeout=30).json()["data"]
+    assert len(items) == 3, items  # Hello there, the first answer, And then?
