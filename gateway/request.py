@@ -85,8 +85,8 @@ class RequestView:
         return self.routing_text or ""
 
 
-def parse_request(endpoint: str, raw: bytes | bytearray) -> RequestView:
-    """Parse `raw` into a RequestView or raise BadRequest naming the field."""
+def json_object(raw: bytes | bytearray) -> dict:
+    """The body as a JSON object, or BadRequest saying why it is not one."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     try:
@@ -95,6 +95,12 @@ def parse_request(endpoint: str, raw: bytes | bytearray) -> RequestView:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def parse_request(endpoint: str, raw: bytes | bytearray) -> RequestView:
+    """Parse `raw` into a RequestView or raise BadRequest naming the field."""
+    body = json_object(raw)
     if not _OWNED.isdisjoint(body):  # (one C-level test for the usual body without them)
         for name in PD_FIELDS:
             if body.get(name) is not None:

@@ -23,9 +23,9 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.admission.auth import INFERENCE, Auth
 from gateway.anthropic.errors import error_bytes
-from gateway.anthropic.view import check_messages, json_object, parse_messages
+from gateway.anthropic.view import check_messages, parse_messages
 from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
-from gateway.request import MESSAGES
+from gateway.request import MESSAGES, json_object
 from gateway.routes.asgi import ClientGone, read_body, send_bytes
 from gateway.routes.inference import InferenceEndpoint, InferenceParts, request_id_of
 from gateway.scheduling.models import Models

@@ -19,7 +19,7 @@ import orjson
 
 from gateway.dispatch.inflight import client_rids
 from gateway.errors import BadRequest
-from gateway.request import DP_FIELDS, PD_FIELDS, RequestView, render_messages
+from gateway.request import DP_FIELDS, PD_FIELDS, RequestView, json_object, render_messages
 
 ROLES = ("user", "assistant", "system")
 
@@ -43,16 +43,6 @@ def parse_messages(endpoint: str, raw: bytes | bytearray) -> RequestView:
     return view
 
 
-def json_object(raw: bytes | bytearray) -> dict:
-    if not raw:
-        raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
 
 
 def check(body: dict) -> None:
