@@ -119,7 +119,7 @@ class _Decode:
 class _Prefill:
     def __init__(self, clock: _Clock, physics: Physics) -> None:
         self.clock, self.physics = clock, physics
-        self.cache = RadixCache(1, physics.kv_tokens)
+        self.cache = RadixCache(1, physics.prefix_cache_tokens)
         self.waiting: deque[tuple[_Job, _Decode]] = deque()
         self.prefilling: list[tuple[_Job, _Decode]] = []
         self.busy = False

@@ -23,6 +23,7 @@ class Physics:
     """Timing and sizes shared by the servers and the DES."""
 
     kv_tokens: int = 131072  # KV pool of every server; a prefill's prefix cache is its pool
+    cache_tokens: int = 0  # a prefill's prefix cache when smaller than its pool (0: the pool)
     timing: str = DEFAULT_PROFILE.name  # a name in backends.sim.timing.PROFILES
     config: SimConfig = field(init=False, compare=False, repr=False)
     profile: TimingProfile = field(init=False, compare=False, repr=False)
@@ -41,6 +42,11 @@ class Physics:
                 # SGLang's own 300 s: a request waiting long in an overloaded queue is still a
                 # queued one, which the servers must not give up on before the routers do
                 "--bootstrap-timeout", "300", "--waiting-timeout", "300")
+
+    @property
+    def prefix_cache_tokens(self) -> int:
+        """What a prefill keeps of earlier prompts (the sims' `--cache-capacity-tokens`)."""
+        return min(self.cache_tokens or self.kv_tokens, self.kv_tokens)
 
     @property
     def chunk(self) -> int:

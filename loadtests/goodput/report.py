@@ -154,3 +154,20 @@ def summary(goodputs: dict[str, Goodput], capacity: float, ours: str,
         lines.append(f"{ours} / capacity bound ({capacity:.1f} req/s): "
                      f"{mine.rate / capacity:.2f}")
     return lines
+
+
+def side_by_side(rows: list[RateRow], ours: str, peers: tuple[str, ...]) -> list[str]:
+    """At each rate both ran: ours over each peer in completed requests and TTFT p90 (what a
+    user past a peer's capacity sees: more answers, sooner)."""
+    mine = {row.rate: row for row in rows if row.target == ours}
+    lines = []
+    for row in rows:
+        if row.target not in peers or row.rate not in mine:
+            continue
+        us = mine[row.rate]
+        done = us.completed_per_s / row.completed_per_s if row.completed_per_s else math.inf
+        p90 = (us.ttft_p90_ms / row.ttft_p90_ms
+               if row.ttft_p90_ms and not math.isnan(row.ttft_p90_ms) else math.nan)
+        lines.append(f"at {row.rate:.1f} req/s, {ours} / {row.target}: completed "
+                     f"{done:.2f}x, TTFT p90 {p90:.2f}x")
+    return lines

@@ -3,6 +3,7 @@
     python -m loadtests.goodput                      # full: 2 prefill + 2 decode, ~8 min
     python -m loadtests.goodput --quick              # CI-sized: seconds, fixed small rates
     python -m loadtests.goodput --targets gateway --fractions 0.5,1.0 --duration 10
+    python -m loadtests.goodput --workload hot       # one dominant hot prompt, ~5 min
 
 1. The capacity bound (`capacity.py`): the highest rate at which a discrete-event simulation
    of the same servers, placing every request with exact knowledge of every server, meets the
@@ -40,8 +41,21 @@ from loadtests import peers
 from loadtests.goodput.capacity import capacity_rate
 from loadtests.goodput.measure import OURS, cut_for_waiting, measure
 from loadtests.goodput.physics import Physics
-from loadtests.goodput.report import goodput, make_row, markdown, summary, sweep_table
-from loadtests.goodput.workload import QUICK_SHAPE, MixShape, mixed_plan
+from loadtests.goodput.report import (
+    goodput,
+    make_row,
+    markdown,
+    side_by_side,
+    summary,
+    sweep_table,
+)
+from loadtests.goodput.workload import (
+    HOT_CACHE_TOKENS,
+    HOT_SHAPE,
+    QUICK_SHAPE,
+    MixShape,
+    mixed_plan,
+)
 from loadtests.routing.cluster import SimOptions, sim_cluster
 from loadtests.routing.targets import KNOWN
 
@@ -60,6 +74,7 @@ class Setup:
     targets: tuple[str, ...]
     overload: float  # x the capacity bound; 0: no past-capacity run
     overload_rate: float  # explicit rate of the past-capacity run (0: overload x capacity)
+    cache_tokens: int = 0  # prefix cache per prefill when smaller than the pool (0: the pool)
 
 
 FULL = Setup(prefills=2, decodes=2, kv_tokens=131072, shape=MixShape(), duration=12.0,
@@ -67,6 +82,9 @@ FULL = Setup(prefills=2, decodes=2, kv_tokens=131072, shape=MixShape(), duration
              targets=(OURS, *PEERS), overload=1.5, overload_rate=0.0)
 # The CI machine cannot drive the small cluster near its capacity bound (hundreds of
 # requests/s): fixed small rates, the structure and the invariants only.
+# A dominant hot prompt: the same cluster and sweep, the hot workload and smaller caches; the
+# summary adds completed requests and TTFT p90 against each peer at every rate.
+HOT = replace(FULL, cache_tokens=HOT_CACHE_TOKENS, shape=HOT_SHAPE)
 QUICK = Setup(prefills=2, decodes=1, kv_tokens=4096, shape=QUICK_SHAPE, duration=4.0,
               fractions=(), rates=(3.0, 8.0), targets=(OURS, "gateway:round_robin"),
               overload=1.5, overload_rate=12.0)
@@ -84,6 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m loadtests.goodput", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI-sized run (seconds)")
+    parser.add_argument("--workload", choices=("mixed", "hot"), default="mixed",
+                        help="mixed chat/docqa/short (default) or one dominant hot prompt "
+                        "over partitionable documents")
     parser.add_argument("--targets", help=f"comma-separated: {OURS} (ours, defaults) or any "
                         "of loadtests.routing's targets (default: gateway, "
                         "sglang-router:cache_aware, sglang-router:round_robin)")
@@ -114,7 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_setup(args: argparse.Namespace) -> Setup:
-    setup = QUICK if args.quick else FULL
+    setup = QUICK if args.quick else HOT if args.workload == "hot" else FULL
     for name in ("prefills", "decodes", "kv_tokens", "duration"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -156,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         setup = build_setup(args)
-        physics = Physics(kv_tokens=setup.kv_tokens, timing=args.timing)
+        physics = Physics(kv_tokens=setup.kv_tokens, cache_tokens=setup.cache_tokens,
+                          timing=args.timing)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -178,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             tempfile.TemporaryDirectory(prefix="goodput-")))
         log_dir.mkdir(parents=True, exist_ok=True)
         sims = SimOptions(prefills=setup.prefills, decodes=setup.decodes,
-                          cache_tokens=setup.kv_tokens, sim_flags=physics.sim_flags())
+                          cache_tokens=physics.prefix_cache_tokens,
+                          sim_flags=physics.sim_flags())
         with sim_cluster(sims, log_dir) as cluster:
             run = _Runner(setup, args, cluster, log_dir, peer_python, results, started)
             over = setup.overload_rate or setup.overload * capacity
@@ -295,7 +318,7 @@ class _Runner:
             points[OURS].append((self.overload_row.rate, self.overload_row.attainment))
         goodputs = {name: goodput(p) for name, p in points.items()}
         others = tuple(t for t in self.setup.targets if t != OURS)
-        lines = summary(goodputs, capacity, OURS, others)
+        lines = summary(goodputs, capacity, OURS, others) + side_by_side(self.rows, OURS, others)
         self.results["goodput"] = {n: {"rate": g.rate, "lower_bound": g.lower_bound,
                                        "bracket": g.bracket} for n, g in goodputs.items()}
         over = self.results.get("past_capacity")

@@ -68,6 +68,16 @@ class MixShape:
         return (self.turns[0] + self.turns[1]) / 2
 
 
+# The dominant hot prompt (issue 24): half the requests open with one ~4 KB system prompt (1,000
+# tokens), the other half ask about one of 8 documents of 3,000 tokens (Zipf). With 16K tokens
+# of prefix cache per prefill (`HOT_CACHE_TOKENS`; the KV pools keep their full size) a server
+# holds about half the documents: the
+# documents gain from being partitioned, the hot prompt's turns (cheap once cached) from being
+# spread over every prefill.
+HOT_SHAPE = MixShape(shares=(0.5, 0.5, 0.0), system_prompts=1, system_tokens=1000,
+                     system_weights=(1.0,), turns=(1, 3), documents=8, document_tokens=3000)
+HOT_CACHE_TOKENS = 16384
+
 QUICK_SHAPE = MixShape(system_prompts=2, system_tokens=300, system_weights=(0.8, 0.2),
                        turns=(2, 3), user_tokens=(20, 60), reply_tokens=(4, 12), think_s=0.5,
                        documents=2, document_tokens=1200, question_tokens=(5, 20),
