@@ -58,6 +58,7 @@ class Attempt:
     progressed: bool = False  # the prefill answered or the decode sent its first byte
     kv_at: float = 0.0  # loop time of the prefill's answer when it was the first progress
     trailing: bool = False  # progressed by its decode, its prefill's answer still to come
+    rank_released: bool = False  # the prefill's DP rank no longer counts it (`release_rank`)
     deadline: object = None  # the cancel.Deadline of the first progress
     pair_verdict: str | None = None  # a failure was blamed on "pair" or "server"
     # how each leg ended, as decided (by the leg itself, or by the attempt's deadline before
@@ -88,6 +89,21 @@ class Attempt:
             self.settle(target)
             if trail:
                 target.load.trail(self.view.prompt_tokens)
+        if trail:
+            self.release_rank()
+
+    def release_rank(self) -> None:
+        """The prefill's DP rank stops counting this attempt in flight (once): as its leg
+        ends, or as its decode gets the KV while the prefill's answer is still to come. The
+        rank's counters only feed the policies' load, and the rank has computed by then: a
+        conversation's next turn sent meanwhile found its rank "busy" with that very turn and
+        was moved off its cache. The server keeps counting the leg until it ends (its breaker
+        takes the outcome; a drain waits for it)."""
+        target = self.prefill_target
+        if target is None or target is self.prefill or self.rank_released:
+            return
+        self.rank_released = True
+        target.finish(self.prefill_tokens)
 
     def end_trail(self) -> None:
         """The prefill leg of a `settle_prefill(trail=True)` ended."""

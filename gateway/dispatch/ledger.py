@@ -99,8 +99,8 @@ class Ledger:
             attempt.end_trail()
         elif not attempt.progressed:
             attempt.settle_prefill()
-        if target is not server:  # the prefill's DP rank
-            target.finish(tokens)
+        if prefill:  # its DP rank, unless released at first progress
+            attempt.release_rank()
         attempt.policies[leg].on_complete(target, attempt.view, ok is True)
         if ok is False:
             self.metrics.child(server, self.metrics.leg_failures, leg, "error",

@@ -280,10 +280,7 @@ def test_streams_succeed_on_both_ranks(dp_cluster: DpCluster) -> None:
     assert gateway == server and min(gateway) >= 1, (gateway, server)
 
 
-@pytest.mark.parametrize("endpoint", ["generate", pytest.param("chat", marks=pytest.mark.xfail(
-    strict=False, reason="known flake (2026-12-03 CI): in the full suite one run split the 5 "
-    "turns 2/3 over the ranks; passes alone and in its file; suspected: the previous turn's "
-    "trailing prefill leg still counts as load when the next turn is routed"))])
+@pytest.mark.parametrize("endpoint", ["generate", "chat"])
 def test_a_growing_conversation_stays_on_its_rank(dp_cluster: DpCluster, endpoint: str) -> None:
     """Multi-turn: each turn's prompt extends the previous one, so cache_aware sends every
     turn to the rank that holds the conversation; there SGLang finds the previous prompt in
