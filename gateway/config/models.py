@@ -5,9 +5,10 @@ before the port is bound, like every other setting; read by `gateway/scheduling/
 creates a model's policies. No I/O.
 
 A model's policies are its own entry of `model_policies` where it has one, else the global
-settings (`--prefill-policy`, `--decode-policy`, `--policy`, then cache_aware and
-least_load). Its `policy_options` for a policy are merged key by key over the global
-`policy_options` of that policy, so a model states only what differs.
+settings (`--prefill-policy`, `--decode-policy`, `--policy`, then auto and least_load).
+Its `policy_options` for a policy are merged key by key over the global `policy_options` of
+that policy, so a model states only what differs; a policy built on others (auto) reads their
+options first (`Policy.inherited_options`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from gateway.policies import REGISTRY, Policy, create_policy
 if TYPE_CHECKING:
     from gateway.config.schema import GatewayConfig
 
-DEFAULT_POLICIES = {"prefill": "cache_aware", "decode": "least_load"}
+# auto: the joint slo choice for requests with objectives, cache_aware for the rest
+DEFAULT_POLICIES = {"prefill": "auto", "decode": "least_load"}
 # SGLang's DEFAULT_MODEL_NAME (entrypoints/openai/protocol.py): what its OpenAI API assumes
 # when a request names no model, so it means "the default model" here too
 DEFAULT_NAME = "default"
@@ -32,8 +34,11 @@ def policy_choice(cfg: GatewayConfig, model: str | None, role: str) -> tuple[str
     own = ((cfg.model_policies or {}).get(model) if model is not None else None) or {}
     name = (own.get(f"{role}_policy") or own.get("policy") or getattr(cfg, f"{role}_policy")
             or cfg.policy or DEFAULT_POLICIES[role])
-    options = {**((cfg.policy_options or {}).get(name) or {}),
-               **((own.get("policy_options") or {}).get(name) or {})}
+    sources = (*REGISTRY[name].inherited_options(role), name) if name in REGISTRY else (name,)
+    options: dict = {}
+    for table in (cfg.policy_options or {}, own.get("policy_options") or {}):
+        for source in sources:  # the global options, then the model's own: it wins
+            options.update(table.get(source) or {})
     return name, options or None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.policies.auto import AutoPolicy
 from gateway.policies.base import Policy, build_options
 from gateway.policies.cache_aware import CacheAwarePolicy
 from gateway.policies.least_load import LeastLoadPolicy
@@ -23,6 +24,7 @@ REGISTRY: dict[str, type[Policy]] = {
         PrefixCachePolicy,
         MinTtftPolicy,
         SloPolicy,
+        AutoPolicy,
     )
 }
 

@@ -34,6 +34,13 @@ class Policy:
         self.role = role
         self.options = options if options is not None else self.Options()
 
+    @classmethod
+    def inherited_options(cls, role: str) -> tuple[str, ...]:
+        """Other policies whose `policy_options` also apply to this one in `role`, weakest
+        first (its own come last): a policy built on others reads the options written for
+        them (gateway/config/models.py)."""
+        return ()
+
     def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
         raise NotImplementedError
 
