@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 
-from loadtests.goodput.capacity import replay, simulate
+from loadtests.goodput.capacity import PLACEMENTS, replay, simulate
 from loadtests.goodput.physics import Physics
 from loadtests.goodput.report import goodput
 from loadtests.goodput.workload import QUICK_SHAPE, Objectives, Plan, mixed_plan
@@ -63,6 +63,20 @@ def test_the_des_serves_a_tiny_rate_and_not_one_far_past_the_cluster():
     flood = simulate(mixed_plan(QUICK_SHAPE, 3000.0, 2.0, seed=0), 2, 1, physics)
     assert flood.attainment < 0.5
     assert 0 < flood.refused < flood.requests  # refused at arrival, not all of them
+
+
+def test_the_affinity_placement_keeps_documents_partitioned_where_earliest_thrashes():
+    """Two documents, each prefill's cache holding one: the affinity placement finds a
+    document cached nearly every time (it leaves home only when home would spend half the
+    TTFT objective); the earliest-finish placement sends a document wherever a server is free
+    and evicts the other one."""
+    shape = replace(QUICK_SHAPE, shares=(0.0, 1.0, 0.0), documents=2, document_tokens=1200)
+    physics = Physics(kv_tokens=65536, cache_tokens=1400)
+    plan = mixed_plan(shape, 40.0, 3.0, seed=2)
+    hits = {placement: sum(job.cached > 1000 for job in replay(plan, 2, 1, physics, placement))
+            for placement in PLACEMENTS}
+    assert hits["affinity"] >= 0.9 * len(plan.requests)
+    assert hits["earliest"] < hits["affinity"]
 
 
 def test_plans_are_the_same_for_every_router_and_carry_objectives():
