@@ -10,9 +10,11 @@ what each role needs (`gateway_desired_servers`, with rebalancing off too), and,
 * the other role would stand at TARGET or below with one server fewer, and keeps at least
   the minimum (never below 1): HIGH > TARGET is the hysteresis, since the role that gave a
   server up cannot then read HIGH without the load itself changing;
-* the cool-down since the last attempt is over, and fewer than the hourly budget of
-  attempts were made in the last hour (refused attempts count: a server that keeps saying
-  no is not asked again and again).
+* the cool-down since the last attempt ended is over (a drain lasts as long as the requests
+  in flight on its server: counted from the start, the cool-down could be spent before the
+  server served in its new role), and fewer than the hourly budget of attempts were started
+  in the last hour (refused attempts count: a server that keeps saying no is not asked
+  again and again).
 
 The server moved is the one cheapest to drain: fewest requests of ours in flight, then the
 least KV in use (the cache it would lose; SGLang drops its radix cache on a flip). Each
@@ -102,8 +104,9 @@ class Rebalancer:
 
     def __init__(self, pool: ServerPool, switcher: RoleSwitcher, options: RebalanceOptions,
                  read_itl: Callable[[], tuple[float, float]], counted: Any,
-                 decides: bool = True) -> None:
+                 decides: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
+        self.clock = clock
         self.switcher = switcher
         self.options = options
         self.read_itl = read_itl
@@ -114,6 +117,7 @@ class Rebalancer:
         self.desired: dict[tuple[str, str], int] = {}  # (model, role) -> servers needed
         self.pressures: dict[tuple[str, str], float] = {}
         self.attempts: deque[float] = deque()  # monotonic times of the last hour's attempts
+        self.ended: float | None = None  # when the last attempt ended: the cool-down's start
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -136,8 +140,10 @@ class Rebalancer:
                 log.exception("rebalance step failed")
 
     async def step(self, now: float | None = None) -> Move | None:
-        """One reading of every model; at most one switch. The move made, if any."""
-        now = time.monotonic() if now is None else now
+        """One reading of every model; at most one switch. The move made, if any. `now`: a
+        simulated instant (tests), on which a switch takes no time; else `clock`."""
+        timed = now is None
+        now = self.clock() if now is None else now
         itl = self.read_itl()
         by_model: dict[str | None, list[Server]] = {}
         for server in self.pool:
@@ -152,7 +158,7 @@ class Rebalancer:
         if chosen is None or not self._may_switch(now):
             return None
         model, move = chosen
-        await self._switch(model, move, now)
+        await self._switch(model, move, now, timed)
         return move
 
     def _read(self, model: str | None, servers: list[Server], itl: tuple[float, float],
@@ -177,9 +183,11 @@ class Rebalancer:
             self.attempts.popleft()
         if len(self.attempts) >= self.options.per_hour:
             return False
-        return not self.attempts or now - self.attempts[-1] >= self.options.cooldown
+        return self.ended is None or now - self.ended >= self.options.cooldown
 
-    async def _switch(self, model: str | None, move: Move, now: float) -> None:
+    async def _switch(self, model: str | None, move: Move, now: float, timed: bool) -> None:
+        """One attempt; its end starts the cool-down (`timed`: read the clock then, else
+        the simulated `now`)."""
         givers = [s for s in self.pool.role(move.old) if s.model == model and s.serving]
         if len(givers) <= max(1, self.options.minimum):
             return
@@ -199,6 +207,8 @@ class Rebalancer:
             outcome = "switched"
             log.warning("rebalance: %s is now a %s server (drained and switched in %.3fs)",
                         server.url, move.new, body["waited_s"])
+        finally:  # a drain may take most of a cool-down counted from the start
+            self.ended = self.clock() if timed else now
         self.counted.labels(move.old, move.new, move.reason, outcome).inc()
 
     def figures(self) -> dict[str, dict[tuple[str, str], float]]:
