@@ -9,13 +9,10 @@ chunks after the first: (last - first) / (chunks - 1)), and whether the answer c
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
-import orjson
-
-from loadtests.routing.client import HOST, _Events, _Protocol
+from loadtests.routing.client import _Events, _Protocol, exchange
 
 REFUSED = (429, 503)  # statuses that count as refused early (not served, not attained)
 
@@ -71,28 +68,6 @@ def outcome(events: _TimedEvents, status: int) -> Outcome:
 async def send(port: int, path: str, body: dict, headers: dict[str, str],
                timeout: float) -> Outcome:
     """POST a streamed `body` with `headers` to 127.0.0.1:port; its timed outcome."""
-    raw = orjson.dumps(body)
-    extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    head = (f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(raw)}\r\n{extra}Connection: close\r\n\r\n").encode("ascii")
-    loop = asyncio.get_running_loop()
-    finished: asyncio.Future = loop.create_future()
-    started = time.perf_counter()
-    events = _TimedEvents(path.endswith("/chat/completions"), started)
-    transport = None
-    try:
-        async with asyncio.timeout(timeout):
-            transport, _ = await loop.create_connection(
-                lambda: _HeaderProtocol(events, finished), HOST, port)
-            transport.write(head + raw)
-            status = await finished
-    except TimeoutError:
-        events.reply.error = f"timeout after {timeout:.0f}s"
-        status = 0
-    except (OSError, RuntimeError) as exc:
-        events.reply.error = str(exc)[:200]
-        status = 0
-    finally:
-        if transport is not None:
-            transport.close()
+    events = _TimedEvents(path.endswith("/chat/completions"), time.perf_counter())
+    status = await exchange(port, path, body, timeout, headers, events, _HeaderProtocol)
     return outcome(events, status)

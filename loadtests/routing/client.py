@@ -171,32 +171,38 @@ class _Protocol(asyncio.Protocol):
             self.transport.close()
 
 
-async def stream(port: int, path: str, body: dict, timeout: float,
-                 headers: dict[str, str] | None = None) -> Reply:
-    """POST `body` (which asks for a stream) to 127.0.0.1:port and time its answer; `headers`
-    are added as given (an API key, a priority class)."""
+async def exchange(port: int, path: str, body: dict, timeout: float,
+                   headers: dict[str, str] | None, events: _Events,
+                   protocol: type[_Protocol] = _Protocol) -> int:
+    """POST `body` to 127.0.0.1:port on a connection of its own, feeding the answer to
+    `events` through `protocol`; the HTTP status, or 0 (the error noted in `events`)."""
     raw = orjson.dumps(body)
     extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     head = (f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(raw)}\r\n{extra}Connection: close\r\n\r\n").encode("ascii")
     loop = asyncio.get_running_loop()
     finished: asyncio.Future = loop.create_future()
-    started = time.perf_counter()
-    events = _Events(path.endswith("/chat/completions"), started)
     transport = None
     try:
         async with asyncio.timeout(timeout):
             transport, _ = await loop.create_connection(
-                lambda: _Protocol(events, finished), HOST, port)
+                lambda: protocol(events, finished), HOST, port)
             transport.write(head + raw)
-            status = await finished
+            return await finished
     except TimeoutError:
         events.reply.error = f"timeout after {timeout:.0f}s"
-        status = 0
     except (OSError, RuntimeError) as exc:
         events.reply.error = str(exc)[:200]
-        status = 0
     finally:
         if transport is not None:
             transport.close()
+    return 0
+
+
+async def stream(port: int, path: str, body: dict, timeout: float,
+                 headers: dict[str, str] | None = None) -> Reply:
+    """POST `body` (which asks for a stream) to 127.0.0.1:port and time its answer; `headers`
+    are added as given (an API key, a priority class)."""
+    events = _Events(path.endswith("/chat/completions"), time.perf_counter())
+    status = await exchange(port, path, body, timeout, headers, events)
     return events.finish(status)
