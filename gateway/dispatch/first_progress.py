@@ -5,7 +5,10 @@ not when it is cut: a `QueueWatch` (gateway/health/queue_wait.py) then tells a r
 waits its turn on a busy server from one stuck on a silent one, and re-arms the deadline one
 learned window later while it is queued, up to the hard limit (`cap`: the response timeout,
 the request's own deadline). The attempt's first progress ends the watch (`PDDispatcher.
-progress` moves the deadline to the limits that follow).
+progress` moves the deadline to the limits that follow). From then on the attempt waits on its
+decode alone (its KV is there): a `DecodeQueue` keeps it, past those limits, while the decode
+works through an admission queue (SGLang admits into its running batch only what fits), up to
+the same hard limit.
 """
 
 from __future__ import annotations
@@ -15,24 +18,29 @@ from collections.abc import Callable
 
 from gateway.cancel import Deadline, Interrupt
 from gateway.dispatch.attempt import Attempt
-from gateway.health.queue_wait import QueueWatch, shortest_wait
+from gateway.health.queue_wait import DecodeQueue, QueueWatch, shortest_wait
 from gateway.timers import Timers
 
 
 class FirstProgressDeadline(Deadline):
     """A `Deadline` that asks its watch, when due, whether the attempt is only queued."""
 
-    __slots__ = ("watch", "cap")
+    __slots__ = ("watch", "cap", "decode_queue", "silence")
 
     def __init__(self, timers: Timers, interrupt: Interrupt, when: float, cap: float,
-                 watch: QueueWatch | None) -> None:
+                 watch: QueueWatch | None, decode_queue: DecodeQueue | None = None) -> None:
         self.watch = watch
         self.cap = cap
+        self.decode_queue = decode_queue
+        self.silence: tuple[float, float] | None = None  # (since, window) on the decode alone
         super().__init__(timers, interrupt, min(when, cap))
 
     def move(self, when: float) -> None:
-        """Moved by the attempt's progress: the watch is over."""
+        """Moved by the attempt's progress: the watch is over; what follows is a silence on
+        its decode, bounded by `when` unless the decode is seen to work through a queue."""
         self.watch = None
+        now = self._timers.loop().time()
+        self.silence = (now, when - now)
         super().move(when)
 
     def queued(self) -> bool:
@@ -41,14 +49,22 @@ class FirstProgressDeadline(Deadline):
     def _expire(self) -> None:
         watch, timers = self.watch, self._timers
         now = timers.loop().time()
-        if watch is not None and self.when <= now + timers.resolution \
-                and now < self.cap - timers.resolution:
-            mono = time.monotonic()
+        if self.when > now + timers.resolution or now >= self.cap - timers.resolution:
+            super()._expire()  # moved on meanwhile, or at the hard limit
+            return
+        mono = time.monotonic()
+        later = None
+        if watch is not None:
             later = watch.look(mono)
             if later is None:
                 self.watch = None
             else:
-                self.when = min(self.cap, now + max(later - mono, timers.resolution))
+                later = now + later - mono
+        elif self.decode_queue is not None and self.silence is not None:
+            since, window = self.silence
+            later = self.decode_queue.look(since, now, window, mono - now)
+        if later is not None:
+            self.when = min(self.cap, max(later, now + timers.resolution))
         super()._expire()
 
 
@@ -61,8 +77,11 @@ def first_deadline(timers: Timers, attempt: Attempt, first: float, response: flo
     def elsewhere() -> float:
         return shortest_wait(peers() or (), prefill, tokens)
 
-    watch = QueueWatch(attempt.prefill_target or prefill, attempt.decode, tokens, first,
+    decode = attempt.decode
+    watch = QueueWatch(attempt.prefill_target or prefill, decode, tokens, first,
                        time.monotonic(), elsewhere)
     started = attempt.started_at
+    # the decode's progress for its other requests: legs it answered or finished
+    queue = DecodeQueue(decode, lambda: decode.last_success)
     return FirstProgressDeadline(timers, attempt.interrupt, started + first,
-                                 min(started + response, attempt.not_after), watch)
+                                 min(started + response, attempt.not_after), watch, queue)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
@@ -28,6 +29,7 @@ from gateway.dispatch.attempt import Attempt, Timeouts
 from gateway.dispatch.prompt_logprobs import StreamMerger
 from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
+from gateway.health.queue_wait import DecodeQueue
 from gateway.request import MESSAGES
 from gateway.sse import DONE, EventSplitter, data_objects, event_data, frame, parsed
 from gateway.timers import Timers
@@ -82,7 +84,7 @@ class StreamWatchdog:
     interrupt that stops the waiting fires."""
 
     __slots__ = ("idle", "send", "period", "loop", "since", "reading", "handle", "upstream",
-                 "client", "stalled")
+                 "client", "stalled", "queued")
 
     def __init__(self, idle, send: float, client: Interrupt | None,
                  stalled: UpstreamError, period: float | None = None,
@@ -97,6 +99,7 @@ class StreamWatchdog:
         self.upstream = Interrupt(loop=self.loop)  # the relay's task, stopped when the server goes silent
         self.client = client  # the request's interrupt, fired when the client stops reading
         self.stalled = stalled
+        self.queued: DecodeQueue | None = None  # a silence in the decode's queue is no hang
         self.handle = self.loop.call_at(self.since + self.period, self._check)
 
     # Phases: `since` is when the current one began, `reading` says which it is (the relay
@@ -113,7 +116,12 @@ class StreamWatchdog:
         if now < due:
             self.handle = self.loop.call_at(min(due, now + self.period), self._check)
         elif self.reading:
-            self.upstream.fire(self.stalled)
+            later = self.queued.look(self.since, now, limit, time.monotonic() - now) \
+                if self.queued is not None else None
+            if later is None:
+                self.upstream.fire(self.stalled)
+            else:
+                self.handle = self.loop.call_at(later, self._check)
         elif self.client is not None:
             self.client.fire(SlowClient())
 
@@ -144,7 +152,7 @@ class StreamRelay:
         splitter = EventSplitter() if merger else None
         watchdog = self._start(attempt)
         model, url, loop = self.model, attempt.decode.url, watchdog.loop
-        gaps = model.gaps_of(url)
+        gaps, queue = model.gaps_of(url), watchdog.queued
         held = last = b""  # last: the last events relayed (whole events, [DONE] among them)
         unsuffix, capture, trace = attempt.unsuffix, attempt.capture, attempt.trace
         try:
@@ -177,7 +185,7 @@ class StreamRelay:
                 now = loop.time()
                 if gaps.skip:  # (`LatencyModel.gap` keeps one gap in a few: no call here)
                     gaps.skip -= 1
-                else:
+                elif queue.since != started:  # a wait in the decode's queue is no step
                     model.gap(gaps, now - started)
             if rest := _rest(held, splitter, merger, url):
                 yield (last := _noted(rest, capture, trace))
@@ -214,6 +222,8 @@ class StreamRelay:
         watchdog = StreamWatchdog(idle, send, tracked.interrupt if tracked is not None else None,
                                   stalled, period=min(model.options.floor, send, hard) / 2,
                                   loop=self.timers.loop())
+        decode, gaps = attempt.decode, model.gaps_of(url)  # its streams' chunks: progress
+        watchdog.queued = DecodeQueue(decode, lambda: gaps.count + decode.last_success, hard)
         attempt.interrupt = watchdog.upstream
         if attempt.trace is not None:
             attempt.trace.relay_started()

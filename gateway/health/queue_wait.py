@@ -30,6 +30,14 @@ again, and again every learned deadline (`window`) after, and kept while it is q
 
 Without the server's counters (loads polling off, or a server that does not report them) none
 of this can be judged, and the learned deadline cuts the attempt as before.
+
+A request can also queue on its decode once its KV is there (`DecodeQueue`): SGLang admits it
+into the running batch only while the batch and the KV pool have room, and retracts running
+requests when the pool runs out; the simulator streams a request's first token as its KV
+arrives and only then queues it for the batch. Past capacity such a request is silent (before
+its first chunk, or between two chunks of its stream) longer than any learned gap while its
+decode keeps serving others: cut, it would start over on another pair, its prefill repeated,
+and five such cuts open the decode's breaker, whose rescue stops every stream on it.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from collections.abc import Callable, Iterable
 
 DECODE_FULL = 0.9  # token usage from which a decode admits only as requests finish
 QUEUE_FACTOR = 2.0  # slack on a predicted queue wait (the speed and the work ahead drift)
+PROBE = 0.5  # of a window: at the first look at a silence, how long the decode gets to move
 
 
 def counted(target) -> bool:
@@ -136,3 +145,42 @@ class QueueWatch:
             return heard + self.window  # in its decode's admission queue, which moves
         until = self.turn_at + max(self.window, self.elsewhere())
         return min(until, heard + self.window) if until > now else None
+
+
+class DecodeQueue:
+    """The looks at a request silent on its decode after its KV arrived (monotonic times).
+
+    Kept, one look after another, while the decode is seen to work through a queue: its last
+    `/v1/loads` answer came within the last `window` and shows requests waiting (or its KV
+    pool DECODE_FULL), and `progress` (a figure that grows with what the decode does for its
+    other requests: their chunks, legs it finished) moved since the previous look. The first
+    look at a silence only notes `progress` and looks again PROBE window later. A frozen decode (its
+    polls hang), an idle one, or one whose other requests stand still too is cut: within one
+    window of its last answered poll. Never past `hard` seconds of silence."""
+
+    __slots__ = ("decode", "progress", "hard", "since", "seen")
+
+    def __init__(self, decode, progress: Callable[[], float], hard: float = math.inf) -> None:
+        self.decode = decode
+        self.progress = progress
+        self.hard = hard
+        self.since: float | None = None  # the silence the last look was at
+        self.seen = 0.0  # `progress` at that look
+
+    def look(self, since: float, now: float, window: float, skew: float = 0.0) -> float | None:
+        """The next look at a silence that began at `since`, or None: cut it now. `skew`:
+        time.monotonic() less the clock of `since` and `now` (an event loop's)."""
+        end = since + self.hard
+        load = self.decode.load
+        heard = load.updated_at - skew
+        if now >= end or load.updated_at <= 0.0 or heard + window <= now \
+                or not (load.waiting > 0 or load.token_usage >= DECODE_FULL):
+            return None  # silent, no queue to wait in, or waited the most
+        moved = self.progress()
+        if since != self.since:  # a new silence: watch the decode's progress from here
+            self.since, self.seen = since, moved
+            return min(now + PROBE * window, end)
+        if moved == self.seen:
+            return None  # the decode holds a queue but serves nobody: stuck
+        self.seen = moved
+        return min(heard + window, end)
