@@ -89,7 +89,8 @@ class Attempt:
             self.settle(target)
             if trail:
                 target.load.trail(self.view.prompt_tokens)
-        if trail:
+        if trail:  # a leg of its server still, no load (`Server.working`), nor on its rank
+            self.prefill.trail(self.prefill_tokens)
             self.release_rank()
 
     def release_rank(self) -> None:
@@ -108,6 +109,7 @@ class Attempt:
     def end_trail(self) -> None:
         """The prefill leg of a `settle_prefill(trail=True)` ended."""
         self.trailing = False
+        self.prefill.trail(self.prefill_tokens, -1)
         for target in self.prefill_targets():
             target.load.trail(self.view.prompt_tokens, -1)
 

@@ -8,7 +8,8 @@ see everything but lag by up to one poll. So when the server's figures are fresh
 larger of the two for each quantity (taking the sum would count this gateway's requests twice);
 when they are not, we use the gateway's counters alone. A snapshot taken while some of our
 requests ran still counts them after they finished: those are taken off it (`ServerLoad.settle`:
-requests, and their prompts' share of `token_usage`).
+requests, and their prompts' share of `token_usage`). A prefill leg whose decode already has
+the KV, its answer still to come, counts as no load (`Server.working`): it has computed.
 
 Degrade consistently: comparing one server on reported figures with another on gateway counters
 is comparing different things, so if any candidate lacks fresh figures, ALL candidates are scored
@@ -68,7 +69,7 @@ def all_fresh(servers: Sequence[Server], now: float, max_age: float) -> bool:
 
 def load_score(server: Server, options: LoadOptions, use_server: bool) -> float:
     """The server's load in load units; `use_server` only when every compared server is fresh."""
-    requests, tokens = server.totals()
+    requests, tokens = server.working()
     usage = 0.0
     if use_server:
         reported = server.load
@@ -89,7 +90,7 @@ def load_scores(servers: Sequence[Server], options: LoadOptions, now: float) -> 
     unit = options.token_unit
     scores = []
     for server in servers:
-        requests, tokens = server.totals()
+        requests, tokens = server.working()
         scores.append(requests + tokens / unit)
     return scores
 

@@ -84,6 +84,9 @@ class Rank(Counted):
         """In-flight requests and prompt tokens (this process's view of the rank)."""
         return self.in_flight, self.in_flight_tokens
 
+    # a trailing leg left its rank already (dispatch.attempt.Attempt.release_rank)
+    working = totals
+
 
 @dataclass(eq=False)
 class Server(Counted):
@@ -111,6 +114,10 @@ class Server(Counted):
     priority_scheduling: bool = False  # the server schedules by `priority` (/server_info)
     low_priority_first: bool = False  # ... lower values first
     ranks: list[Rank] = field(default_factory=list)  # DP ranks, when it has more than one
+    # prefill legs of this process in `in_flight` whose KV is at their decode, their answer
+    # still to come (`trail`), and their tokens: legs, but no load (`working`)
+    trailing: int = 0
+    trailing_tokens: int = 0
     attempts: set = field(default_factory=set)  # attempts waiting on this server now (rescue)
     suspect_until: float = 0.0  # a request here timed out without progress: avoid until then
     shared: object = None  # (SharedState, slot, worker id) with --workers: counts summed
@@ -221,6 +228,21 @@ class Server(Counted):
         state, slot, me = self.shared
         requests, tokens = state.others(slot, me, time.monotonic())
         return self.in_flight + requests, self.in_flight_tokens + tokens
+
+    def working(self) -> tuple[int, int]:
+        """`totals` less the trailing prefill legs: the load the policies compare. Such a
+        leg has computed (its decode has the KV; SGLang's prefill often answers after the
+        decode), and counting it made a conversation's next turn find the server holding it
+        busy with its own previous turns, and move off its cache. It stays in `totals`,
+        which drains wait on, until it ends. (With `--workers`, the other processes'
+        trailing legs still count: shared memory holds their legs only.)"""
+        requests, tokens = self.totals()
+        return requests - self.trailing, tokens - self.trailing_tokens
+
+    def trail(self, tokens: int, sign: int = 1) -> None:
+        """A prefill leg here starts trailing its decode (sign 1), or ends (-1)."""
+        self.trailing += sign
+        self.trailing_tokens += sign * tokens
 
     def _publish(self) -> None:
         if self.shared is not None:
