@@ -215,7 +215,7 @@ class CacheAwarePolicy(Policy):
         if self.prefixes is None:
             return load_scores(candidates, self.options, now)
         unit = self.options.token_unit
-        return [requests + tokens / unit for requests, tokens in (w.totals() for w in candidates)]
+        return [requests + tokens / unit for requests, tokens in (w.working() for w in candidates)]
 
     def predicted_hit(self, server: Server, view: RequestView) -> float | None:
         matched, key_len = self._last_match

@@ -137,16 +137,16 @@ class MinTtftPolicy(Policy):
 
     def _headroom_cost(self, server: Server, fresh: bool) -> float:
         if not fresh:
-            requests, tokens = server.totals()
+            requests, tokens = server.working()
             return requests + tokens / self.options.token_unit
         load = server.load
         utilization = load.token_usage
         if load.max_total_tokens > 0:
-            utilization = max(utilization, server.totals()[1] / load.max_total_tokens)
+            utilization = max(utilization, server.working()[1] / load.max_total_tokens)
         # `max_running_requests` is a /v1/loads field the pool may not record yet.
         max_running = getattr(load, "max_running_requests", 0)
         if max_running > 0:
-            running = max(load.running + load.waiting, server.totals()[0])
+            running = max(load.running + load.waiting, server.working()[0])
             utilization = max(utilization, running / max_running)
         return utilization
 
