@@ -114,7 +114,8 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
     limits = ServerLimits(head_timeout=config.head_timeout, body_timeout=config.body_timeout,
                           max_header_count=config.max_header_count,
                           max_head_bytes=config.max_header_bytes,
-                          send_timeout=config.send_timeout, max_connections=connections)
+                          send_timeout=config.send_timeout, max_connections=connections,
+                          keep_alive=config.keep_alive_timeout)
     app.state.gateway.serving = {"connections": connections, "tls": bool(config.ssl_certfile),
                                  "mtls": bool(config.ssl_ca_certs)}
     tune_gc()
@@ -124,6 +125,7 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
         log_level=config.log_level,
         access_log=False, proxy_headers=False, server_header=False,
         timeout_graceful_shutdown=config.shutdown_grace, backlog=2048,
+        timeout_keep_alive=config.keep_alive_timeout,
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs,
         ssl_cert_reqs=ssl.CERT_REQUIRED if config.ssl_ca_certs else ssl.CERT_NONE),

@@ -71,6 +71,10 @@ class GatewayConfig:
     head_timeout: Seconds = _opt(
         10.0, "seconds a client has to send a request's headers (slowloris)")
     body_timeout: Seconds = _opt(60.0, "seconds a client has to send a request's body")
+    keep_alive_timeout: Seconds = _opt(
+        75.0, "seconds an idle kept-alive client connection stays open: above clients' own "
+        "pool expiry (httpx, the OpenAI SDKs: 5 s) and load balancers' idle timeout (60 s), "
+        "so that a client never reuses a connection the gateway is closing")
     max_header_count: Annotated[int, Field(ge=8, le=1000)] = _opt(
         100, "most headers a request may carry (more: 431)")
     max_header_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = _opt(

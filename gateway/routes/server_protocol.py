@@ -41,6 +41,7 @@ phase and per keep-alive wait cost about a tenth of the gateway's CPU per reques
 
 from __future__ import annotations
 
+import select
 from dataclasses import dataclass
 
 import orjson
@@ -61,7 +62,10 @@ class ServerLimits:
     max_head_bytes: int = 32 * 1024
     max_url_bytes: int = 8 * 1024
     send_timeout: float = 30.0
-    keep_alive: float = 5.0  # uvicorn's default timeout_keep_alive (gateway/cli.py keeps it)
+    # above clients' pool expiry (httpx: 5 s, uvicorn's own default here too): with equal
+    # timeouts a client reused a connection as the gateway closed it ("Server disconnected
+    # without sending a response"); --keep-alive-timeout
+    keep_alive: float = 75.0
     max_connections: int = 0  # client connections served at once (0: no bound)
 
     @property
@@ -73,7 +77,7 @@ class ServerLimits:
 
 REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
-BUSY_RETRY_AFTER = b"1"  # seconds: a slot frees when a connection closes (idle: within 5 s)
+BUSY_RETRY_AFTER = b"1"  # seconds: a slot frees when a connection closes
 STALLED = "gateway.stalled"  # scope key set when the response stalled past send_timeout
 DEPARTURE = "gateway.departure"  # scope key: the request's `Departure`
 WHOLE = "gateway.whole"  # scope key: the request's `UvicornSend.whole`
@@ -174,9 +178,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._timers.loop().time() < self._due:
             self._check = self._timers.after(self._limits.period, self._tick)
             return
+        if self._waiting and self._unread():  # the next request came during a stall
+            self._waiting = False
+            self._phase(self._limits.head_timeout)
+            self._check = self._timers.after(self._limits.period, self._tick)
+            return
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app sees http.disconnect
         self.transport.close()
+
+    def _unread(self) -> bool:
+        """Whether bytes (or the client's close) wait unread on the socket: after a stall
+        (the process stopped, a wake-up without events) the loop may run this check before
+        it reads them, and the keep-alive wait, over by the clock, is over by the client
+        too."""
+        sock = self.transport.get_extra_info("socket")
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (AttributeError, OSError, ValueError):
+            return False
 
     def _answer(self, status: int, message: str, body: dict | None = None,
                 extra: bytes = b"") -> None:
@@ -254,7 +276,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if UvicornSend.response_complete(self):
             # the keep-alive wait: ended by the next request's first byte, or by _tick
             self._waiting = True
-            self._phase(self.timeout_keep_alive)
+            self._phase(self._limits.keep_alive)
 
 
 def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProtocol]:
