@@ -2,9 +2,10 @@
 
 Each seed runs the harness of tests/reliability/soak/ (a real gateway with its default flags
 over 2 prefill + 3 decode sims, overlapping faults, mixed traffic, every answer checked) in
-a fresh rig, prints its report, and at the end a table: seed, minutes, requests, faults by
-kind, failures by kind, worst latency. Exit status 1 if any seed failed. `--seed N` with the
-`--seconds` a report names replays that run's schedule exactly.
+a fresh rig, prints its report and its slowest answers with the faults around them, and at
+the end a table: seed, minutes, requests, faults by kind, failures by kind, worst latency.
+Exit status 1 if any seed failed. `--seed N` with the `--seconds` a report names replays
+that run's schedule exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.reliability.soak.report import table
+from tests.reliability.soak.report import LINGER, SoakResult, table
 from tests.reliability.soak.runner import SoakOptions, run_soak
 
 
@@ -34,6 +35,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+SLOWEST = 5  # the slowest answers listed per run, failed or not
+
+
+def slowest(result: SoakResult) -> str:
+    """The run's slowest answers, each with the faults around it (active, or ended less than
+    `LINGER` s before it started): where to look first in the gateway's log."""
+    lines = ["  slowest:"]
+    for o in sorted(result.outcomes, key=lambda o: -o.latency)[:SLOWEST]:
+        around = result.schedule.active(o.start, o.start + o.latency, LINGER)
+        faults = ", ".join(f.label() for f in around) or "none"
+        lines.append(f"    t={o.start:.1f}s {o.kind} {o.latency:.1f}s status={o.status}"
+                     f"{' ' + o.failure[0] if o.failure else ''} | faults: {faults}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     seeds = [args.seed] if args.seed is not None else [int(s) for s in args.seeds.split(",")]
@@ -47,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         result = run_soak(seed, log_dir, options)
         results.append(result)
-        print(result.render(), f"\n  logs: {log_dir}\n", flush=True)
+        print(result.render(), slowest(result), f"\n  logs: {log_dir}\n", sep="\n",
+              flush=True)
     print(table(results))
     return 1 if any(r.failures or r.executor_errors for r in results) else 0
 

@@ -16,10 +16,11 @@ for n > 1 (docs/FIDELITY.md):
   cached. Each sample picks its decode server with the decode policy, so samples spread over
   decode servers as independent requests would.
 
-Failures: each sample retries on another pair by itself (before anything streamed); a sample
-that still fails fails the whole request and stops the others. Streams start when every sample
-has its first chunk, so a failure before that is a clean error answer; later, an error event
-and one `[DONE]` end the merged stream.
+Failures: each sample retries on another pair (before anything streamed), avoiding the
+servers any sample was failed by (`proxy.Shared`); a sample that still fails fails the whole
+request and stops the others. Streams start when every sample has its first chunk, so a
+failure before that is a clean error answer; later, an error event and one `[DONE]` end the
+merged stream.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import AsyncIterator
 import orjson
 
 from gateway.dispatch.pd import Answer
+from gateway.dispatch.proxy import Shared
 from gateway.errors import UpstreamError
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
 from gateway.sse import DONE, NOT_JSON, EventSplitter, frame, parsed
@@ -90,6 +92,7 @@ class Placement:
     """Where sample 0's prompt got cached, so the other samples can follow it there."""
 
     def __init__(self) -> None:
+        self.shared = Shared()  # what every sample's attempts learned (proxy.Shared)
         self.prefill_done: asyncio.Future = asyncio.get_running_loop().create_future()
         self._claimed = False
         self._first: tuple | None = None  # sample 0's (prefill server, DP rank) as picked

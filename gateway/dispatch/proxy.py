@@ -7,7 +7,9 @@ exponential backoff with jitter, and within the request's total deadline. `--max
 counts the attempts that failed on their servers; an attempt the gateway stopped itself to
 move it elsewhere (a rescue: its server was marked down, opened its breaker, or its pair is
 suspected hung) and one whose server refused the connection do not count, up to twice
-`--max-attempts` attempts in all.
+`--max-attempts` attempts in all. The retry avoids the server the evidence blames
+(gateway/dispatch/blame.py), and the samples of an n > 1 request share what they learned
+(`Shared`; docs/RELIABILITY.md, "Rolling faults").
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import random
 import time
 
 from gateway.dispatch.aborts import Aborted
+from gateway.dispatch.blame import culprits
 from gateway.dispatch.failover import Continuation, error_end, resumable
 from gateway.dispatch.inflight import Tracked
 from gateway.dispatch.pd import REQUEST_TIMEOUT, Answer, Attempt, PDDispatcher
@@ -53,7 +56,8 @@ class Proxy:
         """Serve one PD request; `placement` (parallel sampling) lets the samples of one
         request follow the first to its prefill server; `depth` counts continuations of a
         broken stream, `avoid` the servers it should not go to first."""
-        avoid = list(avoid)
+        shared = placement.shared if placement is not None else Shared()
+        shared.blame(avoid)
         last_error: GatewayError | None = None
         loop = self.dispatcher.timers.loop()
         not_after = loop.time() + self.request_timeout  # each attempt's deadline is capped
@@ -62,13 +66,15 @@ class Proxy:
         failed = 0  # attempts that failed on servers that looked sound when picked
         try:
             for number in range(1, 2 * self.max_attempts + 1):
-                attempt, by_policy = self._attempt(view, tracked, placement, depth, avoid,
-                                                   number)
-                doubtful = _doubtful(attempt, avoid)
+                attempt, by_policy = self._attempt(view, tracked, placement, depth,
+                                                   shared.avoiding(), number)
+                doubtful = _doubtful(attempt, shared.tried)
                 attempt.not_after = not_after
                 tracked.attempts.add(attempt)
                 try:
-                    return await self.dispatcher.run(attempt, by_policy)  # stays in `attempts`
+                    answer = await self.dispatcher.run(attempt, by_policy)
+                    shared.served = True  # (the attempt stays in `attempts`)
+                    return answer
                 except BaseException as exc:
                     tracked.attempts.discard(attempt)
                     if not isinstance(exc, UpstreamError):
@@ -81,13 +87,9 @@ class Proxy:
                     if not exc.retryable or failed == self.max_attempts \
                             or number == 2 * self.max_attempts:
                         raise
-                    # both servers are avoided (softly: the scheduler ignores `avoid`
-                    # when it would leave no candidate): which one failed is not always
-                    # the leg that reported it (a prefill's "bootstrap failed" means its
-                    # decode never came for the KV)
-                    avoid += (attempt.prefill, attempt.decode)
-                    delay = self._retrying(exc, tracked, number,
-                                           hold=not spent and exc.reason not in FREE)
+                    shared.failed(attempt, exc)
+                    delay = self._retrying(exc, tracked, number, hold=not spent
+                                           and exc.reason not in FREE and not shared.served)
                     if loop.time() + delay >= not_after:
                         raise self._out_of_time(last_error) from None
                     await asyncio.sleep(delay)
@@ -203,11 +205,45 @@ class Resumed:
                 await nxt.close()
 
 
-def _doubtful(attempt: Attempt, avoid: list[Server]) -> bool:
-    """Whether the pair was picked with no sound choice left: one of its servers had failed
-    this request already, or was not usable (panic routing) or suspected hung."""
+class Shared:
+    """What the attempts of one request learned, shared by the samples of an n > 1 request
+    (`parallel_samples.Placement.shared`): a server one sample failed on is avoided by every
+    sample's next pick, and once one sample was served a retry does not wait for servers
+    to recover (a working pair exists; the hold of `Proxy._retrying` is skipped)."""
+
+    __slots__ = ("blamed", "tried", "served")
+
+    def __init__(self) -> None:
+        self.blamed: dict[Server, float] = {}  # server -> when it was last blamed (monotonic)
+        self.tried: list[Server] = []  # every server of a failed pair (`_doubtful`)
+        self.served = False
+
+    def blame(self, servers) -> None:
+        now = time.monotonic()
+        for server in servers:
+            self.blamed[server] = now
+
+    def avoiding(self) -> list[Server]:
+        """What the next pick avoids: the blamed servers that completed no request since
+        they were blamed (one that did has recovered: when every server of a role was
+        blamed, the pick goes to it rather than to any of them)."""
+        return [w for w, at in self.blamed.items() if w.last_success <= at]
+
+    def failed(self, attempt: Attempt, exc: UpstreamError) -> None:
+        """The retry avoids (softly: the scheduler ignores `avoid` when it would leave no
+        candidate) the server to blame (`blame.culprits`): the leg that reported a failure
+        is not always the one that failed, so both when the evidence does not tell."""
+        self.blame(culprits(attempt.prefill, attempt.decode, exc.leg,
+                            own=exc.upstream_status is None, rescued=exc.reason == RESCUED))
+        self.tried += (attempt.prefill, attempt.decode)
+
+
+def _doubtful(attempt: Attempt, tried: list[Server]) -> bool:
+    """Whether the pair was picked with no sound choice left: one of its servers was in a
+    pair that failed this request already, or was not usable (panic routing) or suspected
+    hung."""
     now = time.monotonic()
-    return any(w in avoid or not w.usable or w.suspect_until > now
+    return any(w in tried or not w.usable or w.suspect_until > now
                for w in (attempt.prefill, attempt.decode))
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable
 
 from gateway.dispatch.attempt import Attempt
+from gateway.dispatch.blame import culprits
 from gateway.errors import UpstreamError
 from gateway.servers.pool import Server
 
@@ -70,11 +71,14 @@ def rescue(server: Server, why: str, peers: Iterable[Server] | None) -> int:
 
 def suspect_if_hung(attempt: Attempt, now: float, first: float, seconds: float) -> None:
     """An attempt that failed without progress after waiting its learned deadline (or about as
-    long: a prefill's bootstrap timeout, its decode never came) looks like a hang: both servers
-    become suspects, and new requests avoid them for `seconds`."""
+    long: a prefill's bootstrap timeout, its decode never came) looks like a hang: its servers
+    become suspects, and new requests avoid them for `seconds`. Not one that served other
+    requests meanwhile while its partner did not (`blame.culprits`): a sound prefill made a
+    suspect by a frozen decode left new requests only a hung prefill."""
     if not attempt.progressed and now - attempt.started_at >= 0.9 * first:
         until = time.monotonic() + seconds
-        attempt.prefill.suspect_until = attempt.decode.suspect_until = until
+        for server in culprits(attempt.prefill, attempt.decode):
+            server.suspect_until = until
 
 
 def elsewhere(server: Server, peers: Iterable[Server] | None) -> bool:
