@@ -82,7 +82,8 @@ class SloGate:
         if objective is None or objective.ttft is None or objective.on_miss == "best_effort":
             return
         forecast = self.forecast(view)
-        if forecast is None or forecast.ttft <= objective.ttft:
+        left = objective.ttft - (time.perf_counter() - ticket.since)  # queued before: spent
+        if forecast is None or forecast.ttft <= left:
             return
         klass = objective.klass
         if objective.on_miss == "shed":
@@ -92,16 +93,16 @@ class SloGate:
                 f"no server pair can start this request within its time-to-first-token "
                 f"objective ({objective.ttft * 1e3:g} ms; predicted {forecast.ttft * 1e3:.0f} "
                 "ms); nothing was sent; retry later", code="slo_unattainable",
-                headers={"retry-after": _seconds(forecast.ttft - objective.ttft)})
+                headers={"retry-after": _seconds(forecast.ttft - left)})
         self._count(klass, "queued")
-        await self._wait(view, objective.ttft, klass, forecast.compute + forecast.transfer)
+        await self._wait(view, left, klass, forecast.compute + forecast.transfer)
 
     async def _wait(self, view: RequestView, budget: float, klass: int,
                     floor: float) -> None:
-        """Wait for a pair that can meet what is left of `budget`; `floor` is the request's
-        own compute and transfer (under it even an idle pair misses). Only the `LOOK` most
-        urgent waiters (class, then age) ask for forecasts, when a request ends and every
-        `POLL` seconds: waiting costs no CPU per waiter under overload."""
+        """Wait for a pair that can meet what is left of `budget` (seconds from now); `floor`
+        is the request's own compute and transfer (under it even an idle pair misses). Only
+        the `LOOK` most urgent waiters (class, then age) ask for forecasts, when a request
+        ends and every `POLL` seconds: waiting costs no CPU per waiter under overload."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         waiter = _Waiter((klass, started))
@@ -124,7 +125,8 @@ class SloGate:
                     self._count(klass, "shed")
                     raise ServiceUnavailable(
                         f"no server pair could start this request within its time-to-first-"
-                        f"token objective ({budget * 1e3:g} ms) while it waited; nothing was "
+                        f"token objective ({view.slo.objective.ttft * 1e3:g} ms) while it "
+                        "waited; nothing was "
                         "sent; retry later", code="slo_unattainable",
                         headers={"retry-after": _seconds(excess)})
         finally:

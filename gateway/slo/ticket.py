@@ -4,6 +4,8 @@ compare the forecast with what the client saw when the request ends."""
 
 from __future__ import annotations
 
+import time
+
 from gateway.slo.model import LatencyModel, Prediction
 from gateway.slo.objectives import Objective
 
@@ -11,11 +13,14 @@ from gateway.slo.objectives import Objective
 class Ticket:
     """One request's objective and, once picked, its pair's forecast."""
 
-    __slots__ = ("objective", "prediction", "picked_at", "target_url", "decode_url",
+    __slots__ = ("objective", "since", "prediction", "picked_at", "target_url", "decode_url",
                  "model", "held", "shed")
 
     def __init__(self, objective: Objective) -> None:
         self.objective = objective
+        # time.perf_counter() when the request was read: its TTFT objective counts from here
+        # (the admission queue and the gate's own wait use it up), not from the gate
+        self.since = time.perf_counter()
         self.prediction: Prediction | None = None
         self.picked_at = 0.0  # time.perf_counter() of the pick
         self.target_url = ""

@@ -65,6 +65,18 @@ def test_batch_that_cannot_meet_its_objective_is_shed_with_retry_after() -> None
     assert count(metrics, "batch", "shed") == 1
 
 
+def test_the_objective_counts_from_the_request_not_from_the_gate() -> None:
+    """A batch request that waited 0.5 s for an admission slot has 0.5 s of its 1 s
+    objective left: a pair predicted at 0.7 s no longer meets it."""
+    slo, metrics = gate(Forecasts(0.7))
+    view = request(slo, BATCH)
+    view.slo.since -= 0.5  # read half a second ago (the admission queue)
+    with pytest.raises(TooManyRequests):
+        asyncio.run(slo.admit(view))
+    assert count(metrics, "batch", "shed") == 1
+    asyncio.run(slo.admit(request(slo, BATCH, rid="r2")))  # just read: 0.7 s meets 1 s
+
+
 @pytest.mark.parametrize(("klass", "headers"), [
     pytest.param(STANDARD, (), id="best_effort_class"),
     pytest.param(INTERACTIVE, ((b"x-slo-ttft-ms", b"5000"),), id="header_objective_met"),
