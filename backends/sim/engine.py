@@ -91,7 +91,6 @@ class Engine:
         self.requests_total += 1
         self.prompt_tokens_total += job.prompt_tokens
         self.cached_tokens_total += job.cached_tokens
-        self._count_generated(len(job.output_ids))
         if job.done:
             return
         job.phase = "waiting"
@@ -195,16 +194,33 @@ class Engine:
             if running and used + need > self.config.max_total_tokens:
                 return
             self.waiting.popleft()
+            if job.first is not None:  # decode mode: KV already here
+                running += self._join_decode(job)
+                used += job.context_len
+                continue
             running += 1
             used += job.context_len
-            if job.output_ids:  # decode mode: KV already here
-                job.phase = "decoding"
-                self.decoding.append(job)
-                continue
             job.cached_tokens = self.cache.match(job.spec.input_ids)
             job.remaining_prefill = job.prompt_tokens - job.cached_tokens
             job.phase = "prefill"
             self.prefilling.append(job)
+
+    def _join_decode(self, job: Job) -> int:
+        """A transferred request joins the running batch, and only now is the prefill's first
+        token streamed: SGLang's decode takes it from its waiting queue into a prebuilt batch
+        (`SchedulerDisaggregationDecodeMixin.get_new_prebuilt_batch`) and streams it in
+        `BatchResultProcessor.process_batch_result_prebuilt`, so a request queued for room
+        on the decode shows nothing until then. Returns how many joined (0: it finished with
+        that token)."""
+        token, logprob = job.first or (0, 0.0)
+        job.first = None
+        job.add_token(token, logprob)
+        self._count_generated(1)
+        if job.done:
+            return 0
+        job.phase = "decoding"
+        self.decoding.append(job)
+        return 1
 
     def _start_prefill(self) -> None:
         assert self._loop is not None

@@ -294,7 +294,7 @@ async def _run_decode(state: SimState, job: Job, leg: _Leg) -> None:
     if spec.max_new_tokens <= 0:
         job.finish({"type": "length", "length": 0})
     else:
-        job.add_token(int(kv["first_token"]), float(kv["first_logprob"]))
+        job.first = (int(kv["first_token"]), float(kv["first_logprob"]))
     state.ranks[job.rank].engine.submit_decode(job)
     await _until_done(job)
 

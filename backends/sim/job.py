@@ -78,6 +78,8 @@ class Job:
     changed: asyncio.Event | None = None
     task: asyncio.Task[Any] | None = None  # runs the flow; cancelled by abort or disconnect
     rank: int = 0  # the DP rank serving it (dp.py)
+    # decode mode: the prefill's first token, held until the request joins a batch (engine._admit)
+    first: tuple[int, float] | None = None
     _waiter: asyncio.Future[None] | None = None
 
     def __post_init__(self) -> None:

@@ -69,8 +69,11 @@ class FirstProgressDeadline(Deadline):
 
 
 def first_deadline(timers: Timers, attempt: Attempt, first: float, response: float,
-                   peers: Callable[[], list | None]) -> FirstProgressDeadline:
-    """The first-progress deadline of `attempt`, started now, looked at after `first`."""
+                   peers: Callable[[], list | None], gaps=None) -> FirstProgressDeadline:
+    """The first-progress deadline of `attempt`, started now, looked at after `first`.
+    `gaps`: the decode's chunk-gap ring (health/deadlines.py), whose count of its streams'
+    chunks is part of the progress that tells a decode working through its queue from a
+    stuck one."""
     prefill = attempt.prefill
     tokens = attempt.prefill_tokens
 
@@ -81,7 +84,9 @@ def first_deadline(timers: Timers, attempt: Attempt, first: float, response: flo
     watch = QueueWatch(attempt.prefill_target or prefill, decode, tokens, first,
                        time.monotonic(), elsewhere)
     started = attempt.started_at
-    # the decode's progress for its other requests: legs it answered or finished
-    queue = DecodeQueue(decode, lambda: decode.last_success)
+    # the decode's progress for its other requests: chunks it streamed, legs it answered or
+    # finished (a queue of long answers may finish none for many seconds)
+    queue = DecodeQueue(decode, lambda: (gaps.count if gaps is not None else 0)
+                        + decode.last_success)
     return FirstProgressDeadline(timers, attempt.interrupt, started + first,
                                  min(started + response, attempt.not_after), watch, queue)

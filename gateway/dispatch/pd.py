@@ -8,12 +8,11 @@ answers are read whole; streams are relayed (gateway/dispatch/relay.py), and the
 client has seen anything.
 
 Deadlines: until its first progress (the prefill's answer or the decode's first byte) an
-attempt has the deadline learned for its prefill server and prompt size (gateway/health/deadlines.py),
+attempt has the deadline learned for its prefill server and prompt size (health/deadlines.py),
 kept while it is only queued (dispatch/first_progress.py), so a hung pair is suspected in
-seconds and a busy one is waited for; after it, the hard --response-timeout. Every attempt
-waiting on a server is registered on it: when the server is marked down or its breaker opens,
-`rescue` stops those attempts at once so they are retried elsewhere (when the role has
-another usable server; else they keep waiting under these deadlines).
+seconds and a busy one is waited for; after it, the hard --response-timeout. Attempts are
+registered on their servers: when one is marked down or its breaker opens, `rescue` stops
+its attempts for a retry elsewhere (if the role has another usable server).
 
 The decode leg runs in the caller's task and the prefill leg in a second task whose failure
 interrupts the decode (`Interrupt`, gateway/cancel.py): two legs, one extra task.
@@ -145,7 +144,8 @@ class PDDispatcher:
         p_task.add_done_callback(watch)
         response: UpstreamResponse | None = None
         deadline = attempt.deadline = first_deadline(  # kept while the attempt is queued
-            self.timers, attempt, first, self.timeouts.response, self._prefill_peers)
+            self.timers, attempt, first, self.timeouts.response, self._prefill_peers,
+            self.model.gaps_of(attempt.decode.url))
         try:
             response, answer = await self._decode_leg(attempt)
             self.progress(attempt)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.sim.conftest import PD_FLAGS
 from tests.sim.simproc import HOST, Sim, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -315,3 +316,42 @@ def test_bootstrap_port_speaks_plain_http_and_refuses_foreign_upgrades(pd_pair, 
     with socket.create_connection((HOST, prefill.bootstrap_port), timeout=5) as s:
         s.sendall(b"GET /sim/kv HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
         assert s.recv(100).startswith(b"HTTP/1.1 400")
+
+
+async def _first_event_at(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
+                          started: float) -> tuple[float, float]:
+    """Seconds from `started` to a stream's first data event and to its end."""
+    first = None
+    async with client.stream("POST", url, json=payload) as answer:
+        assert answer.status_code == 200
+        async for line in answer.aiter_lines():
+            if line.startswith("data:") and first is None:
+                first = time.monotonic() - started
+    assert first is not None
+    return first, time.monotonic() - started
+
+
+def test_a_request_queued_for_room_on_the_decode_streams_its_first_token_when_it_joins(
+        sim_factory, room):
+    """SGLang's decode streams the prefill's first token when the request joins a batch
+    (`process_batch_result_prebuilt`), not when its KV arrives: with one running slot, the
+    second request shows nothing until the first has finished."""
+    prefill = sim_factory("prefill", *PD_FLAGS, "--fast")
+    decode = sim_factory("decode", *PD_FLAGS, "--token-delay", "0.04",
+                         "--max-running-requests", "1")
+
+    async def run() -> tuple[tuple[float, float], tuple[float, float]]:
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=15) as client:
+            async def one(number: int, delay: float) -> tuple[float, float]:
+                await asyncio.sleep(delay)
+                payload = {**body(prefill, number), "stream": True,
+                           "sampling_params": {"max_new_tokens": 20}}
+                leg = asyncio.create_task(client.post(prefill.url + "/generate", json=payload))
+                got = await _first_event_at(client, decode.url + "/generate", payload, started)
+                assert (await leg).status_code == 200
+                return got
+            return tuple(await asyncio.gather(one(room(), 0.0), one(room(), 0.2)))
+
+    (_, first_end), (second_first, _) = asyncio.run(run())
+    assert second_first >= first_end - 0.05  # 19 steps of 40 ms after the first one's start
