@@ -194,6 +194,13 @@ class Rig:
     def sockets(self) -> int:
         return socket_count(self.gateway_pid)
 
+    def hang_up(self) -> None:
+        """Close the rig's own kept-alive connections (its scrapes and admin calls), so that
+        what stays open to the gateway afterwards is the clients' (the gateway keeps an idle
+        connection for --keep-alive-timeout, 75 s by default)."""
+        self.http.close()
+        self.http = httpx.Client(timeout=10.0)
+
     def connections(self) -> Counter:
         """The gateway's TCP connections by (peer, state): peer is a server name, `client`
         for connections clients opened to it, or `other` (listening sockets are left out)."""

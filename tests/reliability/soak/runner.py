@@ -208,6 +208,7 @@ def leftovers(rig: Rig, concurrency: int, measured: dict[str, object]) -> list[t
     reused = {s.name: n for s in rig.servers if (n := rig.stats(s)["rooms_reused"])}
     if reused:
         found.append(("room_reused", f"rooms offered twice, by sim: {reused}"))
+    rig.hang_up()
     try:
         wait_until(lambda: _connections(rig)[0] == 0, 10.0, "client connections closed",
                    interval=0.5)
