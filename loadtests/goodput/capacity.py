@@ -5,7 +5,8 @@ The DES replays a plan on P prefill and D decode servers that follow the simulat
 queue (up to `max_running_requests`), matches each prompt against its own prefix cache (the
 simulator's `RadixCache`, LRU, the KV pool's size) at admission, computes chunked-prefill
 steps of `chunked_prefill_size` tokens, caches the prompt, and sends the KV (transfer time);
-the first token reaches the client when the KV reaches the decode (flows._run_decode). A decode
+the first token reaches the client when the request joins its decode's batch (SGLang's decode
+streams it in `process_batch_result_prebuilt`; the simulator's `engine._join_decode`). A decode
 server admits within its KV pool and runs continuous-batching steps, one token per request per
 step. No network, no proxy, no HTTP.
 
@@ -90,10 +91,9 @@ class _Decode:
         return sum(j.context for j in self.decoding) + sum(j.context for j in self.waiting)
 
     def submit(self, job: _Job) -> None:
-        job.first = job.last = self.clock.now
+        """The KV (and the prefill's first token) arrived; the client sees that token when
+        the request joins the batch (`_turn`), as SGLang's decode streams it then."""
         job.tokens = 1
-        if job.req.max_tokens <= 1:
-            return
         self.waiting.append(job)
         if not self.busy:
             self.busy = True
@@ -107,7 +107,11 @@ class _Decode:
             need = job.context + job.req.max_tokens - job.tokens
             if running and used + need > self.physics.kv_tokens:
                 break
-            self.decoding.append(self.waiting.popleft())
+            self.waiting.popleft()
+            job.first = job.last = self.clock.now
+            if job.req.max_tokens <= 1:
+                continue  # done with the prefill's token
+            self.decoding.append(job)
             running += 1
             used += job.context
         if not self.decoding:
