@@ -5,7 +5,8 @@ before the port is bound, like every other setting; read by `gateway/scheduling/
 creates a model's policies. No I/O.
 
 A model's policies are its own entry of `model_policies` where it has one, else the global
-settings (`--prefill-policy`, `--decode-policy`, `--policy`, then auto and least_load).
+settings (`--prefill-policy`, `--decode-policy`, `--policy`, then cache_aware and
+least_load).
 Its `policy_options` for a policy are merged key by key over the global `policy_options` of
 that policy, so a model states only what differs; a policy built on others (auto) reads their
 options first (`Policy.inherited_options`).
@@ -21,8 +22,10 @@ from gateway.policies import REGISTRY, Policy, create_policy
 if TYPE_CHECKING:
     from gateway.config.schema import GatewayConfig
 
-# auto: the joint slo choice for requests with objectives, cache_aware for the rest
-DEFAULT_POLICIES = {"prefill": "auto", "decode": "least_load"}
+# Not `auto` (the joint slo choice and the SLO gate for requests with objectives): on the
+# H200-calibrated goodput benchmark near capacity it attained less than cache_aware alone
+# (docs/BENCHMARKS.md, "Goodput", 2026-12-03 A/B); it stays opt-in (`--policy auto`)
+DEFAULT_POLICIES = {"prefill": "cache_aware", "decode": "least_load"}
 # SGLang's DEFAULT_MODEL_NAME (entrypoints/openai/protocol.py): what its OpenAI API assumes
 # when a request names no model, so it means "the default model" here too
 DEFAULT_NAME = "default"

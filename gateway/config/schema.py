@@ -82,8 +82,8 @@ class GatewayConfig:
 
     # Scheduling
     policy: str | None = _opt(
-        None, "policy for both roles (default: auto for prefill, which is slo for requests "
-        "with latency objectives and cache_aware for the rest; least_load for decode)")
+        None, "policy for both roles (default: cache_aware for prefill, least_load for decode; "
+        "auto: slo for requests with latency objectives, cache_aware for the rest)")
     prefill_policy: str | None = _opt(None, "policy for choosing the prefill server")
     decode_policy: str | None = _opt(None, "policy for choosing the decode server")
     policy_options: dict | None = _opt(

@@ -79,7 +79,10 @@ def cluster(tmp_path_factory):
         argv = python("-m", "gateway", "--host", HOST, "--port", str(gw_port),
                       "--workers", str(WORKERS), "--prefill", prefill, str(boot),
                       "--decode", *decodes, "--max-concurrency", "4", "--max-queue", "64",
-                      "--loads-interval", "0.5")
+                      "--loads-interval", "0.5",
+                      # requests without objectives are cache_aware's (the default's) exactly;
+                      # with objectives they take the joint slo path
+                      "--policy", "auto")
         gateway = f"http://{HOST}:{gw_port}"
         proc = stack.enter_context(running("gateway", argv, log_dir, gateway + "/readiness"))
         deadline = time.monotonic() + 60

@@ -1,6 +1,6 @@
-"""The default policy (`auto`): requests with objectives are placed by the joint `slo` scorer,
-requests without keep `cache_aware` + `least_load` exactly; `--policy cache_aware` keeps its
-meaning (no sockets)."""
+"""The `auto` policy (opt-in: `--policy auto`): requests with objectives are placed by the joint
+`slo` scorer, requests without keep `cache_aware` + `least_load` exactly; the defaults stay
+`cache_aware` + `least_load` (no sockets)."""
 
 from __future__ import annotations
 
@@ -39,16 +39,16 @@ def config(*argv: str):
     return load_config(["--prefill", "http://p:1", "--decode", "http://d:1", *argv])
 
 
-def test_the_defaults_are_auto_for_prefill_and_least_load_for_decode() -> None:
+def test_the_defaults_are_cache_aware_and_least_load_and_auto_is_opt_in() -> None:
     cfg = config()
-    assert policy_choice(cfg, None, "prefill")[0] == "auto"
+    assert policy_choice(cfg, None, "prefill")[0] == "cache_aware"
     assert policy_choice(cfg, None, "decode")[0] == "least_load"
-    assert (policy_choice(config("--policy", "cache_aware"), None, "prefill")[0]
-            == "cache_aware")
+    assert policy_choice(config("--policy", "auto"), None, "prefill")[0] == "auto"
 
 
-def test_options_written_for_cache_aware_and_slo_apply_to_the_default() -> None:
-    cfg = config("--policy-options", '{"cache_aware": {"match_threshold": 0.7, "top_k": 9},'
+def test_options_written_for_cache_aware_and_slo_apply_to_auto() -> None:
+    cfg = config("--policy", "auto",
+                 "--policy-options", '{"cache_aware": {"match_threshold": 0.7, "top_k": 9},'
                  ' "slo": {"top_k": 2, "tie_seconds": 0.01}, "auto": {"tie_seconds": 0.02}}')
     name, options = policy_choice(cfg, None, "prefill")
     policy = create_policy(name, "prefill", options)

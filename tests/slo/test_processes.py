@@ -4,7 +4,8 @@
   load, the median of observed / predicted TTFT (`gateway_slo_prediction_error`) is within
   25% of 1.
 * A flood of batch requests does not push interactive ones past their TTFT objective while
-  capacity remains (with the default policy, which places requests with objectives jointly): batch requests that could not start in time are refused at once (429,
+  capacity remains (`--policy auto`, which places requests with objectives jointly and gates
+  them): batch requests that could not start in time are refused at once (429,
   Retry-After, code `slo_unattainable`) and cause no prefill work (the prefill server's
   /sim/stats counts exactly the requests the gateway did not refuse).
 """
@@ -83,10 +84,10 @@ def test_batch_flood_leaves_interactive_within_objective_and_sheds_without_work(
         tmp_path) -> None:
     # batch may start while the prefill queue is under 1 s; interactive gets 2.5 s, the gap
     # is this busy machine's noise (the flood alone would queue 10 s of prefill ahead of it)
-    # the default policy: these requests carry objectives (their classes'), so the joint
-    # slo choice places them and the gate refuses what would miss
+    # `--policy auto`: these requests carry objectives (their classes'), so the joint slo
+    # choice places them and the gate refuses what would miss
     classes = {"interactive": {"ttft_ms": 2500}, "batch": {"ttft_ms": 1000}}
-    args = ("--loads-interval", "0.5", "--slo-classes", json.dumps(classes))
+    args = ("--policy", "auto", "--loads-interval", "0.5", "--slo-classes", json.dumps(classes))
     with running_rig(tmp_path, args, n_prefill=1, n_decode=1) as rig, \
             httpx.Client(timeout=60) as client, ThreadPoolExecutor(24) as pool:
         prefill = rig.prefill[0]
