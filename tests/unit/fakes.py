@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -138,3 +139,20 @@ async def served_gateway(cluster: FakeCluster, *extra: str):
 
 def run(coro, timeout: float = 20):
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+# A conversation's turns for the trailing-prefill tests (tests/unit/dispatch/test_*trailing*):
+# ten random words a message, a fixed chat answer, and how late the prefill answers.
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+TRAIL = 0.3  # seconds the prefill's answer comes after the decode's
+
+
+def words(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(10))
+
+
+def chat_answer(body: dict) -> dict:
+    return {"id": "c", "object": "chat.completion", "model": "fake",
+            "choices": [{"index": 0, "finish_reason": "length",
+                         "message": {"role": "assistant", "content": "echo golf hotel kilo"}}],
+            "usage": {"prompt_tokens": 40, "completion_tokens": 8, "total_tokens": 48}}

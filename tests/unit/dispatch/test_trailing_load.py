@@ -12,25 +12,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-from tests.unit.fakes import FakeCluster, FakeServer, run
+from tests.unit.fakes import TRAIL, FakeCluster, FakeServer, chat_answer, run, words
 from tests.unit.fakes import served_gateway as gateway
 
 P1, P2, D1 = "http://127.0.0.1:30000", "http://127.0.0.1:30001", "http://127.0.0.1:30002"
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
-TRAIL = 0.3  # seconds the prefill's answer comes after the decode's
-
-
-def words(rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(10))
-
-
-def chat_answer(body: dict) -> dict:
-    return {"id": "c", "object": "chat.completion", "model": "fake",
-            "choices": [{"index": 0, "finish_reason": "length",
-                         "message": {"role": "assistant", "content": "echo golf hotel kilo"}}],
-            "usage": {"prompt_tokens": 40, "completion_tokens": 8, "total_tokens": 48}}
-
-
 def cluster() -> FakeCluster:
     return FakeCluster({P1: FakeServer("prefill", delay=TRAIL),
                         P2: FakeServer("prefill", delay=TRAIL),
