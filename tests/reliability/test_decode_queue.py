@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from tests.rigs.faults import wait_until
+from tests.rigs.faults import unique_prompt, wait_until
 
 PROMPT_TOKENS = 400
 NEW_TOKENS = 150
@@ -31,16 +31,10 @@ BURST = 50
 FLOOR = 5.0  # the default --hang-floor
 
 
-def prompt(i: int) -> str:
-    """~PROMPT_TOKENS tokens (4 characters each), unique from the start."""
-    head = f"request {i:06d} "
-    return head + "x" * (4 * PROMPT_TOKENS - len(head))
-
-
 def stream(url: str, i: int) -> tuple[int, float, bool]:
     """(status, the longest silence: to the first chunk or between two, whether it ended
     with [DONE])."""
-    body = {"text": prompt(i), "stream": True, "sampling_params": {"max_new_tokens": NEW_TOKENS}}
+    body = {"text": unique_prompt(i, PROMPT_TOKENS), "stream": True, "sampling_params": {"max_new_tokens": NEW_TOKENS}}
     longest, last, tail = 0.0, time.monotonic(), b""
     with httpx.stream("POST", url + "/generate", json=body, timeout=120) as response:
         for chunk in response.iter_bytes():

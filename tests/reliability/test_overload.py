@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.rigs.faults import wait_until
+from tests.rigs.faults import unique_prompt, wait_until
 
 PROMPT_TOKENS = 500
 MS_PER_TOKEN = 1.0  # 0.5 s of prefill per prompt: the queue, not the compute, is long
@@ -28,17 +28,11 @@ BURST = 40
 FLOOR = 5.0  # the default --hang-floor
 
 
-def prompt(i: int) -> str:
-    """~PROMPT_TOKENS tokens (4 characters each), unique from the start: no cache hits."""
-    head = f"request {i:06d} "
-    return head + "x" * (4 * PROMPT_TOKENS - len(head))
-
-
 def one(url: str, i: int, timeout: float = 90.0) -> tuple[int, float, str]:
     started = time.monotonic()
     with httpx.Client(timeout=timeout) as client:
         r = client.post(url + "/generate", json={
-            "text": prompt(i), "sampling_params": {"max_new_tokens": 4}})
+            "text": unique_prompt(i, PROMPT_TOKENS), "sampling_params": {"max_new_tokens": 4}})
     return r.status_code, time.monotonic() - started, r.text[:300]
 
 

@@ -33,6 +33,13 @@ FAST_DETECTION = ("--health-interval", "0.5", "--health-timeout", "0.5",
 START_TIMEOUT = 60.0  # generous: the machine has 2 cores and other work runs beside us
 
 
+def unique_prompt(i: int, tokens: int) -> str:
+    """About `tokens` simulator tokens (4 characters each), unique from the start: no two
+    such prompts share a cached prefix."""
+    head = f"request {i:06d} "
+    return head + "x" * (4 * tokens - len(head))
+
+
 def wait_until(predicate: Callable[[], object], timeout: float, what: str,
                interval: float = 0.05, detail: Callable[[], object] | None = None) -> float:
     """Poll `predicate` until it is truthy; return the seconds it took, or fail naming `what`

@@ -156,3 +156,16 @@ def chat_answer(body: dict) -> dict:
             "choices": [{"index": 0, "finish_reason": "length",
                          "message": {"role": "assistant", "content": "echo golf hotel kilo"}}],
             "usage": {"prompt_tokens": 40, "completion_tokens": 8, "total_tokens": 48}}
+
+
+async def chat_turns(client, rng: random.Random, turns: int, after_each) -> None:
+    """One conversation's `turns` chat turns back to back through the gateway's `client`,
+    each the whole history so far; `after_each(turn)` runs as each answer has come."""
+    messages = [{"role": "system", "content": words(rng)}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"question {turn}: {words(rng)}"})
+        answer = await client.post("/v1/chat/completions", json={
+            "model": "fake", "messages": messages, "max_tokens": 8})
+        assert answer.status_code == 200, answer.text
+        messages.append(answer.json()["choices"][0]["message"])
+        after_each(turn)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from tests.unit.fakes import TRAIL, FakeCluster, FakeServer, chat_answer, run, words
+from tests.unit.fakes import TRAIL, FakeCluster, FakeServer, chat_answer, chat_turns, run
 from tests.unit.fakes import served_gateway as gateway
 
 P1, D1 = "http://127.0.0.1:30000", "http://127.0.0.1:30001"
@@ -32,17 +32,13 @@ def test_a_conversation_whose_prefill_answers_trail_stays_on_its_rank() -> None:
     async def go() -> tuple[list[int], list[tuple], tuple]:
         async with gateway(fake, "--prefill-policy", "cache_aware") as (client, gw):
             server = gw.pool.get(P1)
-            messages = [{"role": "system", "content": words(rng)}]
             ranks, seen = [], []
-            for turn in range(5):
-                messages.append({"role": "user", "content": f"question {turn}: {words(rng)}"})
-                answer = await client.post("/v1/chat/completions", json={
-                    "model": "fake", "messages": messages, "max_tokens": 8})
-                assert answer.status_code == 200, answer.text
-                messages.append(answer.json()["choices"][0]["message"])
+
+            def note(_turn: int) -> None:
                 ranks.append(fake.servers[D1].received[-1]["bootstrap_room"] % 2)
                 seen.append((server.in_flight,
                              [(r.in_flight, r.in_flight_tokens) for r in server.ranks]))
+            await chat_turns(client, rng, 5, note)
             for _ in range(200):  # the trailing answers come in
                 if server.in_flight == 0:
                     break

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from tests.unit.fakes import TRAIL, FakeCluster, FakeServer, chat_answer, run, words
+from tests.unit.fakes import TRAIL, FakeCluster, FakeServer, chat_answer, chat_turns, run
 from tests.unit.fakes import served_gateway as gateway
 
 P1, P2, D1 = "http://127.0.0.1:30000", "http://127.0.0.1:30001", "http://127.0.0.1:30002"
@@ -45,16 +45,12 @@ def test_a_conversation_whose_prefill_answers_trail_stays_on_its_server() -> Non
     async def go() -> tuple[list[int], list[tuple], list[tuple]]:
         async with gateway(fake, "--prefill-policy", "cache_aware") as (client, gw):
             servers = [gw.pool.get(P1), gw.pool.get(P2)]
-            messages = [{"role": "system", "content": words(rng)}]
-            counts, seen = [], []
-            for turn in range(5):
-                messages.append({"role": "user", "content": f"question {turn}: {words(rng)}"})
-                answer = await client.post("/v1/chat/completions", json={
-                    "model": "fake", "messages": messages, "max_tokens": 8})
-                assert answer.status_code == 200, answer.text
-                messages.append(answer.json()["choices"][0]["message"])
-                counts = [s.total_requests for s in servers]
+            seen = []
+
+            def note(_turn: int) -> None:
                 seen.append(tuple(counters(s) for s in servers))
+            await chat_turns(client, rng, 5, note)
+            counts = [s.total_requests for s in servers]
             await settled(servers)
             return counts, seen, [counters(s) for s in servers]
 
