@@ -1,6 +1,7 @@
-"""auto: the default policy. A request that carries latency objectives is placed by the joint
-`slo` scorer; a request without keeps `cache_aware` (prefill) and `least_load` (decode)
-exactly (docs/SCHEDULING.md, "The default policy").
+"""auto (opt-in, `--policy auto`): a request that carries latency objectives is placed by the
+joint `slo` scorer; a request without keeps `cache_aware` (prefill) and `least_load` (decode)
+exactly. Not the default: near capacity its gate refused requests `cache_aware` would serve in
+time (docs/SCHEDULING.md, "The default policy, and `auto`").
 
 Objectives are the headers `x-slo-ttft-ms` / `x-slo-itl-ms` or the defaults of the request's
 class in `--slo-classes` (gateway/slo/objectives.py). A client that states an objective asks
@@ -25,12 +26,13 @@ configuration written for the old defaults keeps its meaning (`inherited_options
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 
+from gateway.policies.least_load import LeastLoadOptions, LeastLoadPolicy
 from gateway.policies.slo import SloPolicy
 from gateway.request import RequestView
-from gateway.scheduling.load import load_scores, rotating_argmin
+from gateway.scheduling.load import LoadOptions
 from gateway.servers.pool import Server
 
 
@@ -45,7 +47,10 @@ class AutoPolicy(SloPolicy):
 
     def __init__(self, role: str, options=None) -> None:
         super().__init__(role, options)
-        self._least_turn = 0  # least_load's own rotation, apart from the joint choice's
+        # the decode role without objectives: least_load itself, on the shared load options,
+        # with its own rotation apart from the joint choice's
+        load = {f.name: getattr(self.options, f.name) for f in fields(LoadOptions)}
+        self._least = LeastLoadPolicy(role, LeastLoadOptions(**load))
 
     @classmethod
     def inherited_options(cls, role: str) -> tuple[str, ...]:
@@ -60,7 +65,4 @@ class AutoPolicy(SloPolicy):
     def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
         if self.role != "decode" or has_objectives(view):
             return super().pick(candidates, view)  # prefill: cache_aware's choice
-        scores = load_scores(candidates, self.options, time.monotonic())
-        index = rotating_argmin(scores, self._least_turn)
-        self._least_turn += 1
-        return candidates[index]
+        return self._least.pick(candidates, view)
