@@ -46,10 +46,12 @@ class Traffic(threading.Thread):
             n = 0
             while not self.stop.is_set():
                 n += 1
-                body = ({"text": f"count {n}:", "sampling_params": {"max_new_tokens": 8}}
+                # each prompt starts with its own number: no cached prefix ties the traffic to
+                # the first prefill, so a server switched to prefill gets its share
+                body = ({"text": f"{n} count", "sampling_params": {"max_new_tokens": 8}}
                         if n % 2 else
                         {"model": MODEL_NAME, "max_tokens": 8,
-                         "messages": [{"role": "user", "content": f"say {n}"}]})
+                         "messages": [{"role": "user", "content": f"{n} say"}]})
                 path = "/generate" if n % 2 else "/v1/chat/completions"
                 try:
                     r = client.post(self.gateway + path, json=body)
