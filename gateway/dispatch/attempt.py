@@ -55,6 +55,7 @@ class Attempt:
     started_at: float = 0.0
     dispatched_at: float = 0.0  # time.monotonic() when its counters were taken (proxy)
     not_after: float = float("inf")  # the request's own deadline (loop time), over retries
+    urgency: int = 0  # the request's earlier silences: its deadlines' floor is lower
     progressed: bool = False  # the prefill answered or the decode sent its first byte
     kv_at: float = 0.0  # loop time of the prefill's answer when it was the first progress
     trailing: bool = False  # progressed by its decode, its prefill's answer still to come

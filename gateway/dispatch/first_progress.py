@@ -69,11 +69,13 @@ class FirstProgressDeadline(Deadline):
 
 
 def first_deadline(timers: Timers, attempt: Attempt, first: float, response: float,
-                   peers: Callable[[], list | None], gaps=None) -> FirstProgressDeadline:
+                   peers: Callable[[], list | None], gaps=None,
+                   floor: float = 0.0) -> FirstProgressDeadline:
     """The first-progress deadline of `attempt`, started now, looked at after `first`.
     `gaps`: the decode's chunk-gap ring (health/deadlines.py), whose count of its streams'
     chunks is part of the progress that tells a decode working through its queue from a
-    stuck one."""
+    stuck one. `floor`: the ordinary deadlines' floor, the least window in which a queue's
+    signs of life count (a request's own `first` is shorter after its silences)."""
     prefill = attempt.prefill
     tokens = attempt.prefill_tokens
 
@@ -82,11 +84,11 @@ def first_deadline(timers: Timers, attempt: Attempt, first: float, response: flo
 
     decode = attempt.decode
     watch = QueueWatch(attempt.prefill_target or prefill, decode, tokens, first,
-                       time.monotonic(), elsewhere)
+                       time.monotonic(), elsewhere, floor)
     started = attempt.started_at
     # the decode's progress for its other requests: chunks it streamed, legs it answered or
     # finished (a queue of long answers may finish none for many seconds)
     queue = DecodeQueue(decode, lambda: (gaps.count if gaps is not None else 0)
-                        + decode.last_success)
+                        + decode.last_success, least=floor)
     return FirstProgressDeadline(timers, attempt.interrupt, started + first,
                                  min(started + response, attempt.not_after), watch, queue)

@@ -86,6 +86,8 @@ class Tracked:
     trace: object | None = None  # tracing.RequestTrace with tracing on, else None
     usage: object | None = None  # usage.RequestUsage: its figures (None for the gateway's own)
     not_after: float | None = None  # the client's own deadline (loop time), if it sent one
+    # attempts of this request that failed after waiting (health/deadlines.py: `urgency`)
+    silences: int = 0
 
     def keys(self) -> tuple[str, ...]:
         return (self.request_id, *self.rids)

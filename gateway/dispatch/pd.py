@@ -8,11 +8,11 @@ answers are read whole; streams are relayed (gateway/dispatch/relay.py), and the
 client has seen anything.
 
 Deadlines: until its first progress (the prefill's answer or the decode's first byte) an
-attempt has the deadline learned for its prefill server and prompt size (health/deadlines.py),
-kept while it is only queued (dispatch/first_progress.py), so a hung pair is suspected in
-seconds and a busy one is waited for; after it, the hard --response-timeout. Attempts are
-registered on their servers: when one is marked down or its breaker opens, `rescue` stops
-its attempts for a retry elsewhere (if the role has another usable server).
+attempt has the deadline learned for its prefill server and prompt size (health/deadlines.py;
+shorter after the request's earlier silences: `Attempt.urgency`), kept while it is only
+queued (dispatch/first_progress.py), so a hung pair is suspected in seconds and a busy one is
+waited for. Attempts are registered on their servers: when one is marked down or its breaker
+opens, `rescue` stops its attempts for a retry elsewhere (if the role has another one).
 
 The decode leg runs in the caller's task and the prefill leg in a second task whose failure
 interrupts the decode (`Interrupt`, gateway/cancel.py): two legs, one extra task.
@@ -138,14 +138,14 @@ class PDDispatcher:
         attempt.prefill.attempts.add(attempt)
         attempt.decode.attempts.add(attempt)
         first = self.model.first_progress_deadline(
-            attempt.prefill.url, attempt.view.prompt_tokens, self.timeouts.response)
+            attempt.prefill.url, attempt.view.prompt_tokens, self.timeouts.response, attempt.urgency)
         p_task = loop.create_task(self._prefill_leg(attempt))
         watch = _PrefillWatch(interrupt, self, attempt)
         p_task.add_done_callback(watch)
         response: UpstreamResponse | None = None
         deadline = attempt.deadline = first_deadline(  # kept while the attempt is queued
             self.timers, attempt, first, self.timeouts.response, self._prefill_peers,
-            self.model.gaps_of(attempt.decode.url))
+            self.model.gaps_of(attempt.decode.url), self.model.options.floor)
         try:
             response, answer = await self._decode_leg(attempt)
             self.progress(attempt)
@@ -194,18 +194,15 @@ class PDDispatcher:
 
     def progress(self, attempt: Attempt, by_prefill: bool = False) -> None:
         """The pair works (prefill answered, or the decode's first byte): learn how long it
-        took. From now on a non-streaming answer has the hard response timeout (its decode
-        shows nothing until it is done); a stream whose prefill answered must see its first
-        chunk within the decode's learned gap deadline (the KV is there: a silent decode now
-        is a hung one)."""
+        took. Once its prefill answered (the KV is there: a silent decode now is a hung one)
+        a stream must see its first chunk within the decode's learned gap deadline, a whole
+        answer within its learned time per token (`answer_deadline`)."""
         if attempt.progressed:
             return
         attempt.progressed = True
-        # the prefill has computed (it answered, or the decode has its KV), though its HTTP
-        # answer may come after the decode's (seen on the CPU rig): its snapshot forgets the
-        # request now (a conversation's next turn sent meanwhile found the prefill "busy"),
-        # and the other samples of an n > 1 request may follow it now (they waited for that
-        # answer and ran one after the other)
+        # the prefill has computed, though its HTTP answer may come after the decode's (CPU
+        # rig): its snapshot forgets the request now (a conversation's next turn sent
+        # meanwhile found the prefill "busy"), and an n > 1 request's other samples may follow
         if "prefill" not in attempt.outcome:  # else settled as the leg ended (ledger)
             attempt.settle_prefill(trail=True)
         _placed(attempt, True)
@@ -216,10 +213,11 @@ class PDDispatcher:
             limit = attempt.started_at + self.timeouts.response
             if by_prefill:  # the decode's own silence from now on is bounded by what it learned
                 attempt.kv_at = now
-                url, hard = attempt.decode.url, self.timeouts.response
+                url, hard, urgent = attempt.decode.url, self.timeouts.response, attempt.urgency
                 limit = min(limit, now + (
-                    self.model.gap_deadline(url, hard) if attempt.view.stream else
-                    self.model.answer_deadline(url, requested_new_tokens(attempt.view), hard)))
+                    self.model.gap_deadline(url, hard, urgent) if attempt.view.stream else
+                    self.model.answer_deadline(url, requested_new_tokens(attempt.view), hard,
+                                               urgent)))
             attempt.deadline.move(min(limit, attempt.not_after))
 
     def _prefill_peers(self) -> list[Server] | None:

@@ -50,6 +50,8 @@ class Proxy:
         self.backoff_max = backoff_max
         self.request_timeout = request_timeout
         self.failover = failover
+        # an attempt that failed after this long lowers the floor of the next ones' deadlines
+        self.urgent_after = dispatcher.model.floor(urgency=1 << 16)
 
     async def handle(self, view: RequestView, tracked: Tracked, placement=None,
                      depth: int = 0, avoid: tuple[Server, ...] = ()) -> Answer:
@@ -82,6 +84,8 @@ class Proxy:
                     if tracked.trace is not None:
                         tracked.trace.failed(exc, number - 1)
                     last_error = exc
+                    if loop.time() - attempt.started_at >= self.urgent_after:
+                        tracked.silences += 1  # it waited: the next deadlines are shorter
                     spent = self._spends(exc, attempt, doubtful)
                     failed += spent
                     if not exc.retryable or failed == self.max_attempts \
@@ -109,6 +113,7 @@ class Proxy:
         picking = time.time_ns() if trace is not None else 0
         target, decode = self.scheduler.pick(view, avoid, prefer)
         attempt = self.dispatcher.prepare(view, target.server, decode, tracked, target.rank)
+        attempt.urgency = tracked.silences
         if trace is not None:
             attempt.trace = trace.picked(attempt, number - 1, depth, picking)
         if placement is not None:
@@ -179,6 +184,8 @@ class Resumed:
     async def continue_after(self, broken: StreamBroken):
         view = self.view
         error = broken.error
+        if error.status == 504:  # it went silent: the continuation's deadlines are shorter
+            self.tracked.silences += 1
         cont = Continuation.build(view, self.seen.objects()) if self.seen.usable else None
         if cont is None:
             self.failovers.labels(view.endpoint, "not_resumable").inc()

@@ -210,20 +210,21 @@ class StreamRelay:
         model learns while we stream) and the client's send timeout. A rescue now stops
         the relay's wait."""
         url, model, hard = attempt.decode.url, self.model, self.timeouts.stream_idle
-        send = self.timeouts.send
+        send, urgency = self.timeouts.send, attempt.urgency
 
         def idle() -> float:
-            return model.gap_deadline(url, hard)
+            return model.gap_deadline(url, hard, urgency)
 
         stalled = UpstreamError(f"decode server {url} went silent mid-stream (longer than its "
                                 "learned gap deadline)", leg="decode", server_url=url,
                                 retryable=True, status=504)
         tracked = attempt.tracked
         watchdog = StreamWatchdog(idle, send, tracked.interrupt if tracked is not None else None,
-                                  stalled, period=min(model.options.floor, send, hard) / 2,
+                                  stalled, period=min(model.floor(urgency), send, hard) / 2,
                                   loop=self.timers.loop())
         decode, gaps = attempt.decode, model.gaps_of(url)  # its streams' chunks: progress
-        watchdog.queued = DecodeQueue(decode, lambda: gaps.count + decode.last_success, hard)
+        watchdog.queued = DecodeQueue(decode, lambda: gaps.count + decode.last_success, hard,
+                                      model.options.floor)
         attempt.interrupt = watchdog.upstream
         if attempt.trace is not None:
             attempt.trace.relay_started()

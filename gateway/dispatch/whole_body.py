@@ -33,7 +33,8 @@ async def read_whole(attempt: Attempt, response: UpstreamResponse, model: Latenc
     parts = []
     while True:
         if deadline is not None:
-            deadline.move(min(loop.time() + model.gap_deadline(url, timeouts.stream_idle), hard))
+            deadline.move(min(loop.time() + model.gap_deadline(
+                url, timeouts.stream_idle, attempt.urgency), hard))
         chunk = await response.next_chunk()
         if chunk is None:
             break

@@ -15,6 +15,12 @@ values), at least `floor`, at most the configured hard timeout. Until a bucket h
 the prompt-size ratio (prefill time is at most linear in the prompt), else the same bucket of
 any server, else `cold` plus the prompt at a slow `cold_tokens_per_second` (`gap_cold` for
 stream gaps, which any server's gaps also inform). How the defaults were chosen is in docs/RELIABILITY.md.
+
+A request that already waited out silences (`urgency`: its attempts cut for silence and its
+stalled streams) has deadlines whose floor halves with each one, down to `urgent_share` of it:
+the floor guards against a healthy server's jitter, and a request that met hung servers in turn
+would otherwise pay the whole floor at each (soak seed 22: 30.3 s for an answer that met four).
+The learned part (`factor` x the percentile) is kept: a long prefill is not cut for it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class DeadlineOptions:
     percentile: float = 0.99
     factor: float = 4.0
     floor: float = 5.0  # seconds: below this, normal jitter (GC, a batch boundary) would cut
+    urgent_share: float = 0.2  # the least floor after a request's earlier silences (1 s)
     cold: float = 10.0  # seconds, before anything was learned of first progress (short prompt)
     cold_tokens_per_second: float = 2000.0  # ...plus the prompt at this (slow) prefill speed
     gap_cold: float = 10.0  # seconds, before any stream gap was learned
@@ -122,24 +129,35 @@ class LatencyModel:
 
     # -- deadlines ----------------------------------------------------------------------------
 
-    def _bounded(self, learned: float | None, limit: float, cold: float | None = None) -> float:
+    def floor(self, urgency: int = 0) -> float:
+        """The least deadline of a request with `urgency` earlier silences."""
         o = self.options
-        if learned is None:
-            return min(limit, max(o.cold if cold is None else cold, o.floor))
-        return min(limit, max(o.floor, o.factor * learned))
+        if urgency <= 0:
+            return o.floor
+        return o.floor * max(o.urgent_share, 1.0 / (1 << min(urgency, 16)))
 
-    def first_progress_deadline(self, url: str, tokens: int, limit: float) -> float:
+    def _bounded(self, learned: float | None, limit: float, cold: float | None = None,
+                 urgency: int = 0) -> float:
+        o = self.options
+        floor = self.floor(urgency)
+        if learned is None:
+            return min(limit, max(o.cold if cold is None else cold, floor))
+        return min(limit, max(floor, o.factor * learned))
+
+    def first_progress_deadline(self, url: str, tokens: int, limit: float,
+                                urgency: int = 0) -> float:
         bucket = bucket_of(tokens)
         key = (url, bucket)
-        known = self._memo.get(key)
+        known = self._memo.get(key) if not urgency else None  # (urgent ones are rare)
         if known is not None and known[0] == limit:
             return known[1]
         o = self.options
         learned = self._learned_first(url, bucket)
         if learned is None:  # cold: the prompt's own size counts, not its bucket's
             return self._bounded(None, limit, o.cold + tokens / o.cold_tokens_per_second)
-        deadline = self._bounded(learned, limit)
-        self._memo[key] = (limit, deadline)
+        deadline = self._bounded(learned, limit, urgency=urgency)
+        if not urgency:
+            self._memo[key] = (limit, deadline)
         return deadline
 
     def _learned_first(self, url: str, bucket: int) -> float | None:
@@ -155,12 +173,14 @@ class LatencyModel:
             return ring.quantile(o.percentile)
         return None
 
-    def gap_deadline(self, url: str, limit: float) -> float:
+    def gap_deadline(self, url: str, limit: float, urgency: int = 0) -> float:
         """This server's gaps, else every server's (decode steps are alike), else cold."""
         gap = self._learned_gap(url)
-        return self._bounded(gap, limit, None if gap is not None else self.options.gap_cold)
+        return self._bounded(gap, limit, None if gap is not None else self.options.gap_cold,
+                             urgency)
 
-    def answer_deadline(self, url: str, tokens: int | None, limit: float) -> float:
+    def answer_deadline(self, url: str, tokens: int | None, limit: float,
+                        urgency: int = 0) -> float:
         """How long a decode may stay silent on a non-streamed request once its KV is there:
         it generates `tokens` (the request's budget) at its learned gap per token, so
         `factor` x gap x (tokens + 1), bounded as any deadline. `limit` when the request sets
@@ -168,7 +188,7 @@ class LatencyModel:
         gap = self._learned_gap(url) if tokens is not None else None
         if gap is None:
             return limit
-        return self._bounded(gap * (tokens + 1), limit)
+        return self._bounded(gap * (tokens + 1), limit, urgency=urgency)
 
     def _learned_gap(self, url: str) -> float | None:
         o = self.options

@@ -90,14 +90,18 @@ def shortest_wait(servers: Iterable, here, tokens: int) -> float:
 class QueueWatch:
     """The looks at one attempt without progress (monotonic times); see the module doc."""
 
-    __slots__ = ("prefill", "decode", "window", "mark", "seen", "started", "moved_at",
+    __slots__ = ("prefill", "decode", "window", "heard", "mark", "seen", "started", "moved_at",
                  "turn_at", "elsewhere", "counted", "ahead", "due")
 
     def __init__(self, prefill, decode, own: int, window: float, started: float,
-                 elsewhere: Callable[[], float]) -> None:
+                 elsewhere: Callable[[], float], heard: float | None = None) -> None:
         self.prefill = prefill  # the prefill target: a Server or its DP rank
         self.decode = decode
         self.window = window
+        # how recent the servers' signs of life must be (a poll answered, a leg finished):
+        # at least the ordinary deadline, even when the request's own is shorter (`urgency`,
+        # deadlines.py), which may be shorter than the polls' interval
+        self.heard = max(window, heard or 0.0)
         self.elsewhere = elsewhere  # the shortest predicted wait on another prefill
         self.counted = counted(prefill)
         self.ahead = queued_ahead(prefill, own)
@@ -120,7 +124,7 @@ class QueueWatch:
         froze before or since shows nothing: its attempts are no longer queued)."""
         now = time.monotonic()
         return (self.counted and self.seen < self.mark and self.moved_at > self.started
-                and now - self.moved_at < self.window and now < self.due + self.window)
+                and now - self.moved_at < self.heard and now < self.due + self.heard)
 
     def look(self, now: float) -> float | None:
         """The time of the next look, or None: cut the attempt now."""
@@ -133,18 +137,19 @@ class QueueWatch:
         decode = self.decode
         heard = min(max(self.moved_at, self.prefill.server.last_success),
                     max(decode.load.updated_at, decode.last_success))
-        if heard + self.window <= now:
+        recent = self.heard
+        if heard + recent <= now:
             return None  # a silent server: a hang
-        if self.seen < self.mark and now < self.due + self.window:
-            return heard + self.window  # queued behind work that is being done
+        if self.seen < self.mark and now < self.due + recent:
+            return heard + recent  # queued behind work that is being done
         if self.turn_at is None:  # its turn came by this snapshot, or is past due
             self.turn_at = load.updated_at if self.seen >= self.mark else self.due
         dload = decode.load
         if (dload.waiting > 0 or dload.token_usage >= DECODE_FULL) \
-                and decode.last_success + self.window > now:
-            return heard + self.window  # in its decode's admission queue, which moves
+                and decode.last_success + recent > now:
+            return heard + recent  # in its decode's admission queue, which moves
         until = self.turn_at + max(self.window, self.elsewhere())
-        return min(until, heard + self.window) if until > now else None
+        return min(until, heard + recent) if until > now else None
 
 
 class DecodeQueue:
@@ -158,12 +163,14 @@ class DecodeQueue:
     polls hang), an idle one, or one whose other requests stand still too is cut: within one
     window of its last answered poll. Never past `hard` seconds of silence."""
 
-    __slots__ = ("decode", "progress", "hard", "since", "seen")
+    __slots__ = ("decode", "progress", "hard", "least", "since", "seen")
 
-    def __init__(self, decode, progress: Callable[[], float], hard: float = math.inf) -> None:
+    def __init__(self, decode, progress: Callable[[], float], hard: float = math.inf,
+                 least: float = 0.0) -> None:
         self.decode = decode
         self.progress = progress
         self.hard = hard
+        self.least = least  # the least window: the ordinary deadline's floor (as `QueueWatch.heard`)
         self.since: float | None = None  # the silence the last look was at
         self.seen = 0.0  # `progress` at that look
 
@@ -171,6 +178,7 @@ class DecodeQueue:
         """The next look at a silence that began at `since`, or None: cut it now. `skew`:
         time.monotonic() less the clock of `since` and `now` (an event loop's)."""
         end = since + self.hard
+        window = max(window, self.least)
         load = self.decode.load
         heard = load.updated_at - skew
         if now >= end or load.updated_at <= 0.0 or heard + window <= now \

@@ -19,6 +19,7 @@ from gateway.dispatch.inflight import Tracked
 from gateway.dispatch.parallel_samples import Placement
 from gateway.dispatch.proxy import Proxy, Shared
 from gateway.errors import UpstreamError
+from gateway.health.deadlines import LatencyModel
 from gateway.servers.pool import Server
 from tests.unit.fakes import FakeCluster, FakeServer, run, served_gateway
 
@@ -131,6 +132,7 @@ class _Attempt:
         self.prefill, self.decode = prefill, decode
         self.trace = self.prefill_rank = self.prefill_future = None
         self.not_after, self.resumable = 0.0, False
+        self.started_at, self.urgency = asyncio.get_running_loop().time(), 0
 
 
 class _Dispatch:
@@ -139,6 +141,7 @@ class _Dispatch:
     def __init__(self, broken: set[str]) -> None:
         self.broken = broken
         self.timers = SimpleNamespace(loop=asyncio.get_running_loop)
+        self.model = LatencyModel()
 
     def prepare(self, view, prefill, decode, tracked, rank):
         return _Attempt(prefill, decode)
