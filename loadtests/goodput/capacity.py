@@ -51,6 +51,7 @@ class _Job:
     ids: list[int]
     cached: int = 0
     remaining: int = 0  # uncached prompt tokens still to compute
+    kv_at: float | None = None  # when its KV reached the decode (seconds from the start)
     first: float | None = None  # seconds from the run's start
     last: float | None = None
     tokens: int = 0  # generated so far (the first came with the KV)
@@ -93,7 +94,7 @@ class _Decode:
     def submit(self, job: _Job) -> None:
         """The KV (and the prefill's first token) arrived; the client sees that token when
         the request joins the batch (`_turn`), as SGLang's decode streams it then."""
-        job.tokens = 1
+        job.tokens, job.kv_at = 1, self.clock.now
         self.waiting.append(job)
         if not self.busy:
             self.busy = True

@@ -21,6 +21,7 @@ import pytest
 from loadtests.goodput.capacity import PLACEMENTS, replay, simulate
 from loadtests.goodput.physics import Physics
 from loadtests.goodput.report import goodput
+from loadtests.goodput.where import breakdown
 from loadtests.goodput.workload import QUICK_SHAPE, Objectives, Plan, mixed_plan
 from tests.procs import ROOT
 
@@ -63,6 +64,20 @@ def test_the_des_serves_a_tiny_rate_and_not_one_far_past_the_cluster():
     flood = simulate(mixed_plan(QUICK_SHAPE, 3000.0, 2.0, seed=0), 2, 1, physics)
     assert flood.attainment < 0.5
     assert 0 < flood.refused < flood.requests  # refused at arrival, not all of them
+
+
+def test_where_the_time_goes_a_full_decode_pool_holds_the_first_token():
+    """`where.breakdown`: a lone request joins its decode's batch as its KV arrives; past a
+    small decode pool, requests wait in its admission queue, and the breakdown says so."""
+    physics = Physics(kv_tokens=4096)
+    plan = mixed_plan(QUICK_SHAPE, 5.0, 4.0, seed=1)
+    lone = breakdown(replay(replace(plan, requests=plan.requests[:1]), 2, 1, physics))
+    (kind, (served, share, to_kv, admission)), = [r for r in lone.items() if r[0] != "refused"]
+    assert (served, share, admission) == (1, 1.0, 0.0) and to_kv > 0
+    crowded = breakdown(replay(mixed_plan(QUICK_SHAPE, 600.0, 2.0, seed=1), 2, 1, physics))
+    rows = [row for kind, row in crowded.items() if kind != "refused"]
+    assert min(row[3] for row in rows) > 10 * max(row[2] for row in rows), crowded  # decode-bound
+    assert max(row[1] for row in rows) < 0.5, crowded
 
 
 def test_the_affinity_placement_keeps_documents_partitioned_where_earliest_thrashes():
