@@ -11,8 +11,11 @@
   busy counters, `ServerLoad.prefill_speed`), plus attention over the cached part, scaled
   like the speed; the physics prior (gateway/slo/physics.py) until the server has prefilled;
 * transfer: KV bytes per prompt token over the link, plus one setup;
-* admit: one decode step while the decode has room (`max_running_requests`), else the wait
-  for running requests to finish (their learned mean duration);
+* admit: one decode step while the decode has room, else the wait for running requests to
+  finish (their learned mean duration): for a slot (`max_running_requests`), and for the KV
+  this prompt needs beyond what its pool has free (`max_total_tokens`; SGLang's decode admits
+  a transferred request only when its KV fits, and the first token waits for that: near
+  capacity the pool, not the slots, is what requests queue for);
 * decode_step: the physics prior at the decode's running batch and context tokens.
 
 Learned online (`observe`): the gateway compares what it predicted with what it saw (TTFT
@@ -132,10 +135,13 @@ class LatencyModel:
             context = max(context, float(load.used_tokens))
         step = self.physics.decode_step(batch + 1, context + prompt)
         admit = step
+        duration = self._duration.get(decode.url, DECODE_DURATION)
         limit = load.max_running_requests
         if limit and batch >= limit:  # full: a slot frees as a running request finishes
-            duration = self._duration.get(decode.url, DECODE_DURATION)
             admit += (batch - limit + 1) / limit * duration
+        pool = load.max_total_tokens
+        if pool and context + prompt > pool:  # its KV waits for that much of the pool to free,
+            admit += (context + prompt - pool) / pool * duration  # which turns over per duration
         return admit, step
 
     def transfer(self, prompt: float) -> float:

@@ -75,6 +75,20 @@ def test_a_full_decode_adds_the_wait_for_a_slot() -> None:
     assert model.decode_part(full, 100, now)[0] > model.decode_part(room, 100, now)[0] + 0.1
 
 
+def test_a_decode_whose_kv_pool_is_full_adds_the_wait_for_room() -> None:
+    """Slots to spare, but the pool holds 120k of 131k tokens: a 20k-token prompt waits for
+    9k of them to free (the benchmark's decodes are bound so, loadtests/goodput/where.py)."""
+    model = LatencyModel()
+    pool = {"running": 20, "max_running_requests": 256, "max_total_tokens": 131072}
+    room = server("d", "decode", load={**pool, "used_tokens": 20_000}, age=1.0)
+    full = server("f", "decode", load={**pool, "used_tokens": 120_000}, age=1.0)
+    now = room.load.updated_at
+    free, _ = model.decode_part(room, 20_000, now)
+    waits, _ = model.decode_part(full, 20_000, now)
+    assert waits > free + 0.5  # (9k / 131k of a 10 s mean duration: ~0.7 s)
+    assert model.decode_part(full, 100, now)[0] < free + 0.01  # a short prompt still fits
+
+
 # -- the joint choice -------------------------------------------------------------------------
 
 
