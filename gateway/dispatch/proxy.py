@@ -51,7 +51,7 @@ class Proxy:
         self.request_timeout = request_timeout
         self.failover = failover
         # an attempt that failed after this long lowers the floor of the next ones' deadlines
-        self.urgent_after = dispatcher.model.floor(urgency=1 << 16)
+        self.urgent_after = dispatcher.model.least_floor()
 
     async def handle(self, view: RequestView, tracked: Tracked, placement=None,
                      depth: int = 0, avoid: tuple[Server, ...] = ()) -> Answer:

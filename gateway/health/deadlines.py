@@ -134,7 +134,11 @@ class LatencyModel:
         o = self.options
         if urgency <= 0:
             return o.floor
-        return o.floor * max(o.urgent_share, 1.0 / (1 << min(urgency, 16)))
+        return max(self.least_floor(), o.floor / (1 << min(urgency, 16)))
+
+    def least_floor(self) -> float:
+        """The floor of the most urgent request: a wait this long is a silence of its own."""
+        return self.options.floor * self.options.urgent_share
 
     def _bounded(self, learned: float | None, limit: float, cold: float | None = None,
                  urgency: int = 0) -> float:
