@@ -136,6 +136,7 @@ class CacheAwarePolicy(Policy):
         self.capacity = Capacity(self.options.cache_tokens)
         self._last_match: tuple[dict[str, int], int] = ({}, 0)
         self.prefixes: SharedPrefixes | None = None  # with --workers: the other processes'
+        self._last_move: dict = {}  # what the latest move off a cache saw (stats: why)
 
     def share(self, prefixes: SharedPrefixes | None) -> None:
         self.prefixes = prefixes
@@ -176,6 +177,7 @@ class CacheAwarePolicy(Policy):
                               options.token_unit)
         if imbalanced(scores, options.balance_abs_threshold, options.balance_rel_threshold):
             self._decisions["balance"] += 1
+            self._moved("balance", candidates, scores, costs, lengths)
             return candidates[cheapest(costs, lengths, options.move_factor, turn)]
         best = max(lengths)
         anchor = anchor_of(key) if key is not None else b""
@@ -192,6 +194,7 @@ class CacheAwarePolicy(Policy):
                           [n < floor for n in lengths], chosen, options.move_factor)
             if copy is not None:
                 reason, chosen = "spread", copy
+                self._moved(reason, candidates, scores, costs, lengths)
             self._decisions[reason] += 1
             return candidates[chosen]
         if key is not None and key_len >= options.placement_min:
@@ -204,6 +207,14 @@ class CacheAwarePolicy(Policy):
                 scores = [s if ok else INF for s, ok in zip(scores, room, strict=True)]
         self._decisions["load"] += 1
         return candidates[rotating_argmin(scores, turn)]
+
+    def _moved(self, reason: str, candidates: Sequence[Server], scores: list[float],
+               costs: list[float], lengths: list[int]) -> None:
+        """Keep what a load-driven decision saw, for `stats`: an operator asking why a
+        conversation left its cache finds the loads that moved it (a rare path: no cost)."""
+        self._last_move = {"reason": reason, "at": round(time.time(), 3), "targets": [
+            {"url": w.url, "load": round(s, 3), "cost": round(c, 3), "matched": n}
+            for w, s, c, n in zip(candidates, scores, costs, lengths, strict=True)]}
 
     def scores(self, candidates: Sequence[Server], now: float) -> list[float]:
         """Load scores (gateway/scheduling/load.py). With `--workers`, on this gateway's
@@ -239,6 +250,7 @@ class CacheAwarePolicy(Policy):
             "tree_nodes": self.tree.node_count,
             "tree_size_by_worker": self.tree.server_sizes(),
             "decisions": dict(self._decisions),
+            "last_move": self._last_move,
             "reuse_interval_s": round(self.capacity.reuse, 3),
             "branch_growth_tokens": round(self.capacity.growth() / CHARS_PER_TOKEN),
         }

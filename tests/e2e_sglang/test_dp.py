@@ -133,6 +133,17 @@ class RankCounts:
                 return counts
 
 
+def policy_stats(url: str) -> dict:
+    """The prefill policy's state (`GET /admin/policies`)."""
+    return httpx.get(url + "/admin/policies", timeout=30, trust_env=False).json()["prefill"][
+        "stats"]
+
+
+def decisions(url: str) -> dict[str, int]:
+    """The prefill policy's decisions so far, by reason (cache, spread, balance, ...)."""
+    return dict(policy_stats(url)["decisions"])
+
+
 def unrelated_prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(10))
 
@@ -293,8 +304,9 @@ def test_a_growing_conversation_stays_on_its_rank(dp_cluster: DpCluster, endpoin
     cached_before = samples(dp_cluster.gateway, "gateway_cached_tokens_total")
     text = f"system: {unrelated_prompt(rng)}\n"
     messages = [{"role": "system", "content": unrelated_prompt(rng)}]
-    prompts, cached = [], []
+    prompts, cached, why = [], [], []
     for turn in range(turns):
+        before = decisions(dp_cluster.gateway)
         question = f"question {turn}: {unrelated_prompt(rng)}"
         if endpoint == "generate":
             text += f"user: {question}\nassistant:"
@@ -316,19 +328,35 @@ def test_a_growing_conversation_stays_on_its_rank(dp_cluster: DpCluster, endpoin
             prompts.append(out["usage"]["prompt_tokens"])
             details = out["usage"].get("prompt_tokens_details") or {}
             cached.append(details.get("cached_tokens"))
+        after = decisions(dp_cluster.gateway)
+        why.append({k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k)})
     gateway, server = counts.delta(turns)
     print(f"{endpoint}: per-rank turns gateway {gateway} server {server}; "
-          f"prompt tokens {prompts}; cached tokens in answers {cached}")
-    assert sorted(gateway) == [0, turns] and server == gateway, (gateway, server)
-    for turn in range(1, turns):  # the previous turn's prompt was found in the cache
+          f"prompt tokens {prompts}; cached tokens in answers {cached}; decisions {why}")
+    # Every later turn follows the cache, unless the rank holding it looked busier than
+    # computing the prompt again elsewhere ("spread"/"balance": a health check's one-token
+    # request, SGLang's /health generates, sits in a rank's queue on this slow rig): the
+    # conversation then moves once and follows its cache on the new rank.
+    moves = [turn for turn in range(1, turns) if set(why[turn]) != {"cache"}]
+    last_move = policy_stats(dp_cluster.gateway)["last_move"]
+    assert all(set(why[turn]) <= {"spread", "balance"} for turn in moves), (why, last_move)
+    assert len(moves) <= 1, (why, last_move)
+    stays = [turns] if not moves else [moves[0], turns - moves[0]]
+    assert sorted(gateway) == [0] * (2 - len(stays)) + sorted(stays) and server == gateway, (
+        gateway, server, why, last_move)
+    if moves:
+        assert all(t["load"] > 0 for t in last_move["targets"] if t["matched"]), last_move
+    found = [turn for turn in range(1, turns) if turn not in moves]
+    for turn in found:  # the previous turn's prompt was found in the cache
         assert cached[turn] >= 0.9 * prompts[turn - 1], (prompts, cached)
+    expected = 0.9 * sum(prompts[turn - 1] for turn in found)
     deadline = time.monotonic() + 10
     while True:  # the gateway counts the prefill's own answers, which may come a bit later
         after = samples(dp_cluster.gateway, "gateway_cached_tokens_total")
         key = (("server", dp_cluster.prefill),)
         hit = after.get(key, 0.0) - cached_before.get(key, 0.0)
-        if hit >= 0.9 * sum(prompts[:-1]) or time.monotonic() > deadline:
+        if hit >= expected or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     print(f"{endpoint}: gateway_cached_tokens_total grew by {hit:g}")
-    assert hit >= 0.9 * sum(prompts[:-1]), (hit, prompts)
+    assert hit >= expected, (hit, prompts)

@@ -185,6 +185,11 @@ def test_a_hot_prefix_spreads_to_a_copy_and_comes_back_as_load_drops() -> None:
     home.in_flight, home.in_flight_tokens = 12, 3600  # its queue outweighs a 4K miss
     copy = policy.pick(servers, conversation(2))
     assert copy is not home and policy.stats()["decisions"]["spread"] == 1
+    move = policy.stats()["last_move"]  # what moved it, for an operator asking why
+    assert move["reason"] == "spread"
+    seen = {t["url"]: t for t in move["targets"]}
+    assert seen[home.url]["matched"] > 0 and seen[home.url]["load"] >= 12
+    assert seen[copy.url]["matched"] == 0 and seen[copy.url]["cost"] < seen[home.url]["cost"]
     policy.on_dispatch(copy, conversation(2))
     assert policy.pick(servers, conversation(3)) is copy  # the copy takes the overflow
     home.in_flight, home.in_flight_tokens = 0, 0
