@@ -192,11 +192,12 @@ class PDDispatcher:
         answer.close = self.relay.closer(attempt, response, p_task, answer.stream)
         attempt.prefill.attempts.discard(attempt)  # it now waits on the decode only
 
-    def progress(self, attempt: Attempt, by_prefill: bool = False) -> None:
+    def progress(self, attempt: Attempt, by_prefill: bool = False, moved: bool = True) -> None:
         """The pair works (prefill answered, or the decode's first byte): learn how long it
         took. Once its prefill answered (the KV is there: a silent decode now is a hung one)
         a stream must see its first chunk within the decode's learned gap deadline, a whole
-        answer within its learned time per token (`answer_deadline`)."""
+        answer within its learned time per token (`answer_deadline`). `moved` False: the
+        caller moves the deadline itself at once (`read_whole`), so it is not moved twice."""
         if attempt.progressed:
             return
         attempt.progressed = True
@@ -209,7 +210,7 @@ class PDDispatcher:
         now = self.timers.loop().time()
         self.model.first_progress(attempt.prefill.url, attempt.view.prompt_tokens,
                                   now - attempt.started_at)
-        if attempt.deadline is not None:
+        if attempt.deadline is not None and moved:
             limit = attempt.started_at + self.timeouts.response
             if by_prefill:  # the decode's own silence from now on is bounded by what it learned
                 attempt.kv_at = now
@@ -356,8 +357,8 @@ class PDDispatcher:
             with translate_errors("decode", attempt.decode):
                 response = await self._open(attempt, "decode", attempt.decode)
                 content_type = response.header(b"content-type") or b"application/json"
-                if not attempt.view.stream:
-                    self.progress(attempt)  # its answer began: bounded by its gaps now
+                if not attempt.view.stream:  # its answer began: bounded by its gaps now,
+                    self.progress(attempt, moved=False)  # as read_whole moves the deadline
                     body = await read_whole(attempt, response, self.model, self.timeouts,
                                             self.timers.loop())
                     if attempt.unsuffix is not None:

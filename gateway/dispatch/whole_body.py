@@ -30,11 +30,13 @@ async def read_whole(attempt: Attempt, response: UpstreamResponse, model: Latenc
     url = attempt.decode.url
     deadline = attempt.deadline
     hard = min(attempt.started_at + timeouts.response, attempt.not_after)
+    # learned once per answer: a body comes at wire speed, its chunks microseconds apart
+    gap = model.gap_deadline(url, timeouts.stream_idle, attempt.urgency) \
+        if deadline is not None else 0.0
     parts = []
     while True:
         if deadline is not None:
-            deadline.move(min(loop.time() + model.gap_deadline(
-                url, timeouts.stream_idle, attempt.urgency), hard))
+            deadline.move(min(loop.time() + gap, hard))
         chunk = await response.next_chunk()
         if chunk is None:
             break
