@@ -12,7 +12,9 @@ A handler gets the request and its module's parts (`RouteParts`, built once from
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -157,13 +159,26 @@ class HotPaths:
         self.state = app.state
         self.router = app.router
 
-    async def __call__(self, scope, receive, send) -> None:
+    def __call__(self, scope, receive, send) -> Awaitable[None]:
+        """The endpoint's own coroutine, not one wrapping it: a streamed answer resumes every
+        coroutine frame between the server and the relay once per event."""
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.endpoints.get(scope["path"])
             if endpoint is not None:
-                await endpoint(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+                return endpoint(scope, receive, send)
+        return self.app(scope, receive, send)
+
+
+def _asgi3(method: Callable) -> Callable:
+    """Mark `method` as a coroutine function for ASGI 3 detection (uvicorn's, Starlette's)."""
+    mark = getattr(inspect, "markcoroutinefunction", None)  # Python 3.12+
+    if mark is not None:
+        return mark(method)
+    method._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+    return method
+
+
+HotPaths.__call__ = _asgi3(HotPaths.__call__)  # type: ignore[method-assign]
 
 
 def build_routes(endpoints: dict[str, InferenceEndpoint], auth: Auth,
