@@ -97,25 +97,42 @@ def test_dashboard_shows_servers_and_updates(browser, observed):
 
 def test_latency_plots_draw_the_traffic(browser, observed):
     """TTFT and inter-token latency percentiles, drawn as SVG from /dashboard/data."""
-    from selenium.webdriver.common.by import By  # noqa: PLC0415
     from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
 
     browser.get(observed.gateway + "/dashboard")
     wait = WebDriverWait(browser, WAIT, poll_frequency=0.2)
     mixed_traffic(observed)  # streams too: inter-token gaps
 
-    def points(plot: str) -> int:
-        return int(browser.find_element(By.ID, f"{plot}-plot").get_attribute("data-points"))
+    def drawn(plot: str) -> dict:
+        """The plot as drawn, read in one script: the page redraws its SVG every poll, and
+        elements found one call apart can belong to two drawings (or be gone)."""
+        return browser.execute_script("""
+            const svg = document.getElementById(arguments[0] + "-plot");
+            const dots = {};
+            for (const q of ["p50", "p90", "p99"]) {
+                dots[q] = [...svg.querySelectorAll(`circle[data-q="${q}"]`)]
+                    .map(c => Number(c.getAttribute("cy")));
+            }
+            return {points: Number(svg.dataset.points), dots: dots,
+                    caption: document.getElementById(arguments[0] + "-latest").textContent};
+        """, plot)
 
-    wait.until(lambda _: points("ttft") >= 1 and points("itl") >= 1)
-    for plot in ("ttft", "itl"):
-        svg = browser.find_element(By.ID, f"{plot}-plot")
-        for q in ("p50", "p90", "p99"):
-            dots = svg.find_elements(By.CSS_SELECTOR, f'circle[data-q="{q}"]')
-            assert dots, f"{plot}: no {q} drawn"
-            assert all(0 <= float(d.get_attribute("cy")) <= 170 for d in dots)
-        caption = browser.find_element(By.ID, f"{plot}-latest").text
-        assert caption.startswith("p50 ") and "samples" in caption, caption
+    def complete(plot: dict) -> bool:
+        return plot["points"] >= 1 and all(plot["dots"].values())
+
+    plots: dict[str, dict] = {}
+
+    def ready(_) -> bool:
+        for name in ("ttft", "itl"):
+            plots[name] = drawn(name)
+        return all(complete(plot) for plot in plots.values())
+
+    wait.until(ready)
+    for name, plot in plots.items():
+        for q, cys in plot["dots"].items():
+            assert cys, f"{name}: no {q} drawn"
+            assert all(0 <= cy <= 170 for cy in cys), (name, q, cys)
+        assert plot["caption"].startswith("p50 ") and "samples" in plot["caption"], plot
     data = httpx.get(observed.gateway + "/dashboard/data", timeout=5).json()["latency"]
     assert sum(p["count"] for p in data["ttft"]) >= 1 and data["window"] == 10
     ARTIFACTS.mkdir(exist_ok=True)
