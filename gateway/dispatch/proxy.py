@@ -226,6 +226,8 @@ class Shared:
         self.served = False
 
     def blame(self, servers) -> None:
+        if not servers:  # (most requests: nothing to blame, no clock read)
+            return
         now = time.monotonic()
         for server in servers:
             self.blamed[server] = now
@@ -234,6 +236,8 @@ class Shared:
         """What the next pick avoids: the blamed servers that completed no request since
         they were blamed (one that did has recovered: when every server of a role was
         blamed, the pick goes to it rather than to any of them)."""
+        if not self.blamed:  # (most requests: no comprehension frame)
+            return []
         return [w for w, at in self.blamed.items() if w.last_success <= at]
 
     def failed(self, attempt: Attempt, exc: UpstreamError) -> None:
@@ -249,9 +253,9 @@ def _doubtful(attempt: Attempt, tried: list[Server]) -> bool:
     """Whether the pair was picked with no sound choice left: one of its servers was in a
     pair that failed this request already, or was not usable (panic routing) or suspected
     hung."""
-    now = time.monotonic()
-    return any(w in tried or not w.usable or w.suspect_until > now
-               for w in (attempt.prefill, attempt.decode))
+    prefill, decode, now = attempt.prefill, attempt.decode, time.monotonic()
+    return (prefill in tried or not prefill.usable or prefill.suspect_until > now  # no
+            or decode in tried or not decode.usable or decode.suspect_until > now)  # genexpr
 
 
 def _reason(exc: UpstreamError) -> str:

@@ -93,6 +93,10 @@ class Scheduler:
         now = time.monotonic()
         self.pool.refresh_breakers(role, now)
         members = (model or self.models.of(view)).servers[role]
+        if not avoid:  # the usual pick: usable and not suspected, in one pass
+            trusted = [w for w in members if w.usable and w.suspect_until <= now]
+            if trusted:
+                return trusted
         servers = [w for w in members if w.usable]
         if not servers:
             servers = [w for w in members if w.serving] or [w for w in members if w.in_pool]
