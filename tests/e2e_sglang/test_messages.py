@@ -8,6 +8,7 @@ import anthropic
 import pytest
 
 from tests.e2e_sglang.conftest import SglangCluster
+from tests.messages_tools import TOOL_HISTORY, TOOLS
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # the first test pays the start-up
 
@@ -15,17 +16,6 @@ SYSTEM = "You are terse."
 HISTORY = [{"role": "user", "content": "tell me about the quick brown fox"},
            {"role": "assistant", "content": "the fox jumps over the lazy dog"},
            {"role": "user", "content": [{"type": "text", "text": "and then?"}]}]
-TOOLS = [{"name": "get_weather", "description": "The weather in a city",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
-                           "required": ["city"]}}]
-TOOL_HISTORY = [
-    {"role": "user", "content": "what is the weather in Paris?"},
-    {"role": "assistant", "content": [
-        {"type": "text", "text": "Let me look."},
-        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-    {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C and sunny"},
-        {"type": "text", "text": "and tomorrow?"}]}]
 
 
 def clients(cluster: SglangCluster) -> tuple[anthropic.Anthropic, anthropic.Anthropic]:

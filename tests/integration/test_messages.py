@@ -13,23 +13,13 @@ import httpx
 import pytest
 
 from tests.integration.conftest import sim_cluster
+from tests.messages_tools import TOOL_HISTORY, TOOLS
 
 KEY = "messages-test-key"
 SYSTEM = "You answer in riddles."
 HISTORY = [{"role": "user", "content": "hello there"},
            {"role": "assistant", "content": "and hello to you"},
            {"role": "user", "content": [{"type": "text", "text": "tell me more"}]}]
-TOOLS = [{"name": "get_weather", "description": "The weather in a city",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
-                           "required": ["city"]}}]
-TOOL_HISTORY = [
-    {"role": "user", "content": "what is the weather in Paris?"},
-    {"role": "assistant", "content": [
-        {"type": "text", "text": "Let me look."},
-        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-    {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C and sunny"},
-        {"type": "text", "text": "and tomorrow?"}]}]
 
 
 @pytest.fixture(scope="module")
