@@ -110,6 +110,13 @@ class PairHealth:
             return False
         return pair.probing or self._clock() < pair.quarantined_until
 
+    def partners(self, prefill: str, decodes: list) -> list:
+        """The `decodes` not `blocked` with `prefill`: all of them, the list itself, while no
+        pair has failed (every pick asks)."""
+        if not self._pairs:
+            return decodes
+        return [d for d in decodes if not self.blocked(prefill, d.url)]
+
     def probe(self, prefill: str, decode: str) -> None:
         """The scheduler sends a request through a quarantined pair whose cooldown is over."""
         if not self._pairs:

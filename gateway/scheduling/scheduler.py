@@ -139,14 +139,14 @@ class Scheduler:
         elif view.session is not None and self.affinity is not None:
             prefill = self.affinity.pick(view.session, targets(prefills))
         else:
-            chooser = model.policies["prefill"]
-            pair = chooser.pick_pair(targets(prefills), decodes, view, self.pairs.blocked)
+            chooser, choices = model.policies["prefill"], targets(prefills)
+            pair = chooser.pick_pair(choices, decodes, view, self.pairs.blocked)
             if pair is not None:  # a joint policy (gateway/policies/slo.py)
                 self.pairs.probe(pair[0].server.url, pair[1].url)
                 return pair
-            prefill = chooser.pick(targets(prefills), view)
+            prefill = chooser.pick(choices, view)
         prefill_url = prefill.server.url
-        partners = [d for d in decodes if not self.pairs.blocked(prefill_url, d.url)]
+        partners = self.pairs.partners(prefill_url, decodes)
         decode = model.policies["decode"].pick(partners or decodes, view)
         self.pairs.probe(prefill_url, decode.url)  # a quarantined pair past its cooldown: a probe
         return prefill, decode
