@@ -1,20 +1,25 @@
 """The `/v1/loads` figures of one server or DP rank, and what this gateway knows that they
 do not: its own requests that the snapshot still counts though they are done.
 
-A snapshot counts a request of ours that is done if the server still held it when it was
-asked for. Three cases, each settled (taken off the snapshot's figures; the load score
-subtracts `settled` and `settled_tokens`, gateway/scheduling/load.py):
+A snapshot may count a request of ours that is done if the server held it when it took the
+poll, at some moment between the poll's sending and its answer's arrival. Three cases, each
+settled (taken off the snapshot's figures; the load score subtracts `settled` and
+`settled_tokens`, gateway/scheduling/load.py):
 
-* running when the snapshot was taken, done since (`settle`, on the current snapshot);
-* running when the next poll was sent, done while it was on its way (`pending`, carried into
-  its answer: `carry`);
+* dispatched before the snapshot's answer arrived, done since (`settle`, on the current
+  snapshot): sent before the poll, the server held it; sent while the poll was on its way,
+  it may have (the poll waits for the scheduler's next step, where the request may already
+  be), and taking a finished request off is the safe side: it is no load any more, and the
+  score never drops below this gateway's own in-flight count;
+* done while the next poll is on its way (`pending`, carried into its answer: `carry`);
 * done as far as the gateway goes (its decode answered) while its prefill's own answer is
   still to come (the CPU rig's prefill answers after the decode; `trail`): the server may
   hold its KV until then, so every snapshot asked meanwhile counts it (`asked_trailing`).
 
 Without them a conversation's next turn, sent as the previous one ends, found the previous
 turn's server "busy" with that very turn, and the cache-aware policy moved it off its cache
-(tests/e2e_sglang/test_dp.py, tests/unit/servers/test_load.py).
+(tests/e2e_sglang/test_dp.py, tests/unit/servers/test_load.py: in one CI run the turn had
+been sent while a poll was on its way, and the answer counted it).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ class ServerLoad:
     max_total_tokens: int = 0
     token_usage: float = 0.0
     max_running_requests: int = 0
-    updated_at: float = 0.0
+    updated_at: float = 0.0  # when the poll was sent (the figures are not newer)
+    answered_at: float = 0.0  # when its answer arrived (the figures are not older)
     # cumulative, SGLang's Scheduler._record_step_counters: tokens its prefill steps extended
     # and their busy time; successive snapshots give the server's measured prefill speed
     prefill_tokens: int = 0
@@ -54,15 +60,15 @@ class ServerLoad:
     asked_trailing_tokens: int = 0
 
     def settle(self, since: float, tokens: int) -> None:
-        """A request of ours dispatched at `since` (time.monotonic()) has finished: if that
-        was before this snapshot, the snapshot still counts it as running and its KV as in
-        use (SGLang's `token_usage` leaves out what its radix cache may evict, which the KV
-        of a finished request becomes); so does the answer of a poll sent before it ended
-        and read after (`asked_at`)."""
-        if since < self.updated_at:
+        """A request of ours dispatched at `since` (time.monotonic()) has finished. The
+        snapshot may count it as running and its KV as in use (SGLang's `token_usage` leaves
+        out what its radix cache may evict, which the KV of a finished request becomes) if
+        it was dispatched before the answer arrived; so may the answer of a poll now on its
+        way (`asked_at` after this snapshot's)."""
+        if since < max(self.answered_at, self.updated_at):
             self.settled += 1
             self.settled_tokens += tokens
-        if since < self.asked_at:
+        if self.asked_at > self.updated_at:
             self.pending += 1
             self.pending_tokens += tokens
 
@@ -75,6 +81,7 @@ class ServerLoad:
     def ask(self, asked: float) -> None:
         """A poll goes out at `asked`: note what its answer will still count."""
         self.asked_at = asked
+        self.pending = self.pending_tokens = 0  # a poll that got no answer settles nothing
         self.asked_trailing, self.asked_trailing_tokens = self.trailing, self.trailing_tokens
 
     def carry(self, before: ServerLoad) -> None:

@@ -193,14 +193,16 @@ class Server(Counted):
         loads = data.get("loads") if isinstance(data, dict) else None
         if not isinstance(loads, list):
             return
-        now = time.monotonic() if asked is None else asked
-        total = ServerLoad(updated_at=now)
+        answered = time.monotonic()
+        now = answered if asked is None else asked
+        total = ServerLoad(updated_at=now, answered_at=answered)
         total.carry(self.load)
         usages = []
         for position, entry in enumerate(loads):
             if not isinstance(entry, dict):
                 continue
             one = load_entry(entry, now)
+            one.answered_at = answered
             rank = entry.get("dp_rank", position)
             ranked = isinstance(rank, int) and 0 <= rank < len(self.ranks)
             one.follow(self.ranks[rank].load if ranked else self.load)

@@ -75,25 +75,45 @@ def test_without_the_end_the_answer_counts_it() -> None:
     assert scores(server)[0] == pytest.approx(1 + 32 * 0.1)
 
 
-def test_a_request_sent_after_the_poll_is_not_taken_off_its_answer() -> None:
-    """Dispatched once the poll was on its way: the server's figures cannot hold it, so its
-    end takes nothing off them (the rank stays as busy as it said)."""
+def test_a_request_sent_while_the_poll_was_on_its_way_is_taken_off_its_answer() -> None:
+    """Dispatched once the poll was on its way and done before the answer: the server may
+    have taken the poll after the request arrived (it waits for the scheduler's next step),
+    and a finished request is no load, so its end takes it off the answer."""
     server = dp_worker()
     rank0 = server.ranks[0]
     poll_once(server, during=lambda: rank0.load.settle(time.monotonic(), PROMPT))
+    assert scores(server) == [pytest.approx(0.0, abs=0.05), 0.0]
+
+
+def test_a_request_sent_after_the_answer_is_not_taken_off_it() -> None:
+    server = dp_worker()
+    poll_once(server)
+    server.ranks[0].load.settle(time.monotonic(), PROMPT)
     assert scores(server)[0] == pytest.approx(1 + 32 * 0.1)
 
 
-def test_the_snapshot_is_stamped_when_it_was_asked_for() -> None:
-    """A request dispatched while the poll was on its way (after the server answered from
-    its figures) and ending after the answer is read is not in the snapshot: its end takes
-    nothing off (stamped at the answer instead, the snapshot would seem to hold it)."""
+def test_a_request_sent_mid_poll_and_done_after_the_answer_is_taken_off() -> None:
+    """The race of the CI run of 2026-12-03 (tests/e2e_sglang/test_dp.py): a turn sent while
+    a poll was on its way, counted by its answer (stamped when it was asked, before the
+    turn), ending after the answer arrived. Judged by the stamp it was "not in" the
+    snapshot, which then showed the finished turn running on its rank until the next answer,
+    and the next turn left the cache for the other rank."""
     server = dp_worker()
     mid: list[float] = []
     poll_once(server, during=lambda: mid.append(time.monotonic()))
-    assert server.load.updated_at < mid[0]
-    assert server.ranks[0].load.updated_at == server.load.updated_at
+    assert server.load.updated_at < mid[0] < server.ranks[0].load.answered_at
+    assert server.ranks[0].load.updated_at == server.load.updated_at  # fresh by the ask
     server.ranks[0].load.settle(mid[0], PROMPT)
+    assert scores(server) == [pytest.approx(0.0, abs=0.05), 0.0]
+
+
+def test_a_poll_without_an_answer_settles_nothing_in_the_next_one() -> None:
+    server = dp_worker()
+    rank0 = server.ranks[0]
+    server.ask_loads()  # lost: no answer ever comes
+    rank0.load.settle(time.monotonic(), PROMPT)
+    assert rank0.load.pending == 1
+    poll_once(server)  # the next poll is asked afresh: its answer counts the rank busy
     assert scores(server)[0] == pytest.approx(1 + 32 * 0.1)
 
 
