@@ -215,6 +215,9 @@ class Server(Counted):
             total.prefill_tokens += one.prefill_tokens
             total.prefill_busy_us += one.prefill_busy_us
             total.prefill_speed += one.prefill_speed  # ranks prefill side by side: a sum
+            if not ranked:  # the server's own figures: its next snapshot follows the total
+                total.smoothed_tokens += one.smoothed_tokens
+                total.smoothed_busy_us += one.smoothed_busy_us
             usages.append(one.token_usage)
             if ranked:
                 self.ranks[rank].load = one
@@ -297,6 +300,9 @@ class Server(Counted):
                 "waiting": self.load.waiting,
                 "waiting_uncached_tokens": self.load.waiting_uncached_tokens,
                 "token_usage": self.load.token_usage,
+                # tokens/s from SGLang's prefill busy counters (0: not measured yet): what
+                # the SLO model's forecasts divide a prompt by
+                "prefill_speed": round(self.load.prefill_speed, 1),
             },
             "dp_ranks": self.dp_size,
             "load_balance_method": self.load_balance_method,

@@ -83,3 +83,31 @@ def test_forecasts_follow_the_real_servers(slo_gateway, sglang_cluster) -> None:
     within = after["1.5"] - before.get("1.5", 0)
     assert below < 6 <= within, f"{below:g} of 12 under 0.67, {within:g} at most 1.5: {after}"
     assert policies["prefill"]["stats"]["model"]["observed"] >= 18
+
+
+def test_the_measured_prefill_speed_is_the_servers_own(slo_gateway, sglang_cluster) -> None:
+    """What the forecasts divide a prompt by follows what SGLang reports: the prefill's
+    tokens/s as the gateway measured it from `/v1/loads` (`total_prefill_uncached_tokens`
+    over `total_prefill_busy_us`, per poll, smoothed) against the same counters read here
+    over the same requests (one prompt size, so every poll's sample is alike)."""
+    prefill = sglang_cluster.prefill[0].url
+
+    def counters() -> tuple[int, int]:
+        loads = httpx.get(prefill + "/v1/loads", timeout=30).json()["loads"]
+        return (sum(e.get("total_prefill_uncached_tokens", 0) for e in loads),
+                sum(e.get("total_prefill_busy_us", 0) for e in loads))
+
+    tokens, busy = counters()
+    with httpx.Client(timeout=120) as client:
+        for i in range(8):
+            chat(client, slo_gateway, sglang_cluster.model_name, 400, 100 + i)
+    after = counters()
+    time.sleep(3 * 0.5)  # three of the gateway's polls (--loads-interval 0.5) read them too
+    servers = httpx.get(slo_gateway + "/admin/servers", timeout=30).json()["servers"]
+    measured = next(s for s in servers if s["url"] == prefill)["load"]["prefill_speed"]
+    reported = (after[0] - tokens) * 1e6 / max(after[1] - busy, 1)
+    print(f"prefill speed: gateway {measured:.0f} tokens/s, SGLang's counters {reported:.0f}")
+    assert after[0] - tokens >= 8 * 300, (tokens, after)  # the prompts were prefilled there
+    assert 0.67 <= measured / reported <= 1.5, (measured, reported)
+
+

@@ -146,7 +146,9 @@ def test_prefill_speed_is_measured_from_the_servers_counters() -> None:
     w.apply_loads({"loads": [_loads(1000, 100_000)]})  # since its start: 1k tokens in 0.1 s
     assert w.load.prefill_speed == pytest.approx(10_000.0)
     w.apply_loads({"loads": [_loads(21_000, 1_100_000)]})  # then 20k tokens in 1 s busy
-    assert w.load.prefill_speed == pytest.approx(0.7 * 10_000 + 0.3 * 20_000)
+    # tokens and busy time smoothed apart: the 1 s step weighs by its time
+    assert w.load.prefill_speed == pytest.approx(
+        (0.7 * 1000 + 0.3 * 20_000) * 1e6 / (0.7 * 100_000 + 0.3 * 1_000_000))
     before = w.load.prefill_speed
     w.apply_loads({"loads": [_loads(21_000, 1_100_000)]})  # idle between polls: unchanged
     assert w.load.prefill_speed == before
