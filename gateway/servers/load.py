@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SAMPLE_US = 250_000  # a poll's prefill busy time weighs at most this much (a quarter second)
+
 
 @dataclass
 class ServerLoad:
@@ -105,6 +107,9 @@ class ServerLoad:
         busy = self.prefill_busy_us - before.prefill_busy_us
         smoothed, smoothed_us = before.smoothed_tokens, before.smoothed_busy_us
         if tokens > 0 and busy > 0:
+            if busy > SAMPLE_US:  # the counters since the server started (a first poll, or
+                tokens, busy = tokens * SAMPLE_US / busy, SAMPLE_US  # one after a gap): its
+                # speed, weighed as one poll's, or its bulk would outweigh later polls
             if smoothed_us == 0.0:
                 smoothed, smoothed_us = float(tokens), float(busy)
             else:

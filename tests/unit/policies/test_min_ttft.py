@@ -145,15 +145,28 @@ def test_prefill_speed_is_measured_from_the_servers_counters() -> None:
     assert w.load.prefill_speed == 0.0  # never polled: the configured speed applies
     w.apply_loads({"loads": [_loads(1000, 100_000)]})  # since its start: 1k tokens in 0.1 s
     assert w.load.prefill_speed == pytest.approx(10_000.0)
-    w.apply_loads({"loads": [_loads(21_000, 1_100_000)]})  # then 20k tokens in 1 s busy
-    # tokens and busy time smoothed apart: the 1 s step weighs by its time
+    w.apply_loads({"loads": [_loads(5_000, 300_000)]})  # then 4k tokens in 0.2 s busy
+    # tokens and busy time smoothed apart: the longer step weighs by its time
     assert w.load.prefill_speed == pytest.approx(
-        (0.7 * 1000 + 0.3 * 20_000) * 1e6 / (0.7 * 100_000 + 0.3 * 1_000_000))
+        (0.7 * 1000 + 0.3 * 4_000) * 1e6 / (0.7 * 100_000 + 0.3 * 200_000))
     before = w.load.prefill_speed
-    w.apply_loads({"loads": [_loads(21_000, 1_100_000)]})  # idle between polls: unchanged
+    w.apply_loads({"loads": [_loads(5_000, 300_000)]})  # idle between polls: unchanged
     assert w.load.prefill_speed == before
     w.apply_loads({"loads": [_loads(10, 100)]})  # restarted: counters went back, speed kept
     assert w.load.prefill_speed == before
+
+
+def test_the_counters_since_the_start_weigh_as_one_poll() -> None:
+    """A gateway started next to a server that has served for hours first reads all its
+    counters: that speed, weighed as one poll's, gives way to what the polls then see."""
+    w = server("a")
+    w.apply_loads({"loads": [_loads(50_000_000, 10_000_000_000)]})  # 5k tokens/s, 3 hours
+    assert w.load.prefill_speed == pytest.approx(5_000.0)
+    tokens, busy = 50_000_000, 10_000_000_000
+    for _ in range(12):  # then 20k tokens/s: 10k tokens in 0.5 s busy per poll
+        tokens, busy = tokens + 10_000, busy + 500_000
+        w.apply_loads({"loads": [_loads(tokens, busy)]})
+    assert w.load.prefill_speed == pytest.approx(20_000.0, rel=0.05)
 
 
 def test_a_dp_server_speed_is_its_ranks_together() -> None:
