@@ -31,11 +31,6 @@ class Ledger:
         # the servers of a role: a breaker that opens stops its attempts only if a retry can
         # go elsewhere (rescue.rescue); None: it always stops them
         self.peers = peers
-        # the keys `Metrics.child` files a server's children under, built once: the request
-        # path reads the server's dict itself (a `child` call each was ~1% of a request)
-        self._predicted = (metrics.predicted_tokens, ())
-        self._prompt = (metrics.prompt_tokens, ())
-        self._cached = (metrics.cached_tokens, ())
 
     def rescue(self, server: Server, why: str) -> int:
         """Stop the attempts on `server` (down, breaker open) if a retry can go elsewhere."""
@@ -68,15 +63,10 @@ class Ledger:
         decode.start(tokens)
         chooser.on_dispatch(target, view)  # each policy looked up once per attempt
         decider.on_dispatch(decode, view)
-        prefill = attempt.prefill
-        got = prefill.metric_children.get
         if predicted:
-            (got(self._predicted) or m.child(prefill, m.predicted_tokens)).pending \
-                += predicted * tokens
-        (got((m.decisions, ("prefill", chooser.name)))
-         or m.child(prefill, m.decisions, "prefill", chooser.name)).pending += 1
-        (decode.metric_children.get((m.decisions, ("decode", decider.name)))
-         or m.child(decode, m.decisions, "decode", decider.name)).pending += 1
+            m.child(attempt.prefill, m.predicted_tokens).pending += predicted * tokens
+        m.child(attempt.prefill, m.decisions, "prefill", chooser.name).pending += 1
+        m.child(decode, m.decisions, "decode", decider.name).pending += 1
         if attempt.tracked.usage is not None:
             attempt.tracked.usage.dispatched(attempt)
 
@@ -139,9 +129,7 @@ class Ledger:
         matters for time to first token)."""
         prompt, cached = prompt_usage(body)
         if prompt:
-            m, server = self.metrics, attempt.prefill
-            got = server.metric_children.get
-            (got(self._prompt) or m.child(server, m.prompt_tokens)).pending += prompt
-            (got(self._cached) or m.child(server, m.cached_tokens)).pending += cached
+            self.metrics.child(attempt.prefill, self.metrics.prompt_tokens).pending += prompt
+            self.metrics.child(attempt.prefill, self.metrics.cached_tokens).pending += cached
             if attempt.tracked.usage is not None:  # the tenant's share of the same figures
                 attempt.tracked.usage.prefill_reported(prompt, cached)

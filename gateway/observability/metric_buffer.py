@@ -52,7 +52,7 @@ class BufferedHistogram:
         self.total = 0.0
         self.moved = False
 
-    def observe(self, value: float) -> None:  # inlined per streamed event in routes/answer.py
+    def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1  # first bound >= value, as observe
         self.total += value
         self.moved = True
