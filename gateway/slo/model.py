@@ -24,9 +24,7 @@ pair and per decode, a factor: an exponentially weighted mean of log(observed / 
 clamped to [1/8, 8]. TTFT factors are layered: the fleet's (what every pair shows), what a
 prefill target adds to it, what a pair adds to that (its transfer path, its decode's
 admission); a target not yet observed has the fleet's. They start at 1 (the physics, and
-the server's own speed). The fleet's part becomes a line, offset + slope x forecast, once
-the requests seen determine one (gateway/slo/line.py: the time that does not grow with the
-prompt); a target's and a pair's factors then scale the line's value.
+the server's own speed).
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ import time
 from dataclasses import dataclass
 
 from gateway.servers.pool import Server
-from gateway.slo.line import LineFit
 from gateway.slo.physics import H200_LLAMA3_8B, Physics
 
 LOAD_MAX_AGE = 6.0  # seconds a /v1/loads snapshot counts as fresh (three polls at 2 s)
@@ -103,7 +100,6 @@ class LatencyModel:
         # target nobody has observed yet starts at the fleet's, not at the prior, so the
         # ones observed do not look slower than the unknown ones for being known
         self._fleet = 0.0
-        self._line = LineFit()  # the fleet's TTFT against the forecast, once determined
         self._ttft: dict[str, float] = {}  # prefill target url -> log factor
         self._pair: dict[tuple[str, str], float] = {}  # (prefill, decode) -> log factor
         self._itl: dict[str, float] = {}  # decode url -> log factor
@@ -156,17 +152,9 @@ class LatencyModel:
                 transfer: float, admit: float, step: float) -> Prediction:
         """The pair's forecast from its parts, with what was learned of its servers."""
         raw = wait + compute + transfer + admit
-        factor = math.exp(self._ttft.get(target_url, 0.0)
+        factor = math.exp(self._fleet + self._ttft.get(target_url, 0.0)
                           + self._pair.get((target_url, decode_url), 0.0))
-        return Prediction(self._fleet_ttft(raw) * factor, self.itl(decode_url, step), wait,
-                          compute, transfer, admit, raw, step)
-
-    def _fleet_ttft(self, raw: float) -> float:
-        """What every pair shows for a forecast of `raw` seconds: the line, else the factor."""
-        line = self._line.fitted
-        if line is None:
-            return raw * math.exp(self._fleet)
-        return line[0] + line[1] * raw
+        return Prediction(raw * factor, self.itl(decode_url, step), wait, compute, transfer, admit, raw, step)
 
     def itl(self, decode_url: str, step: float) -> float:
         """The decode's predicted ITL for a step the prior prices at `step` seconds."""
@@ -208,10 +196,9 @@ class LatencyModel:
         """What one request saw on the pair it was sent to (seconds; None: not seen)."""
         self.observed += 1
         if ttft is not None and ttft > 0:
-            raw = predicted.raw_ttft
-            self._fleet += ALPHA * (_log_ratio(ttft, raw) - self._fleet)
-            self._line.add(raw, ttft)
-            error = _log_ratio(ttft, self._fleet_ttft(raw))  # what this target adds
+            error = _log_ratio(ttft, predicted.raw_ttft)
+            self._fleet += ALPHA * (error - self._fleet)
+            error -= self._fleet  # what this target adds to what every target shows
             own = self._ttft.get(target_url, 0.0)
             own += ALPHA * (error - own)
             self._ttft[target_url] = own
@@ -236,7 +223,6 @@ class LatencyModel:
         """The learned factors (the admin API's policy figures)."""
         return {
             "fleet": round(math.exp(self._fleet), 3),
-            "line": [round(v, 4) for v in line] if (line := self._line.fitted) else None,
             "ttft": {url: round(math.exp(v), 3) for url, v in self._ttft.items()},
             "pair": {f"{p} -> {d}": round(math.exp(v), 3) for (p, d), v in self._pair.items()},
             "itl": {url: round(math.exp(v), 3) for url, v in self._itl.items()},
