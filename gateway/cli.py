@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import resource
@@ -17,6 +18,7 @@ from gateway.config.settings import (
     ConfigError,
     load_config,
 )
+from gateway.processes.fair_accept import ConnectionShare, FairListener
 from gateway.processes.supervisor import Supervisor, worker_count
 from gateway.routes.server_protocol import ServerLimits, guarded_protocol
 
@@ -59,16 +61,32 @@ class GatewayServer(uvicorn.Server):
         self.gateway = gateway
 
     async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
+        worker = self.gateway.worker
+        # a worker accepts one connection per wake-up, so that a burst of connections is
+        # spread over the workers (processes/fair_accept.py); a single process lets uvloop
+        # accept, as fast as it can
+        await super().startup([] if worker is not None and sockets else sockets)
         if not self.started:
             return
-        worker = self.gateway.worker
+        if worker is not None and sockets:
+            # with SO_REUSEPORT each worker has its own queue: no sibling could take it
+            share = ConnectionShare(worker.shared, worker.id,
+                                    lambda: len(self.server_state.connections)) \
+                if self.gateway.config.workers_socket == "shared" else None
+            self.servers = [FairListener(asyncio.get_running_loop(), sock, self._protocol,
+                                         self.config.ssl, share) for sock in sockets]
         if worker is None:
             print(f"gateway: {self.gateway.announcement()}", file=sys.stderr, flush=True)
         else:
             if worker.id == 0:  # one line for the whole gateway, from its first worker
                 print(f"gateway: {self.gateway.announcement()}", file=sys.stderr, flush=True)
             worker.control.ready()
+
+    def _protocol(self) -> asyncio.Protocol:
+        """A connection's protocol, built as uvicorn's own `startup` builds it."""
+        return self.config.http_protocol_class(config=self.config,
+                                               server_state=self.server_state,
+                                               app_state=self.lifespan.state)
 
 
 def keys_on_command_line(argv: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ Layout (8-byte words): a header; per worker: active requests; per server slot: t
 then in-flight requests and in-flight prompt tokens per worker; per API key: two token
 buckets (requests, prompt tokens: gateway/admission/key_limits.py), each (tokens, last refill time) as
 doubles; per worker: its most urgent waiter's class and wait start (gateway/admission/slots.py);
-then the table of where each process sent its prompts (gateway/prefix/shared.py).
+per worker: its open client connections (gateway/processes/fair_accept.py); then the table of where each process sent its prompts (gateway/prefix/shared.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class SharedState:
         self._tokens = self._in_flight + SERVER_SLOTS * workers
         self._buckets = self._tokens + SERVER_SLOTS * workers
         self._waiting = self._buckets + 4 * max(keys, 1)
-        self._prefixes = self._waiting + 2 * workers
+        self._connections = self._waiting + 2 * workers
+        self._prefixes = self._connections + workers
         words = self._prefixes + PREFIX_WORDS
         if create:
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=8 * words)
@@ -170,6 +171,19 @@ class SharedState:
                     theirs < klass or (theirs == klass and floats[at + 1] < since)):
                 return True
         return False
+
+    # -- client connections -------------------------------------------------------------------
+
+    def publish_connections(self, worker: int, count: int) -> None:
+        """This worker's open client connections, as it counts them when it accepts."""
+        self.words[self._connections + worker] = count
+
+    def fewest_connections_elsewhere(self, worker: int) -> int:
+        """The fewest open connections another worker published (no lock: a stale figure
+        is one that has not yet counted the closes since, so it is never too low for a
+        live worker)."""
+        column = self.words[self._connections:self._connections + self.workers]
+        return min((n for i, n in enumerate(column) if i != worker), default=0)
 
     # -- per-key token buckets ----------------------------------------------------------------
 

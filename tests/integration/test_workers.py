@@ -13,12 +13,14 @@ import concurrent.futures
 import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import orjson
+import psutil
 import pytest
 
 from gateway.policies import create_policy
@@ -88,6 +90,8 @@ def cluster(tmp_path_factory):
         deadline = time.monotonic() + 60
         while len(worker_pids(proc.popen.pid)) < WORKERS and time.monotonic() < deadline:
             time.sleep(0.1)
+        while "workers serving" not in proc.log() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the supervisor's line once every worker accepts
         yield {"gateway": gateway, "proc": proc, "decodes": decodes, "prefill": prefill}
 
 
@@ -111,6 +115,33 @@ def test_every_worker_serves_and_rooms_stay_unique(cluster):
         served_by.add((room >> 46) & 31)  # the worker id under the replica id
     assert len(served_by) == WORKERS, served_by
     assert len(rooms) == len(numbers) >= 60
+
+
+def test_a_burst_of_connections_is_spread_over_the_workers(cluster):
+    """A client pool opening its keep-alive connections at once: each worker takes a share
+    (one accept per wake-up, gateway/processes/fair_accept.py). uvloop's own accept loop let
+    the first worker to wake take nearly all of them, and keep them."""
+    port = int(cluster["gateway"].rsplit(":", 1)[1])
+    count = 12 * WORKERS
+    socks = [socket.create_connection((HOST, port), timeout=10) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.sendall(b"GET /readiness HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        for sock in socks:  # every connection answered: every one was accepted
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = sock.recv(4096)
+                assert chunk, "connection closed before its answer"
+                head += chunk
+            assert head.startswith(b"HTTP/1.1 200"), head[:80]
+        held = {pid: sum(1 for c in psutil.Process(pid).net_connections("tcp")
+                         if c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+                for pid in worker_pids(cluster["proc"].popen.pid)}
+        assert sum(held.values()) == count, held
+        assert min(held.values()) >= count // WORKERS // 2, held  # 6 of 12 each at least
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def test_metrics_are_summed_over_workers(cluster):
