@@ -149,6 +149,22 @@ def test_engine_steps_follow_the_profile_chunked_cached_and_decode():
         [p.prefill_batch_ms([(256, 8192), (1000, 0)]) / 1e3])
 
 
+def test_steps_run_back_to_back_on_the_modelled_gpu():
+    """The CPU work between two steps (each woken stream writing its token) does not push
+    the next step back while it is shorter than a step: SGLang's overlap loops launch the
+    next batch before processing the last one's result. After an idle GPU, or a loop more
+    than a step late, a step starts when it is launched."""
+    config = config_from_args(["--mode", "decode", "--timing", "h200-llama3-8b"])
+    engine = Engine(config, RadixCache(page_size=1, capacity=config.cache_capacity_tokens))
+    assert engine._on_gpu(10.0, 0.010) == 10.0  # idle until now
+    assert engine._on_gpu(10.013, 0.010) == pytest.approx(10.010)  # 3 ms of streaming
+    assert engine._on_gpu(10.0205, 0.010) == pytest.approx(10.020)  # and again
+    assert engine._on_gpu(10.045, 0.010) == pytest.approx(10.045)  # 15 ms late: idle between
+    assert engine._on_gpu(10.055, 0.012) == pytest.approx(10.055)  # on time
+    engine._idle()  # nothing to run, then a new request 5 ms after the last step's end:
+    assert engine._on_gpu(10.072, 0.020) == pytest.approx(10.072)  # not before it came
+
+
 def _timed_generate(sim: Sim, tokens: list[int], max_new: int) -> float:
     body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": max_new}}
     start = time.perf_counter()
