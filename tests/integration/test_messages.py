@@ -135,10 +135,15 @@ def test_decode_failing_before_the_first_event_is_retried(fresh):
     broken = fresh.decode[0]
     faults(broken, error_rate=1.0)
     c = client(fresh)
-    for i in range(6):  # the least-load decode policy sends some of them to the broken one
+    # until the least-load decode policy has sent one to the broken decode (a /v1/loads
+    # snapshot taken while an earlier test's request ran there can keep it looking busier
+    # for up to a poll: CI once sent 6 of 6 to the healthy one); every stream completes
+    for i in range(30):
         with c.messages.stream(model="sim-model", max_tokens=4,
                                messages=[{"role": "user", "content": f"try {i}"}]) as stream:
             assert stream.get_final_message().usage.output_tokens == 4
+        if fresh.stats(broken)["faults_applied"].get("error_rate", 0) > 0 and i >= 5:
+            break
     assert fresh.stats(broken)["faults_applied"].get("error_rate", 0) > 0
 
 
