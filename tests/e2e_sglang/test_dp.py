@@ -114,6 +114,13 @@ class RankCounts:
     def __init__(self, cluster: DpCluster) -> None:
         self.cluster = cluster
         self.before = self._read()
+        self.retries_before = self._retries()
+        self.retried = 0  # attempts the gateway retried in between (set by `delta`)
+
+    def _retries(self) -> int:
+        """Attempts the gateway retried on another pair, all reasons (a slow attempt cut
+        by its deadline on a loaded CPU rig is one: its prefill leg counts twice here)."""
+        return int(sum(samples(self.cluster.gateway, "gateway_retries_total").values()))
 
     def _read(self) -> tuple[dict[int, float], dict[int, float]]:
         gateway = per_rank(samples(self.cluster.gateway, "gateway_dp_rank_requests_total"),
@@ -130,6 +137,7 @@ class RankCounts:
             counts = tuple([int(after.get(r, 0) - before.get(r, 0)) for r in range(RANKS)]
                            for after, before in zip(now, self.before, strict=True))
             if all(sum(c) >= expected for c in counts) or time.monotonic() > deadline:
+                self.retried = self._retries() - self.retries_before
                 return counts
 
 
@@ -225,10 +233,16 @@ def test_unrelated_prompts_all_succeed_on_both_ranks(dp_cluster: DpCluster) -> N
     assert [r.status_code for r in responses] == [200] * len(bodies), \
         [r.text for r in responses if r.status_code != 200][:3]
     gateway, server = counts.delta(len(bodies))
-    print(f"per-rank requests of 40: gateway {gateway}, server {server}")
-    assert sum(gateway) == sum(server) == len(bodies), (gateway, server)
-    assert gateway == server  # the server ran each request on the rank the gateway chose
-    assert min(gateway) >= 0.15 * len(bodies), gateway
+    retried = counts.retried
+    print(f"per-rank requests of 40: gateway {gateway}, server {server}, retried {retried}")
+    # every prefill leg the gateway steered, retries included (CI once saw 3 on a loaded
+    # rig: 43 legs, 42 transfers, as an abandoned attempt may or may not finish its transfer)
+    assert sum(gateway) == len(bodies) + retried, (gateway, server, retried)
+    assert len(bodies) <= sum(server) <= sum(gateway), (gateway, server, retried)
+    # the server ran each request on the rank the gateway chose
+    assert all(abs(g - s) <= retried for g, s in zip(gateway, server, strict=True)), \
+        (gateway, server, retried)
+    assert min(server) >= 0.15 * len(bodies), server
 
 
 def test_parallel_sampling_on_the_dp_prefill(dp_cluster: DpCluster) -> None:
