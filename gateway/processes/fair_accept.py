@@ -13,7 +13,7 @@ One accept per wake-up is not enough by itself: when connections come one after 
 worker that wakes fastest (often the one already running) takes each of them (36 of 36 over
 3 workers in `tests/integration/test_workers.py`). So a worker that holds more than `SLACK`
 connections over a sibling leaves the connection to it, for at most `MAX_DEFER`: each worker
-publishes its open connections in the shared block when it accepts (`ConnectionShare`). A
+publishes its open connections in the shared block as it looks (`ConnectionShare.ahead`). A
 published figure has not counted the closes since, so it is never too low for a live worker
 and the worker with the fewest always takes; a worker that died with few is waited for only
 `MAX_DEFER`, then the others take again.
@@ -54,9 +54,6 @@ class ConnectionShare:
         self.shared.publish_connections(self.worker, mine)
         return mine > self.shared.fewest_connections_elsewhere(self.worker) + SLACK
 
-    def publish(self) -> None:
-        self.shared.publish_connections(self.worker, self.open_here())
-
 
 class FairListener:
     """Accepts from `sock` one connection per readiness callback and serves it with
@@ -95,8 +92,6 @@ class FairListener:
         task = self.loop.create_task(self._serve(conn))
         self.opening.add(task)
         task.add_done_callback(self.opening.discard)
-        if self.share is not None:
-            self.share.publish()
 
     def _defer(self) -> bool:
         """Leave the waiting connection to a sibling for a moment, unless this episode of

@@ -175,7 +175,7 @@ class SharedState:
     # -- client connections -------------------------------------------------------------------
 
     def publish_connections(self, worker: int, count: int) -> None:
-        """This worker's open client connections, as it counts them when it accepts."""
+        """This worker's open client connections, as it counts them when one waits."""
         self.words[self._connections + worker] = count
 
     def fewest_connections_elsewhere(self, worker: int) -> int:
