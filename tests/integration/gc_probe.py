@@ -31,8 +31,12 @@ def _report(*_) -> None:
     everything = len(gc.garbage)
     gc.set_debug(0)
     gc.garbage.clear()
-    with open(os.environ["GC_PROBE_OUT"], "w") as out:
+    # Written under another name and renamed: the test polls for the file and must never
+    # read it half written (CI once read an empty one).
+    target = os.environ["GC_PROBE_OUT"]
+    with open(target + ".part", "w") as out:
         json.dump({"gateway": found, "all": everything}, out)
+    os.replace(target + ".part", target)
 
 
 if __name__ == "__main__":
