@@ -22,10 +22,12 @@ from gateway.policies import REGISTRY, Policy, create_policy
 if TYPE_CHECKING:
     from gateway.config.schema import GatewayConfig
 
-# Not `auto` (the joint slo choice and the SLO gate for requests with objectives): on the
-# H200-calibrated goodput benchmark near capacity it attained less than cache_aware alone
-# (docs/BENCHMARKS.md, "Goodput", 2026-12-03 A/B); it stays opt-in (`--policy auto`)
-DEFAULT_POLICIES = {"prefill": "cache_aware", "decode": "least_load"}
+# `auto`: a request without latency objectives is placed exactly as by cache_aware (prefill)
+# and least_load (decode); one with objectives keeps the cache-aware prefill, and the SLO
+# model chooses its decode and the gate refuses early what no pair can serve in time.
+# Measured against cache_aware + least_load on the Qwen2.5-32B H200 calibration
+# (docs/SCHEDULING.md, "The default policy, and `auto`")
+DEFAULT_POLICIES = {"prefill": "auto", "decode": "auto"}
 # SGLang's DEFAULT_MODEL_NAME (entrypoints/openai/protocol.py): what its OpenAI API assumes
 # when a request names no model, so it means "the default model" here too
 DEFAULT_NAME = "default"

@@ -82,8 +82,8 @@ class GatewayConfig:
 
     # Scheduling
     policy: str | None = _opt(
-        None, "policy for both roles (default: cache_aware for prefill, least_load for decode; "
-        "auto: slo for requests with latency objectives, cache_aware for the rest)")
+        None, "policy for both roles (default: auto: cache_aware for prefill and least_load "
+        "for decode; with latency objectives, the SLO model's decode and admission gate)")
     prefill_policy: str | None = _opt(None, "policy for choosing the prefill server")
     decode_policy: str | None = _opt(None, "policy for choosing the decode server")
     policy_options: dict | None = _opt(

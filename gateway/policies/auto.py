@@ -27,10 +27,10 @@ configuration written for the old defaults keeps its meaning (`inherited_options
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from gateway.policies.least_load import LeastLoadOptions, LeastLoadPolicy
-from gateway.policies.slo import SloPolicy
+from gateway.policies.slo import SloOptions, SloPolicy
 from gateway.request import RequestView
 from gateway.scheduling.load import LoadOptions
 from gateway.servers.pool import Server
@@ -42,8 +42,17 @@ def has_objectives(view: RequestView) -> bool:
     return ticket is not None and ticket.objective.any
 
 
+@dataclass(frozen=True)
+class AutoOptions(SloOptions):
+    """`slo`'s options; the prefill stays the cache-aware choice unless `steer` is set (the
+    forecasts then choose the decode, feed the gate and learn)."""
+
+    steer: bool = False
+
+
 class AutoPolicy(SloPolicy):
     name = "auto"
+    Options = AutoOptions
 
     def __init__(self, role: str, options=None) -> None:
         super().__init__(role, options)

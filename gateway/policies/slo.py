@@ -62,6 +62,10 @@ class SloOptions(CacheAwareOptions):
     top_k: int = 4  # prefills and decodes paired per pick (the anchor always included)
     min_match: float = 0.1  # a shorter match is noise, not a cache hit worth pricing
     tie_seconds: float = 0.005  # forecasts closer than this are ties (broken in turn)
+    # move a request off the cache-aware choice when a forecast says so (the two moves of
+    # `_decide`); off: the anchor's prefill always, the forecasts choose only its decode and
+    # feed the gate (`auto`'s default: docs/SCHEDULING.md)
+    steer: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -177,6 +181,9 @@ class SloPolicy(CacheAwarePolicy):
 
         own = [p for p in pairs if p[0] is anchor]
         home = best(own or pairs)
+        if not self.options.steer:
+            self._moves["anchor"] += 1
+            return home
         objective = view.slo.objective.ttft if view.slo is not None else None
         if objective is not None and home[2].ttft > objective:
             meeting = [p for p in pairs if p[2].ttft <= objective]

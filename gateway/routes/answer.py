@@ -165,6 +165,8 @@ class StreamedAnswer:
                 else:
                     usage.ttft = now - usage.started
                     self.meter.ttft[True].observe(usage.ttft)
+                    if self.view.slo is not None:  # the SLO model learns it now
+                        self.view.slo.first_token(now)
                 last = now
                 sent += len(chunk)
                 previous, final = final, chunk

@@ -155,8 +155,11 @@ class SloGate:
         ttft, itl = self._seen(ticket, record) if ok else (None, None)
         predicted = ticket.prediction
         if predicted is not None and ticket.model is not None:
-            ticket.model.observe(ticket.target_url, ticket.decode_url, predicted, ttft, itl,
-                                 record.duration - record.ttft if ok else None)
+            learned = ticket.first_seen is not None  # at the first token (Ticket.first_token)
+            ticket.model.observe(ticket.target_url, ticket.decode_url, predicted,
+                                 None if learned else ttft, itl,
+                                 record.duration - record.ttft if ok else None,
+                                 (record.prompt or 0) + (record.completion or 0))
             if ttft is not None:
                 self._errors["ttft"].observe(ttft / max(predicted.ttft, 1e-6))
             if itl is not None:

@@ -12,8 +12,9 @@
   like the speed; the physics prior (gateway/slo/physics.py) until the server has prefilled;
 * transfer: KV bytes per prompt token over the link, plus one setup;
 * admit: one decode step while the decode has room, else the wait for running requests to
-  finish (their learned mean duration): for a slot (`max_running_requests`), and for the KV
-  this prompt needs beyond what its pool has free (`max_total_tokens`; SGLang's decode admits
+  finish: for a slot (`max_running_requests`; their learned mean duration), and for the KV
+  this prompt needs beyond what its pool has free (`max_total_tokens`; the pool's learned
+  turnover, token-weighted; SGLang's decode admits
   a transferred request only when its KV fits, and the first token waits for that: near
   capacity the pool, not the slots, is what requests queue for);
 * decode_step: the physics prior at the decode's running batch and context tokens.
@@ -104,6 +105,9 @@ class LatencyModel:
         self._pair: dict[tuple[str, str], float] = {}  # (prefill, decode) -> log factor
         self._itl: dict[str, float] = {}  # decode url -> log factor
         self._duration: dict[str, float] = {}  # decode url -> mean seconds a request holds it
+        # decode url -> (EWMA of tokens x seconds, EWMA of tokens): the seconds a token of
+        # its KV pool is held, weighted by the tokens (the pool's turnover time)
+        self._held: dict[str, tuple[float, float]] = {}
         self.observed = 0
         # decode url -> the ITL objectives (seconds) of requests running there: decode
         # protection keeps new requests off a decode whose step would break the tightest
@@ -141,8 +145,18 @@ class LatencyModel:
             admit += (batch - limit + 1) / limit * duration
         pool = load.max_total_tokens
         if pool and context + prompt > pool:  # its KV waits for that much of the pool to free,
-            admit += (context + prompt - pool) / pool * duration  # which turns over per duration
+            admit += (context + prompt - pool) / pool * self.turnover(decode.url)
         return admit, step
+
+    def turnover(self, decode_url: str) -> float:
+        """Seconds the decode's KV pool takes to turn over: the token-weighted mean time its
+        requests hold it (Little's law: tokens free at pool / that time). Weighted by
+        requests it read 2.5x short under a sudden overload: the short answers end first
+        and hold little of the pool, the long prompts hold most of it."""
+        held = self._held.get(decode_url)
+        if held is None or held[1] <= 0:
+            return self._duration.get(decode_url, DECODE_DURATION)
+        return held[0] / held[1]
 
     def transfer(self, prompt: float) -> float:
         """Seconds to move the prompt's KV to the decode (the prior; pairs learn theirs)."""
@@ -192,8 +206,10 @@ class LatencyModel:
     # -- learning ------------------------------------------------------------------------------
 
     def observe(self, target_url: str, decode_url: str, predicted: Prediction,
-                ttft: float | None, itl: float | None, duration: float | None = None) -> None:
-        """What one request saw on the pair it was sent to (seconds; None: not seen)."""
+                ttft: float | None, itl: float | None, duration: float | None = None,
+                tokens: float = 0.0) -> None:
+        """What one request saw on the pair it was sent to (seconds; None: not seen);
+        `tokens`: the KV it held on the decode (prompt and completion)."""
         self.observed += 1
         if ttft is not None and ttft > 0:
             error = _log_ratio(ttft, predicted.raw_ttft)
@@ -211,6 +227,13 @@ class LatencyModel:
         if duration is not None and duration > 0:
             mean = self._duration.get(decode_url, duration)
             self._duration[decode_url] = mean + ALPHA * (duration - mean)
+            if tokens > 0:
+                held = self._held.get(decode_url)
+                if held is None:
+                    self._held[decode_url] = (tokens * duration, tokens)
+                else:
+                    self._held[decode_url] = (held[0] + ALPHA * (tokens * duration - held[0]),
+                                              held[1] + ALPHA * (tokens - held[1]))
 
     def forget_targets(self, present: set[str]) -> None:
         """Drop what was learned of prefill targets that left (and of their pairs)."""

@@ -35,7 +35,9 @@ from loadtests.routing.targets import Target
 OURS = "gateway"  # our gateway with its defaults: no policy flags
 WATCHED = ("gateway_retries_total", "gateway_requests_total",
            "gateway_admission_rejections_total", "gateway_upstream_failures_total",
-           "gateway_stream_failovers_total", "gateway_slo_requests_total")
+           "gateway_stream_failovers_total", "gateway_slo_requests_total",
+           # the SLO model's forecast error (observed / predicted): sum over count is its mean
+           "gateway_slo_prediction_error_sum", "gateway_slo_prediction_error_count")
 CUT_REASONS = ('reason="timeout"', 'reason="rescued"')
 
 

@@ -91,7 +91,7 @@ def test_admin_lists_servers(fresh):
 def test_admin_policies_show_names_options_and_figures(fresh):
     httpx.post(fresh.gateway + "/generate", json={"text": "route me"}, timeout=30)
     policies = get(fresh, "/admin/policies").json()
-    assert policies["prefill"]["name"] == "cache_aware"  # the default
-    assert policies["decode"]["name"] == "least_load"
+    assert policies["prefill"]["name"] == "auto"  # the default
+    assert policies["decode"]["name"] == "auto"
     assert "match_threshold" in policies["prefill"]["options"]
     assert policies["prefill"]["stats"]["tree_size"] > 0  # it remembered where the prompt went

@@ -148,8 +148,8 @@ def test_each_model_has_its_own_policies_and_prefix_state(rig):
                           timeout=30).status_code == 200
     policies = httpx.get(gw + "/admin/policies", timeout=30).json()["models"]
     alpha, beta = policies["alpha"], policies["beta"]
-    assert (alpha["prefill"]["name"], alpha["decode"]["name"]) == ("cache_aware", "least_load")
-    assert (beta["prefill"]["name"], beta["decode"]["name"]) == ("cache_aware", "round_robin")
+    assert (alpha["prefill"]["name"], alpha["decode"]["name"]) == ("auto", "auto")
+    assert (beta["prefill"]["name"], beta["decode"]["name"]) == ("auto", "round_robin")
     assert alpha["prefill"]["options"]["match_threshold"] == 0.5  # the global options
     assert beta["prefill"]["options"]["match_threshold"] == 0.9  # its own
     alpha_tree = set(alpha["prefill"]["stats"]["tree_size_by_worker"])

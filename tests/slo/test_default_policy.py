@@ -1,6 +1,7 @@
-"""The `auto` policy (opt-in: `--policy auto`): requests with objectives are placed by the joint
-`slo` scorer, requests without keep `cache_aware` + `least_load` exactly; the defaults stay
-`cache_aware` + `least_load` (no sockets)."""
+"""The `auto` policy, the default: requests without objectives are placed exactly as by
+`cache_aware` + `least_load`; requests with objectives keep the cache-aware prefill, and the
+SLO model chooses their decode and forecasts them for the gate (`steer` on: the joint `slo`
+scorer may also move their prefill) (no sockets)."""
 
 from __future__ import annotations
 
@@ -39,11 +40,13 @@ def config(*argv: str):
     return load_config(["--prefill", "http://p:1", "--decode", "http://d:1", *argv])
 
 
-def test_the_defaults_are_cache_aware_and_least_load_and_auto_is_opt_in() -> None:
+def test_the_defaults_are_auto_for_both_roles() -> None:
     cfg = config()
-    assert policy_choice(cfg, None, "prefill")[0] == "cache_aware"
-    assert policy_choice(cfg, None, "decode")[0] == "least_load"
-    assert policy_choice(config("--policy", "auto"), None, "prefill")[0] == "auto"
+    assert policy_choice(cfg, None, "prefill")[0] == "auto"
+    assert policy_choice(cfg, None, "decode")[0] == "auto"
+    assert create_policy("auto", "prefill").options.steer is False
+    assert create_policy("slo", "prefill").options.steer is True
+    assert policy_choice(config("--policy", "cache_aware"), None, "prefill")[0] == "cache_aware"
 
 
 def test_options_written_for_cache_aware_and_slo_apply_to_auto() -> None:
@@ -96,14 +99,17 @@ def test_without_objectives_auto_chooses_exactly_as_the_old_defaults(seed, role,
     assert ours == theirs
 
 
-def test_with_objectives_auto_chooses_the_pair_by_the_objective() -> None:
+def test_with_objectives_auto_steering_chooses_the_pair_by_the_objective() -> None:
     """The anchor (holder of the cached prefix) would miss a 400 ms objective behind its
-    queue; another target meets it: the default moves the request, cache_aware does not."""
+    queue; another target meets it: `auto` with `steer` moves the request, the default
+    `auto` and cache_aware do not; the default still forecasts it for the gate."""
     holder = server("holder", load={**SPEED, "waiting_uncached_tokens": 5_200}, age=1.0)
     other = server("other", load=dict(SPEED), age=1.0)
     decode = server("d", "decode")
-    auto, old = AutoPolicy("prefill"), create_policy("cache_aware", "prefill")
-    for policy in (auto, old):
+    auto, old = create_policy("auto", "prefill", {"steer": True}), \
+        create_policy("cache_aware", "prefill")
+    default = AutoPolicy("prefill")
+    for policy in (auto, old, default):
         policy.on_dispatch(holder, generate_ids(PROMPT))
     objective = auto.model.predict(other, decode, 4000, 0).ttft * 1.1
     headers = ((b"x-slo-ttft-ms", str(round(objective * 1e3, 1)).encode()),)
@@ -113,6 +119,10 @@ def test_with_objectives_auto_chooses_the_pair_by_the_objective() -> None:
     assert (target, chosen) == (other, decode)
     assert view.slo.prediction is not None  # the gate compares it with what happens
     assert auto.forecast([holder, other], [decode], view).ttft <= objective
+    view = with_objective(generate_ids(PROMPT), headers)
+    assert default.pick_pair([holder, other], [decode], view, never) == (holder, decode)
+    assert view.slo.prediction.ttft > objective  # forecast to miss: the gate decides
+    assert default.forecast([holder, other], [decode], view).ttft <= objective
     view = with_objective(generate_ids(PROMPT), headers)
     assert old.pick_pair([holder, other], [decode], view, never) is None
     assert old.pick([holder, other], view) is holder

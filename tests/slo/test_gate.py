@@ -133,11 +133,36 @@ def test_ended_requests_teach_the_model_and_count_met_or_missed() -> None:
         view.slo.model, view.slo.prediction = model, prediction(0.5)
         view.slo.picked_at = 100.0
         slo.observe(SimpleNamespace(request_id=rid, status=200, ttft=ttft, started=100.0,
-                                    stream=True, completion=11, duration=ttft + 0.5))
+                                    stream=True, completion=11, duration=ttft + 0.5,
+                                    prompt=100))
     assert count(metrics, "interactive", "met") == 1
     assert count(metrics, "interactive", "missed") == 1
     assert [round(args[3], 3) for args in learned] == [0.4, 1.5]  # TTFT from the pick
     assert [round(args[4], 3) for args in learned] == [0.05, 0.05]  # (0.5 s / 10 gaps)
+
+
+def test_a_streams_first_token_teaches_the_ttft_at_once_and_only_once() -> None:
+    """The model learns a stream's TTFT when its first token is relayed, not a whole answer
+    later; the end then teaches only the ITL and the time on the decode. A retry (a new
+    pick) is learned again from its own pick."""
+    slo, metrics = gate(Forecasts(0.5))
+    learned = []
+    model = SimpleNamespace(observe=lambda *args: learned.append(args),
+                            release=lambda *args: None, hold=lambda *args: None)
+    view = request(slo, INTERACTIVE, rid="r")
+    view.slo.picked(model, "p", "d", prediction(0.5), 100.0)
+    view.slo.first_token(100.7)
+    view.slo.first_token(100.9)  # a later chunk of the same pick: nothing new
+    assert [(a[0], a[1], round(a[3], 3), a[4]) for a in learned] == [("p", "d", 0.7, None)]
+    slo.observe(SimpleNamespace(request_id="r", status=200, ttft=0.7, started=100.0,
+                                stream=True, completion=11, duration=1.2, prompt=89))
+    assert len(learned) == 2 and learned[1][3] is None  # the TTFT was learned already
+    assert round(learned[1][4], 3) == 0.05 and round(learned[1][5], 3) == 0.5
+    assert learned[1][6] == 100  # the KV it held: prompt and completion tokens
+    assert count(metrics, "interactive", "met") == 1
+    view.slo.picked(model, "p2", "d", prediction(0.5), 200.0)  # a retry elsewhere
+    view.slo.first_token(200.3)
+    assert (learned[2][0], round(learned[2][3], 3)) == ("p2", 0.3)
 
 
 def test_queued_requests_do_not_each_ask_for_forecasts() -> None:

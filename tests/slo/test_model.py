@@ -89,6 +89,26 @@ def test_a_decode_whose_kv_pool_is_full_adds_the_wait_for_room() -> None:
     assert model.decode_part(full, 100, now)[0] < free + 0.01  # a short prompt still fits
 
 
+def test_the_pool_turns_over_at_the_token_weighted_holding_time() -> None:
+    """Many short answers holding little KV and a few long prompts holding most of it: the
+    pool frees at the pace of the long ones (Little's law), which a mean over requests
+    misses: two 1 s answers of 200 tokens for every 10 s one of 8,000 make a mean over
+    requests near 4 s, while the pool turns over in about 9.5 s."""
+    model = LatencyModel()
+    guess = model.predict(server("p"), server("d", "decode"), 100, 0)
+    for _ in range(9):
+        model.observe("p", "d", guess, None, None, 1.0, 200)
+        model.observe("p", "d", guess, None, None, 1.0, 200)
+        model.observe("p", "d", guess, None, None, 10.0, 8000)
+    turnover = model.turnover("d")
+    assert 8.5 < turnover < 10.0
+    pool = {"running": 20, "max_running_requests": 256, "max_total_tokens": 100_000}
+    full = server("d", "decode", load={**pool, "used_tokens": 100_000}, age=1.0)
+    admit, step = model.decode_part(full, 10_000, full.load.updated_at)
+    assert admit == pytest.approx(step + 0.1 * turnover)
+    assert model.turnover("unknown") == 10.0  # DECODE_DURATION until a decode has answered
+
+
 # -- the joint choice -------------------------------------------------------------------------
 
 
@@ -141,6 +161,29 @@ def test_objective_moves_a_request_whose_anchor_would_miss() -> None:
     target, _ = slo.pick_pair([holder, other], [decode], view, never)
     assert target is other
     assert view.slo.prediction.ttft == pytest.approx(elsewhere)
+
+
+def test_without_steering_the_anchor_keeps_the_request_and_the_forecast_is_kept() -> None:
+    """`steer: false`: an objective the holder misses and another target meets does not take
+    the request off the cache-aware choice (it does with steering: the test above); the
+    pair's forecast still goes on the ticket, for the gate and for learning."""
+    speed = {"prefill_speed": 20_000.0}
+    holder = server("holder", load={**speed, "waiting_uncached_tokens": 5_200}, age=1.0)
+    other = server("other", load=dict(speed), age=1.0)
+    decode = server("d", "decode")
+    targets = {}
+    for steer in (True, False):
+        slo = policy(steer=steer)
+        warm(slo, holder, PROMPT)
+        at_holder = slo.model.predict(holder, decode, 4000, 4000).ttft
+        elsewhere = slo.model.predict(other, decode, 4000, 0).ttft
+        objective = str(round((at_holder + elsewhere) / 2 * 1e3, 1)).encode()
+        view = generate_ids(PROMPT)
+        view.slo = Ticket(Objectives(None).of([(b"x-slo-ttft-ms", objective)], 0))
+        targets[steer] = slo.pick_pair([holder, other], [decode], view, never)[0]
+        expected = elsewhere if steer else at_holder
+        assert view.slo.prediction.ttft == pytest.approx(expected)
+    assert targets == {True: other, False: holder}
 
 
 def test_decode_protection_keeps_new_requests_off_a_decode_at_its_bound() -> None:

@@ -172,9 +172,10 @@ def test_per_model_policy_settings_default_to_the_global_ones():
     models, _ = two_models("--policy-options", '{"cache_aware": {"match_threshold": 0.7}}',
                            "--model-policies", settings)
     alpha, beta = models.known["alpha"].policies, models.known["beta"].policies
-    assert (alpha["prefill"].name, alpha["decode"].name) == ("cache_aware", "least_load")
+    # the default (auto) takes what was written for cache_aware (prefill) and least_load
+    assert (alpha["prefill"].name, alpha["decode"].name) == ("auto", "auto")
     assert alpha["prefill"].options.match_threshold == 0.7  # the global options
-    assert (beta["prefill"].name, beta["decode"].name) == ("round_robin", "least_load")
+    assert (beta["prefill"].name, beta["decode"].name) == ("round_robin", "auto")
     assert beta["decode"].options.usage_weight == 0.5
 
 
