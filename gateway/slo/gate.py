@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from gateway.errors import ServiceUnavailable, TooManyRequests
 from gateway.request import RequestView
+from gateway.slo.margin import Margin
 from gateway.slo.model import Prediction
 from gateway.slo.objectives import Objectives
 from gateway.slo.ticket import Ticket
@@ -63,6 +64,7 @@ class SloGate:
         self._open: dict[str, Ticket] = {}  # request id -> its ticket, until it ends
         self._waiting: list[_Waiter] = []  # queued requests, most urgent first
         self._outcomes: dict[tuple[int, str], object] = {}
+        self.margin = Margin()  # forecasts run late by this much (slo/margin.py)
         self._errors = {kind: metrics.buffered_histogram(
             metrics.slo_prediction_error.labels(kind)) for kind in ("ttft", "itl")}
 
@@ -83,7 +85,7 @@ class SloGate:
             return
         forecast = self.forecast(view)
         left = objective.ttft - (time.perf_counter() - ticket.since)  # queued before: spent
-        if forecast is None or forecast.ttft <= left:
+        if forecast is None or forecast.ttft * self.margin.value <= left:
             return
         klass = objective.klass
         if objective.on_miss == "shed":
@@ -93,7 +95,7 @@ class SloGate:
                 f"no server pair can start this request within its time-to-first-token "
                 f"objective ({objective.ttft * 1e3:g} ms; predicted {forecast.ttft * 1e3:.0f} "
                 "ms); nothing was sent; retry later", code="slo_unattainable",
-                headers={"retry-after": _seconds(forecast.ttft - left)})
+                headers={"retry-after": _seconds(forecast.ttft * self.margin.value - left)})
         self._count(klass, "queued")
         await self._wait(view, left, klass, forecast.compute + forecast.transfer)
 
@@ -115,9 +117,10 @@ class SloGate:
                 left = budget - (time.perf_counter() - started)
                 if self._waiting.index(waiter) < LOOK:
                     forecast = self.forecast(view)
-                    if forecast is None or forecast.ttft <= left:
+                    late = forecast.ttft * self.margin.value if forecast is not None else 0.0
+                    if forecast is None or late <= left:
                         return
-                    floor, excess = forecast.compute + forecast.transfer, forecast.ttft - left
+                    floor, excess = forecast.compute + forecast.transfer, late - left
                 else:
                     excess = budget
                 if left <= floor:  # not even an idle pair could make it now: a certain miss
@@ -162,6 +165,7 @@ class SloGate:
                                  (record.prompt or 0) + (record.completion or 0))
             if ttft is not None:
                 self._errors["ttft"].observe(ttft / max(predicted.ttft, 1e-6))
+                self.margin.observe(ttft, predicted.ttft)
             if itl is not None:
                 self._errors["itl"].observe(itl / max(predicted.itl, 1e-6))
         objective = ticket.objective

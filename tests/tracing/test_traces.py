@@ -57,8 +57,8 @@ def sent_headers(sims, url: str, rid: str) -> dict:
 def check_legs(spans, sims, request_span, tracestate=None) -> None:
     (pick,) = spans["pick"]
     assert pick.parent_id == request_span.span_id and pick.kind == "INTERNAL"
-    assert pick.attributes["gateway.prefill.policy"] == "cache_aware"
-    assert pick.attributes["gateway.decode.policy"] == "least_load"
+    assert pick.attributes["gateway.prefill.policy"] == "auto"  # the defaults
+    assert pick.attributes["gateway.decode.policy"] == "auto"
     assert pick.attributes["gateway.retry"] == 0
     for leg, chosen in (("prefill", "gateway.prefill.server"), ("decode", "gateway.decode.server")):
         (span,) = spans[leg]

@@ -1,0 +1,57 @@
+"""The gate's margin (gateway/slo/margin.py): the quantile of observed / forecast TTFT."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from gateway.errors import TooManyRequests
+from gateway.slo.margin import HIGH, LOW, QUANTILE, WARM, Margin
+from tests.slo.test_gate import BATCH, Forecasts, gate, request
+
+
+def test_the_margin_is_the_quantile_of_how_late_forecasts_run() -> None:
+    rng = random.Random(7)
+    margin = Margin()
+    ratios = [rng.uniform(0.5, 2.0) for _ in range(256)]
+    for ratio in ratios[:WARM - 1]:
+        margin.observe(ratio, 1.0)
+    assert margin.value == 1.0  # too few to say
+    for ratio in ratios[WARM - 1:]:
+        margin.observe(ratio * 0.2, 0.2)  # the ratio counts, not the seconds
+    expected = sorted(ratios)[int(QUANTILE * len(ratios)) - 1]
+    assert margin.value == pytest.approx(expected, rel=0.02)
+    late = sum(r > margin.value for r in ratios) / len(ratios)
+    assert late == pytest.approx(1 - QUANTILE, abs=0.02)
+
+
+@pytest.mark.parametrize(("ratio", "bound"), [(100.0, HIGH), (0.01, LOW)])
+def test_odd_forecasts_cannot_push_the_margin_past_its_bounds(ratio, bound) -> None:
+    margin = Margin()
+    for _ in range(64):
+        margin.observe(ratio, 1.0)
+    assert margin.value == bound
+
+
+def test_the_window_forgets_what_it_saw_long_ago() -> None:
+    margin = Margin()
+    for _ in range(256):
+        margin.observe(3.0, 1.0)
+    assert margin.value == pytest.approx(3.0)
+    for _ in range(256):
+        margin.observe(1.1, 1.0)
+    assert margin.value == pytest.approx(1.1)
+
+
+def test_the_gate_tests_the_forecast_times_the_margin() -> None:
+    """A forecast of 0.8 s against a 1 s objective passes alone, and is shed once forecasts
+    have been running 1.5x late."""
+    slo, _ = gate(Forecasts(0.8))
+    asyncio.run(slo.admit(request(slo, BATCH)))
+    for _ in range(WARM):
+        slo.margin.observe(1.5, 1.0)
+    with pytest.raises(TooManyRequests) as refused:
+        asyncio.run(slo.admit(request(slo, BATCH)))
+    assert refused.value.headers["retry-after"] == "1"
