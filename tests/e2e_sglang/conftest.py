@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,3 +198,52 @@ def _listed(server: dict, log_dir: Path) -> SglangServer:
     host = urlsplit(server["url"]).hostname
     return SglangServer(server["url"], server["role"], server["url"], host,
                         server["bootstrap_port"], log_dir)
+
+
+QUIET_WAIT = 180.0  # seconds a test waits for the shared rig to finish what earlier ones left
+QUIET_BUDGET = [300.0]  # seconds all tests of the session may wait so, together (a rig that
+# never gets quiet must not hold each of 70 tests for QUIET_WAIT)
+
+
+def busy_on(url: str) -> int:
+    """Requests a real server still holds: running, queued, or in a PD queue (bootstrap,
+    transfer, preallocation). SGLang's `/v1/loads` (`LoadSnapshot`, its `disaggregation`
+    section)."""
+    loads = httpx.get(url + "/v1/loads", timeout=5, trust_env=False).json()["loads"]
+    held = 0
+    for load in loads:
+        disagg = load.get("disaggregation") or {}
+        held += int(load.get("num_running_reqs") or 0) + int(load.get("num_waiting_reqs") or 0)
+        held += sum(int(disagg.get(key) or 0) for key in (
+            "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs",
+            "decode_prealloc_queue_reqs", "decode_transfer_queue_reqs"))
+    return held
+
+
+@pytest.fixture(autouse=True)
+def quiet_rig(request: pytest.FixtureRequest) -> None:
+    """Before a test on the shared rig: wait (bounded) until no server holds a request.
+
+    Why: the rig is one set of real servers for the whole session, and an earlier test's
+    aborted streams can leave a KV transfer that real SGLang finishes only minutes later
+    (CI, 2026-12-04: a prefill kept one request in its inflight queue for 2.5 minutes after
+    a storm of client disconnects, and every new transfer to one decode waited behind it, so
+    the next tests that sent to that decode timed out). A test starts on a quiet rig, as a
+    user's first request would; past `QUIET_WAIT` it starts anyway and its own assertions
+    say what is wrong."""
+    if "sglang_cluster" not in request.fixturenames:
+        return
+    cluster: SglangCluster = request.getfixturevalue("sglang_cluster")
+    urls = [s.url for s in (*cluster.prefill, *cluster.decode)]
+    started = time.monotonic()
+    deadline = started + min(QUIET_WAIT, QUIET_BUDGET[0])
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if sum(busy_on(url) for url in urls) == 0:
+                    return
+            except (httpx.HTTPError, KeyError, TypeError, ValueError):
+                return  # a server that does not answer: the test itself will say so
+            time.sleep(0.5)
+    finally:
+        QUIET_BUDGET[0] = max(0.0, QUIET_BUDGET[0] - (time.monotonic() - started))
