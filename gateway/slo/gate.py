@@ -85,7 +85,7 @@ class SloGate:
             return
         forecast = self.forecast(view)
         left = objective.ttft - (time.perf_counter() - ticket.since)  # queued before: spent
-        if forecast is None or forecast.ttft * self.margin.value <= left:
+        if forecast is None or self.margin.late(forecast.ttft) <= left:
             return
         klass = objective.klass
         if objective.on_miss == "shed":
@@ -95,7 +95,7 @@ class SloGate:
                 f"no server pair can start this request within its time-to-first-token "
                 f"objective ({objective.ttft * 1e3:g} ms; predicted {forecast.ttft * 1e3:.0f} "
                 "ms); nothing was sent; retry later", code="slo_unattainable",
-                headers={"retry-after": _seconds(forecast.ttft * self.margin.value - left)})
+                headers={"retry-after": _seconds(self.margin.late(forecast.ttft) - left)})
         self._count(klass, "queued")
         await self._wait(view, left, klass, forecast.compute + forecast.transfer)
 
@@ -117,7 +117,7 @@ class SloGate:
                 left = budget - (time.perf_counter() - started)
                 if self._waiting.index(waiter) < LOOK:
                     forecast = self.forecast(view)
-                    late = forecast.ttft * self.margin.value if forecast is not None else 0.0
+                    late = self.margin.late(forecast.ttft) if forecast is not None else 0.0
                     if forecast is None or late <= left:
                         return
                     floor, excess = forecast.compute + forecast.transfer, late - left

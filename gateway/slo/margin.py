@@ -31,6 +31,10 @@ class Margin:
         self._ratios: deque[float] = deque(maxlen=WINDOW)
         self._since = 0  # observations since the last read
 
+    def late(self, forecast: float) -> float:
+        """`forecast` seconds as late as the gate must assume they run."""
+        return forecast * self.value
+
     def observe(self, observed: float, forecast: float) -> None:
         """One request's first token came `observed` seconds after its pick, forecast at
         `forecast` seconds."""

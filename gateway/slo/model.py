@@ -211,16 +211,8 @@ class LatencyModel:
         """What one request saw on the pair it was sent to (seconds; None: not seen);
         `tokens`: the KV it held on the decode (prompt and completion)."""
         self.observed += 1
-        if ttft is not None and ttft > 0:
-            error = _log_ratio(ttft, predicted.raw_ttft)
-            self._fleet += ALPHA * (error - self._fleet)
-            error -= self._fleet  # what this target adds to what every target shows
-            own = self._ttft.get(target_url, 0.0)
-            own += ALPHA * (error - own)
-            self._ttft[target_url] = own
-            key = (target_url, decode_url)
-            pair = self._pair.get(key, 0.0)
-            self._pair[key] = pair + ALPHA * ((error - own) - pair)
+        if ttft is not None:
+            self.learn_ttft(target_url, decode_url, predicted, ttft)
         if itl is not None and itl > 0:
             own = self._itl.get(decode_url, 0.0)
             self._itl[decode_url] = own + ALPHA * (_log_ratio(itl, predicted.raw_itl) - own)
@@ -234,6 +226,22 @@ class LatencyModel:
                 else:
                     self._held[decode_url] = (held[0] + ALPHA * (tokens * duration - held[0]),
                                               held[1] + ALPHA * (tokens - held[1]))
+
+    def learn_ttft(self, target_url: str, decode_url: str, predicted: Prediction,
+                   ttft: float) -> None:
+        """One request's first token came `ttft` seconds after its pick (the layered TTFT
+        factors: the fleet's, its target's, its pair's)."""
+        if ttft <= 0:
+            return
+        error = _log_ratio(ttft, predicted.raw_ttft)
+        self._fleet += ALPHA * (error - self._fleet)
+        error -= self._fleet  # what this target adds to what every target shows
+        own = self._ttft.get(target_url, 0.0)
+        own += ALPHA * (error - own)
+        self._ttft[target_url] = own
+        key = (target_url, decode_url)
+        pair = self._pair.get(key, 0.0)
+        self._pair[key] = pair + ALPHA * ((error - own) - pair)
 
     def forget_targets(self, present: set[str]) -> None:
         """Drop what was learned of prefill targets that left (and of their pairs)."""

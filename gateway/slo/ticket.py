@@ -52,7 +52,7 @@ class Ticket:
         if model is None or prediction is None or self.first_seen is not None:
             return
         self.first_seen = now - self.picked_at
-        model.observe(self.target_url, self.decode_url, prediction, self.first_seen, None)
+        model.learn_ttft(self.target_url, self.decode_url, prediction, self.first_seen)
 
     def release(self) -> None:
         """The request left its decode (ended, or retried elsewhere)."""

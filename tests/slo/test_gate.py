@@ -148,6 +148,8 @@ def test_a_streams_first_token_teaches_the_ttft_at_once_and_only_once() -> None:
     slo, metrics = gate(Forecasts(0.5))
     learned = []
     model = SimpleNamespace(observe=lambda *args: learned.append(args),
+                            # recorded as `observe` would be with the TTFT alone (no ITL)
+                            learn_ttft=lambda *args: learned.append((*args, None)),
                             release=lambda *args: None, hold=lambda *args: None)
     view = request(slo, INTERACTIVE, rid="r")
     view.slo.picked(model, "p", "d", prediction(0.5), 100.0)
