@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import inspect
 import logging
+import os
 import signal
 import sys
 import threading
@@ -27,6 +28,7 @@ import httpx
 
 from backends.launcher.commands import build_command
 from backends.launcher.errors import StartupError
+from backends.launcher.heartbeat import restart_hold_s
 from backends.launcher.process import ServerProcess
 from backends.launcher.progress import show_progress
 from backends.launcher.server import OnState, ServerHandle, ServerState
@@ -228,7 +230,7 @@ class Launcher:
                 )
                 return
             await self._set_state(server, ServerState.RESTARTING)
-            await asyncio.sleep(policy.backoff(consecutive))
+            await asyncio.sleep(self._restart_delay(server, policy.backoff(consecutive)))
             if self._stopping:
                 return
             server.restarts += 1
@@ -240,6 +242,15 @@ class Launcher:
             elif server.process.running and not self._stopping:
                 log.warning("%s not ready in time after restart; stopping it", server.name)
                 await server.process.stop(self.topology.stop_grace_s)
+
+    def _restart_delay(self, server: ServerHandle, backoff: float) -> float:
+        """The backoff, or longer while a decode could still hold the dead process's
+        endpoints (heartbeat.py says why)."""
+        hold = restart_hold_s(self.topology, server.spec, os.environ)
+        if hold > backoff:
+            log.info("%s: restart held %.0f s, until every decode has forgotten the dead "
+                     "process (SGLang heartbeat)", server.name, hold)
+        return max(backoff, hold)
 
     async def _set_state(self, server: ServerHandle, state: ServerState) -> None:
         server.state = state

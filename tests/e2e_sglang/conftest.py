@@ -11,6 +11,7 @@ Server logs: $SGLANG_E2E_LOG_DIR if set, else a pytest temporary directory (see 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import subprocess
@@ -84,6 +85,18 @@ class SglangCluster:
             "bootstrap_port": server.bootstrap_port,
             "bootstrap_room": secrets.randbits(63),
         }
+
+    async def pd_generate(
+        self, body: dict[str, Any], decode: int = 0, prefill: int = 0
+    ) -> tuple[httpx.Response, httpx.Response]:
+        """The same body (plus bootstrap fields) to a prefill and a decode at once, as a
+        router does: the transfer between exactly these two servers, with no gateway."""
+        pd_body = self.pd_body(body, prefill)
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+            return await asyncio.gather(
+                client.post(self.prefill_urls[prefill] + "/generate", json=pd_body),
+                client.post(self.decode_urls[decode] + "/generate", json=pd_body),
+            )
 
 
 def _server(handle: ServerHandle) -> SglangServer:

@@ -150,3 +150,11 @@ def test_killed_prefill_fails_fast_then_recovers(sglang_cluster: SglangCluster) 
     else:
         pytest.fail("traffic did not recover after the prefill restart")
     assert _pids_of(port) and _pids_of(port) != pids
+    # every decode takes KV from the new process, not only the one the gateway tried: a
+    # prefill back before a decode's heartbeat dropped it leaves that decode sending to the
+    # dead process for good (backends/launcher/heartbeat.py)
+    for decode in range(len(sglang_cluster.decode)):
+        body = {"text": f"after the restart, decode {decode}", "sampling_params": GREEDY}
+        answers = asyncio.run(asyncio.wait_for(
+            sglang_cluster.pd_generate(body, decode=decode), timeout=60))
+        assert [a.status_code for a in answers] == [200, 200], sglang_cluster.decode[decode].url

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 import httpx
 import pytest
@@ -14,18 +13,6 @@ from tests.e2e_sglang.conftest import SglangCluster
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # the first test pays the start-up
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
-
-
-async def pd_generate(
-    cluster: SglangCluster, body: dict[str, Any], decode: int = 0, prefill: int = 0
-) -> tuple[httpx.Response, httpx.Response]:
-    """Send the same body (plus bootstrap fields) to prefill and decode at the same time."""
-    pd_body = cluster.pd_body(body, prefill)
-    async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
-        return await asyncio.gather(
-            client.post(cluster.prefill_urls[prefill] + "/generate", json=pd_body),
-            client.post(cluster.decode_urls[decode] + "/generate", json=pd_body),
-        )
 
 
 def get(url: str) -> httpx.Response:
@@ -83,7 +70,7 @@ def test_pd_generate_matches_plain_server(sglang_cluster: SglangCluster, decode:
     reference = httpx.post(
         sglang_cluster.null_url + "/generate", json=body, timeout=120, trust_env=False
     ).json()
-    prefill, answer = asyncio.run(pd_generate(sglang_cluster, body, decode=decode))
+    prefill, answer = asyncio.run(sglang_cluster.pd_generate(body, decode=decode))
     assert prefill.status_code == 200 and answer.status_code == 200, answer.text
     assert prefill.json()["meta_info"]["finish_reason"]["type"] == "length"
     assert answer.json()["output_ids"] == reference["output_ids"]
@@ -92,7 +79,7 @@ def test_pd_generate_matches_plain_server(sglang_cluster: SglangCluster, decode:
 
 def test_pd_streaming_ends_with_done(sglang_cluster: SglangCluster) -> None:
     body = {"text": "hello world", "sampling_params": GREEDY, "stream": True}
-    _, answer = asyncio.run(pd_generate(sglang_cluster, body))
+    _, answer = asyncio.run(sglang_cluster.pd_generate(body))
     assert answer.status_code == 200
     events = [
         line[len("data: ") :] for line in answer.text.splitlines() if line.startswith("data:")
@@ -106,7 +93,7 @@ def test_concurrent_pd_requests_all_succeed(sglang_cluster: SglangCluster) -> No
     async def many() -> list[tuple[httpx.Response, httpx.Response]]:
         bodies = [{"text": f"request number {i}", "sampling_params": GREEDY} for i in range(8)]
         return await asyncio.gather(
-            *(pd_generate(sglang_cluster, body, decode=i % 2) for i, body in enumerate(bodies))
+            *(sglang_cluster.pd_generate(body, decode=i % 2) for i, body in enumerate(bodies))
         )
 
     for prefill, answer in asyncio.run(many()):

@@ -86,6 +86,38 @@ def test_start_kill9_crashed_restarted_ready_then_stop_leaves_nothing(
     assert states_of(events, "decode-0") == [S.STARTING, S.READY, S.STOPPED]
 
 
+def test_a_crashed_server_stays_down_for_its_hold(
+    standin_topology: Callable[..., Topology], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restart waits for the longer of the backoff (0.1 s here) and the hold that lets
+    SGLang decodes forget the dead prefill (heartbeat.py; the standins are `sim` servers,
+    which need none, so the test gives the prefill one)."""
+    import backends.launcher.launcher as launcher_module
+
+    monkeypatch.setattr(launcher_module, "restart_hold_s",
+                        lambda topology, spec, environ: 1.5 if spec.role == "prefill" else 0.0)
+    stamps: list[tuple[str, ServerState, float]] = []
+
+    async def scenario() -> None:
+        launcher = launcher_for(standin_topology(), lambda server, state: stamps.append(
+            (server.name, state, time.monotonic())))
+        await launcher.start()
+        for name in ("decode-0", "prefill-0"):
+            victim = launcher.server(name)
+            os.kill(victim.pid or 0, signal.SIGKILL)
+            await until(lambda v=victim: v.restarts == 1 and v.state is S.READY)
+        await launcher.stop()
+
+    asyncio.run(scenario())
+
+    def down_for(name: str) -> float:
+        last = {state: t for server, state, t in stamps if server == name}  # the restart's
+        return last[S.STARTING] - last[S.CRASHED]
+
+    assert down_for("prefill-0") >= 1.5
+    assert down_for("decode-0") < 1.5
+
+
 def test_stop_kills_grandchildren_and_escalates_to_sigkill(
     standin_topology: Callable[..., Topology],
 ) -> None:
