@@ -18,7 +18,8 @@ from dataclasses import replace
 
 import pytest
 
-from loadtests.goodput.capacity import PLACEMENTS, replay, simulate
+from loadtests.goodput import capacity
+from loadtests.goodput.capacity import PLACEMENTS, DesResult, replay, simulate
 from loadtests.goodput.physics import Physics
 from loadtests.goodput.report import goodput
 from loadtests.goodput.where import breakdown
@@ -64,6 +65,28 @@ def test_the_des_serves_a_tiny_rate_and_not_one_far_past_the_cluster():
     flood = simulate(mixed_plan(QUICK_SHAPE, 3000.0, 2.0, seed=0), 2, 1, physics)
     assert flood.attainment < 0.5
     assert 0 < flood.refused < flood.requests  # refused at arrival, not all of them
+
+
+@pytest.mark.parametrize(("dip", "start", "expected"), [
+    pytest.param((26.0, 30.0), 10.0, 26.0, id="a-dip-above-the-start-ends-the-scan"),
+    pytest.param((8.0, 12.0), 10.0, 8.0, id="a-start-in-the-dip-halves-first"),
+])
+def test_the_bound_is_the_first_crossing_as_goodput_reads_it(monkeypatch, dip, start, expected):
+    """An attainment curve with a dip (one plan per rate is noisy: the 32B calibration's
+    seed 0 read 0.87 at 28 between 0.92 at 26 and 0.93 at 34): the bound stops at the dip,
+    where a router's goodput would, not at the far end (80 here)."""
+    def attainment(rate: float) -> float:
+        return 0.8 if dip[0] <= rate < dip[1] else 0.95 if rate < 80 else 0.1
+
+    def fake(plan: Plan, *_):
+        return DesResult(plan.rate, 100, round(100 * attainment(plan.rate)), 0)
+
+    monkeypatch.setattr(capacity, "simulate", fake)
+    monkeypatch.setattr(capacity, "mixed_plan", lambda shape, rate, *_: Plan(shape, rate, 1, ()))
+    bound, tried = capacity.capacity_rate(QUICK_SHAPE, 4.0, 0, 2, 1, Physics(kv_tokens=4096),
+                                          start=start, log=lambda line: None)
+    assert expected * 0.97 <= bound < expected
+    assert all(r.rate < 80 for r in tried)  # the scan never jumped past the dip
 
 
 def test_where_the_time_goes_a_full_decode_pool_holds_the_first_token():
