@@ -20,6 +20,7 @@ from gateway.servers.pool import Server, ServerPool
 from gateway.servers.probe import RoleMismatch, probe
 
 log = logging.getLogger("gateway.health.checker")
+FIRST_SPEED_POLL = 0.5  # seconds between /v1/loads polls until a busy prefill has a speed
 
 
 class HealthChecker:
@@ -112,10 +113,23 @@ class HealthChecker:
             log.warning("%s server %s marked UP", server.role, server.url)
 
     async def _poll_loads(self) -> None:
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.loads_interval)
+            await asyncio.sleep(min(self.loads_interval, FIRST_SPEED_POLL))
+            if time.monotonic() - last < self.loads_interval and not self._speed_unknown():
+                continue
+            last = time.monotonic()
             await asyncio.gather(*(self._load_of(w) for w in self.pool if w.healthy),
                                  return_exceptions=True)
+
+    def _speed_unknown(self) -> bool:
+        """Whether a prefill with requests in flight has not reported its own speed yet: the
+        SLO forecasts run on the physics prior's speed until it does (6x too fast for a 32B
+        model), and a cold start's burst is admitted on them; polls come every
+        `FIRST_SPEED_POLL` seconds until then."""
+        return any(server.role == "prefill" and server.healthy
+                   and not server.load.prefill_speed and server.totals()[0]
+                   for server in self.pool)
 
     async def _load_of(self, server: Server) -> None:
         with contextlib.suppress(httpx.HTTPError, TimeoutError, ValueError):

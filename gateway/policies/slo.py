@@ -141,7 +141,8 @@ class SloPolicy(CacheAwarePolicy):
                 if blocked is not None and blocked(target.server.url, decode.url):
                     continue
                 pairs.append((target, decode, model.combine(
-                    target.url, decode.url, wait, compute, transfer, admit, step)))
+                    target.url, decode.url, wait, compute, transfer, admit, step,
+                    model.measured(target))))
         if not pairs and blocked is not None:  # all quarantined: as the scheduler, any
             return self._pairs(prefills, decodes, view, matched, anchor, now, None)
         return pairs

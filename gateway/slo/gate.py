@@ -165,7 +165,8 @@ class SloGate:
                                  (record.prompt or 0) + (record.completion or 0))
             if ttft is not None:
                 self._errors["ttft"].observe(ttft / max(predicted.ttft, 1e-6))
-                self.margin.observe(ttft, predicted.ttft)
+                if predicted.measured:  # the margin is the measured forecasts' error
+                    self.margin.observe(ttft, predicted.ttft)
             if itl is not None:
                 self._errors["itl"].observe(itl / max(predicted.itl, 1e-6))
         objective = ticket.objective

@@ -25,7 +25,8 @@ pair and per decode, a factor: an exponentially weighted mean of log(observed / 
 clamped to [1/8, 8]. TTFT factors are layered: the fleet's (what every pair shows), what a
 prefill target adds to it, what a pair adds to that (its transfer path, its decode's
 admission); a target not yet observed has the fleet's. They start at 1 (the physics, and
-the server's own speed).
+the server's own speed). A forecast made before its prefill reported a speed (the prior's)
+has a factor of its own, learned only from such forecasts (`measured`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Prediction:
     admit: float
     raw_ttft: float
     raw_itl: float
+    measured: bool = True  # the prefill's speed was its own, not the prior (`combine`)
 
 
 def fresh(server, now: float | None = None, max_age: float = LOAD_MAX_AGE) -> bool:
@@ -101,6 +103,10 @@ class LatencyModel:
         # target nobody has observed yet starts at the fleet's, not at the prior, so the
         # ones observed do not look slower than the unknown ones for being known
         self._fleet = 0.0
+        # the log factor of forecasts made with the physics prior's speed, before a prefill
+        # has reported its own: kept apart, or the prior's error (6x on a 32B model) would
+        # stay in the fleet's factor and multiply the forecasts made with the measured speed
+        self._prior = 0.0
         self._ttft: dict[str, float] = {}  # prefill target url -> log factor
         self._pair: dict[tuple[str, str], float] = {}  # (prefill, decode) -> log factor
         self._itl: dict[str, float] = {}  # decode url -> log factor
@@ -162,13 +168,20 @@ class LatencyModel:
         """Seconds to move the prompt's KV to the decode (the prior; pairs learn theirs)."""
         return self.physics.transfer(prompt)
 
+    @staticmethod
+    def measured(target) -> bool:
+        """Whether the target's prefill speed is its own (`/v1/loads`), not the prior."""
+        return target.load.prefill_speed > 0
+
     def combine(self, target_url: str, decode_url: str, wait: float, compute: float,
-                transfer: float, admit: float, step: float) -> Prediction:
-        """The pair's forecast from its parts, with what was learned of its servers."""
+                transfer: float, admit: float, step: float, measured: bool = True) -> Prediction:
+        """The pair's forecast from its parts, with what was learned of its servers; on the
+        prior's speed (`measured` false) with the prior's own factor only."""
         raw = wait + compute + transfer + admit
-        factor = math.exp(self._fleet + self._ttft.get(target_url, 0.0)
-                          + self._pair.get((target_url, decode_url), 0.0))
-        return Prediction(raw * factor, self.itl(decode_url, step), wait, compute, transfer, admit, raw, step)
+        log = self._fleet + self._ttft.get(target_url, 0.0) \
+            + self._pair.get((target_url, decode_url), 0.0) if measured else self._prior
+        return Prediction(raw * math.exp(log), self.itl(decode_url, step), wait, compute,
+                          transfer, admit, raw, step, measured)
 
     def itl(self, decode_url: str, step: float) -> float:
         """The decode's predicted ITL for a step the prior prices at `step` seconds."""
@@ -183,7 +196,7 @@ class LatencyModel:
         wait, compute = self.prefill_part(target, prompt - cached, cached, now)
         admit, step = self.decode_part(decode, prompt, now)
         return self.combine(target.url, decode.url, wait, compute, self.transfer(prompt),
-                            admit, step)
+                            admit, step, self.measured(target))
 
     # -- decode protection -----------------------------------------------------------------
 
@@ -234,6 +247,9 @@ class LatencyModel:
         if ttft <= 0:
             return
         error = _log_ratio(ttft, predicted.raw_ttft)
+        if not predicted.measured:  # the prior's error, not the fleet's (`_prior`)
+            self._prior += ALPHA * (error - self._prior)
+            return
         self._fleet += ALPHA * (error - self._fleet)
         error -= self._fleet  # what this target adds to what every target shows
         own = self._ttft.get(target_url, 0.0)
@@ -254,6 +270,7 @@ class LatencyModel:
         """The learned factors (the admin API's policy figures)."""
         return {
             "fleet": round(math.exp(self._fleet), 3),
+            "prior": round(math.exp(self._prior), 3),
             "ttft": {url: round(math.exp(v), 3) for url, v in self._ttft.items()},
             "pair": {f"{p} -> {d}": round(math.exp(v), 3) for (p, d), v in self._pair.items()},
             "itl": {url: round(math.exp(v), 3) for url, v in self._itl.items()},

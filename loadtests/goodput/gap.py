@@ -89,6 +89,16 @@ def rows(name: str, served: list[Served]) -> Iterable[str]:
                + f" | {pct(ttft, 50)} | {pct(ttft, 90)} | {pct(itl, 50)} | {pct(itl, 90)} |")
 
 
+def timeline(name: str, served: list[Served], duration: float, width: float = 2.0) -> str:
+    """Misses by arrival time, `width` seconds a column: a burst the router handled worse
+    than the DES shows as columns where only its row grows."""
+    counts = [0] * (int(duration / width) + 1)
+    for s in served:
+        if s.cause != "met":
+            counts[min(int(s.request.at / width), len(counts) - 1)] += 1
+    return f"| {name} | " + " | ".join(str(c) for c in counts) + " |"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timing", default=Physics.timing, choices=tuple(PROFILES))
@@ -107,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     table = ["| source | kind | sent | met | ttft | itl | refused | failed | TTFT p50 | "
              "TTFT p90 | ITL p50 | ITL p90 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"
              "---:|---:|---:|"]
-    for placement in PLACEMENTS:
-        table += rows(f"DES {placement}",
-                      des_served(plan, physics, setup.prefills, setup.decodes, placement))
+    served = {f"DES {placement}": des_served(plan, physics, setup.prefills, setup.decodes,
+                                             placement) for placement in PLACEMENTS}
     with tempfile.TemporaryDirectory(prefix="goodput-gap-") as tmp:
         sims = SimOptions(prefills=setup.prefills, decodes=setup.decodes,
                           cache_tokens=physics.prefix_cache_tokens,
@@ -118,7 +127,13 @@ def main(argv: list[str] | None = None) -> int:
             peer_python = (peers.peer_python(args.peers_venv, args.peers_python)
                            if args.target.startswith(("sglang-router", "mini-lb")) else None)
             got = measure(args.target, cluster, plan, args.timeout, Path(tmp), peer_python)
-    table += rows(args.target, run_served(got.pairs))
+    served[args.target] = run_served(got.pairs)
+    for name, each in served.items():
+        table += rows(name, each)
+    columns = int(args.duration / 2.0) + 1
+    table += ["", "| misses by arrival | " + " | ".join(f"{2 * i}s" for i in range(columns))
+              + " |", "|---|" + "---:|" * columns]
+    table += [timeline(name, each, args.duration) for name, each in served.items()]
     print(f"{len(plan.requests)} requests at {args.rate:g} req/s for {args.duration:g} s, "
           f"{args.workload}, timing {physics.profile.name}; misses by cause\n")
     print("\n".join(table))

@@ -55,3 +55,28 @@ def test_the_gate_tests_the_forecast_times_the_margin() -> None:
     with pytest.raises(TooManyRequests) as refused:
         asyncio.run(slo.admit(request(slo, BATCH)))
     assert refused.value.headers["retry-after"] == "1"
+
+
+def test_forecasts_on_the_prior_speed_do_not_move_the_margin() -> None:
+    """A cold start's forecasts use the prior's speed (several times short on a slower
+    model) until the prefills report theirs: their ratios would hold the margin near its
+    ceiling for a whole window after the speed is known, refusing what measured forecasts
+    admit. Only forecasts on a measured speed teach it."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from tests.slo.test_gate import INTERACTIVE, prediction
+
+    slo, _ = gate(Forecasts(0.5))
+    model = SimpleNamespace(observe=lambda *args: None, release=lambda *args: None)
+    for i in range(2 * WARM):
+        for measured in (False, True):
+            rid = f"r{i}{measured}"
+            view = request(slo, INTERACTIVE, rid=rid)
+            view.slo.model, view.slo.picked_at = model, 100.0
+            view.slo.prediction = replace(prediction(0.5), measured=measured)
+            ttft = 0.5 if measured else 3.0  # the prior's forecasts ran 6x short
+            slo.observe(SimpleNamespace(request_id=rid, status=200, ttft=ttft, started=100.0,
+                                        stream=True, completion=11, duration=ttft + 0.5,
+                                        prompt=100))
+    assert slo.margin.value == pytest.approx(1.0)

@@ -245,6 +245,8 @@ def test_dp_ranks_are_targets_and_what_left_is_forgotten() -> None:
     slo = policy()
     whole = server("p")
     ranks = whole.ranks = [Rank(whole, 0), Rank(whole, 1)]
+    for rank in ranks:  # each rank reported its own speed (only such forecasts teach a rank)
+        rank.load.prefill_speed = 20_000.0
     slo.on_servers_changed(ranks)  # the scheduler hands over targets, ranks among them
     target, _ = slo.pick_pair(ranks, [server("d", "decode")], generate_ids(PROMPT), never)
     slo.model.observe(target.url, "d", slo.model.predict(target, server("d", "decode"),
@@ -298,3 +300,26 @@ def test_without_a_queue_the_anchor_keeps_its_load_spreading() -> None:
     chosen = [slo.pick_pair([a, b], [server("d", "decode")], generate_ids([i, i + 1]),
                             never)[0].url for i in range(6)]
     assert sorted(chosen) == ["a", "a", "a", "b", "b", "b"]
+
+
+def test_forecasts_on_the_prior_speed_learn_apart_from_the_measured_ones() -> None:
+    """Before a prefill reports its speed the forecasts use the physics prior's (an 8B
+    model's): on a slower model they run several times short. What those requests teach
+    goes to the prior's own factor: the fleet's stays what measured forecasts showed, so a
+    forecast made once the speed is known is not multiplied by the prior's error (CI-sized
+    replay of the 32B cold start: the fleet factor swung 1.0 -> 5.9 -> 0.8 in 3 s)."""
+    model = LatencyModel()
+    cold, d = server("p"), server("d", "decode")
+    for _ in range(20):  # the cold start: 6x the prior's forecast
+        guess = model.predict(cold, d, 4000, 0)
+        assert not guess.measured
+        model.learn_ttft("p", "d", guess, 6 * guess.raw_ttft)
+    assert model.factors()["prior"] == pytest.approx(6.0, rel=0.1)
+    assert model.factors()["fleet"] == 1.0 and model.factors()["ttft"] == {}
+    assert model.predict(cold, d, 4000, 0).ttft == pytest.approx(6 * guess.raw_ttft, rel=0.1)
+    warm = server("p", load={"prefill_speed": 9_000.0}, age=1.0)  # it reported its speed
+    known = model.predict(warm, d, 4000, 0)
+    assert known.measured and known.ttft == known.raw_ttft  # its own speed, no prior factor
+    model.learn_ttft("p", "d", known, 1.5 * known.raw_ttft)
+    assert model.factors()["fleet"] > 1.0 and model.factors()["prior"] == pytest.approx(6.0,
+                                                                                        rel=0.1)

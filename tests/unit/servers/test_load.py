@@ -11,6 +11,7 @@ so `spread` found the idle rank clearly cheaper.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -174,3 +175,47 @@ def test_an_attempt_trails_on_its_server_and_its_rank() -> None:
     attempt.end_trail()
     assert not attempt.trailing
     assert (server.load.trailing, rank0.load.trailing, rank0.load.trailing_tokens) == (0, 0, 0)
+
+
+def count_polls(server: Server, seconds: float, loads_interval: float) -> int:
+    """`/v1/loads` polls the checker's loop sends to `server` within `seconds`."""
+    polls = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        polls.append(request.url.path)
+        return httpx.Response(200, json={"loads": [{"dp_rank": 0, "num_running_reqs": 1}]})
+
+    async def go() -> None:
+        pool = ServerPool()
+        pool.add(server)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            checker = HealthChecker(pool, client, endpoint="/health", interval=1, timeout=5,
+                                    failures=3, successes=2, loads_interval=loads_interval)
+            task = asyncio.create_task(checker._poll_loads())
+            await asyncio.sleep(seconds)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(go())
+    return len(polls)
+
+
+def busy_prefill(speed: float = 0.0) -> Server:
+    server = Server(URL, "prefill")
+    server.apply_facts(ServerFacts("prefill", 8998, "m", 1))
+    server.start(4000)  # a request in flight
+    server.load.prefill_speed = speed
+    return server
+
+
+def test_a_busy_prefill_without_a_speed_is_polled_at_once_then_at_the_interval() -> None:
+    """Until a prefill with work reports its own speed, the SLO forecasts use the prior's
+    (6x too fast on a 32B model): the loads are read every 0.5 s instead of every interval
+    (30 s here, so any poll within 1.6 s is the fast one), and not once the speed is known
+    or while the prefill is idle."""
+    assert count_polls(busy_prefill(), 1.6, 30.0) >= 2
+    assert count_polls(busy_prefill(speed=9000.0), 1.6, 30.0) == 0
+    idle = busy_prefill()
+    idle.finish(4000, None)
+    assert count_polls(idle, 1.6, 30.0) == 0
