@@ -178,8 +178,11 @@ class LatencyModel:
         """The pair's forecast from its parts, with what was learned of its servers; on the
         prior's speed (`measured` false) with the prior's own factor only."""
         raw = wait + compute + transfer + admit
-        log = self._fleet + self._ttft.get(target_url, 0.0) \
-            + self._pair.get((target_url, decode_url), 0.0) if measured else self._prior
+        if measured:
+            log = self._fleet + self._ttft.get(target_url, 0.0) \
+                + self._pair.get((target_url, decode_url), 0.0)
+        else:
+            log = self._prior
         return Prediction(raw * math.exp(log), self.itl(decode_url, step), wait, compute,
                           transfer, admit, raw, step, measured)
 

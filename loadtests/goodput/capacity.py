@@ -219,13 +219,18 @@ class DesResult:
         return self.attained / self.requests if self.requests else 1.0
 
 
-def met(job: _Job) -> bool:
+def latency(job: _Job) -> tuple[float, float] | None:
+    """(TTFT, mean ITL) in ms as the client would have seen them; None: refused or unserved."""
     if job.refused or job.first is None:
-        return False
-    ttft_ms = (job.first - job.req.at) * 1e3
+        return None
     gaps = job.tokens - 1
     itl_ms = ((job.last or job.first) - job.first) * 1e3 / gaps if gaps > 0 else 0.0
-    return ttft_ms <= job.req.ttft_ms and itl_ms <= job.req.itl_ms
+    return (job.first - job.req.at) * 1e3, itl_ms
+
+
+def met(job: _Job) -> bool:
+    seen = latency(job)
+    return seen is not None and seen[0] <= job.req.ttft_ms and seen[1] <= job.req.itl_ms
 
 
 def simulate(plan: Plan, prefills: int, decodes: int, physics: Physics) -> DesResult:

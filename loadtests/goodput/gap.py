@@ -20,12 +20,12 @@ from pathlib import Path
 
 from backends.sim.timing import PROFILES
 from loadtests import peers
-from loadtests.goodput.capacity import PLACEMENTS, replay
+from loadtests.goodput.capacity import PLACEMENTS, latency, replay
 from loadtests.goodput.measure import OURS, measure
 from loadtests.goodput.physics import Physics
-from loadtests.goodput.run import FULL, HOT
+from loadtests.goodput.run import FULL, HOT, sim_options
 from loadtests.goodput.workload import KINDS, Planned, mixed_plan
-from loadtests.routing.cluster import SimOptions, sim_cluster
+from loadtests.routing.cluster import sim_cluster
 from loadtests.routing.report import percentile
 
 
@@ -57,12 +57,8 @@ def des_served(plan, physics: Physics, prefills: int, decodes: int,
                placement: str) -> list[Served]:
     out = []
     for job in replay(plan, prefills, decodes, physics, placement):
-        if job.refused or job.first is None:
-            out.append(Served(job.req, None, None, refused=job.refused))
-            continue
-        gaps = job.tokens - 1
-        itl = ((job.last or job.first) - job.first) * 1e3 / gaps if gaps > 0 else 0.0
-        out.append(Served(job.req, (job.first - job.req.at) * 1e3, itl))
+        seen = latency(job)
+        out.append(Served(job.req, *(seen or (None, None)), refused=job.refused))
     return out
 
 
@@ -120,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     served = {f"DES {placement}": des_served(plan, physics, setup.prefills, setup.decodes,
                                              placement) for placement in PLACEMENTS}
     with tempfile.TemporaryDirectory(prefix="goodput-gap-") as tmp:
-        sims = SimOptions(prefills=setup.prefills, decodes=setup.decodes,
-                          cache_tokens=physics.prefix_cache_tokens,
-                          sim_flags=physics.sim_flags())
-        with sim_cluster(sims, Path(tmp)) as cluster:
+        with sim_cluster(sim_options(setup, physics), Path(tmp)) as cluster:
             peer_python = (peers.peer_python(args.peers_venv, args.peers_python)
                            if args.target.startswith(("sglang-router", "mini-lb")) else None)
             got = measure(args.target, cluster, plan, args.timeout, Path(tmp), peer_python)

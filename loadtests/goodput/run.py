@@ -199,10 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = args.log_dir or Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="goodput-")))
         log_dir.mkdir(parents=True, exist_ok=True)
-        sims = SimOptions(prefills=setup.prefills, decodes=setup.decodes,
-                          cache_tokens=physics.prefix_cache_tokens,
-                          sim_flags=physics.sim_flags())
-        with sim_cluster(sims, log_dir) as cluster:
+        with sim_cluster(sim_options(setup, physics), log_dir) as cluster:
             run = _Runner(setup, args, cluster, log_dir, peer_python, results, started)
             over = setup.overload_rate or setup.overload * capacity
             if over > 0 and OURS in setup.targets:  # first: the budget never skips it
@@ -212,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"]["load_avg_end"] = os.getloadavg()
     _write(args.out, results)
     return 0
+
+
+def sim_options(setup: Setup, physics: Physics) -> SimOptions:
+    """The simulated servers of `setup`, started with the physics the DES computes with."""
+    return SimOptions(prefills=setup.prefills, decodes=setup.decodes,
+                      cache_tokens=physics.prefix_cache_tokens, sim_flags=physics.sim_flags())
 
 
 def _capacity(setup: Setup, physics: Physics, seed: int, results: dict) -> float:

@@ -175,3 +175,19 @@ def test_quick_run_reports_every_router_and_rate_with_sane_figures(tmp_path):
     for figure in results["goodput"].values():
         assert figure["rate"] > 0
     assert any(line.startswith("goodput gateway:") for line in results["summary"])
+
+
+def test_the_gap_reads_the_des_as_the_bound_does() -> None:
+    """`loadtests.goodput.gap` classifies each DES request by cause; its `met` must be the
+    attainment the capacity search counts (one latency reading, `capacity.latency`)."""
+    from loadtests.goodput.gap import des_served, timeline
+
+    physics = Physics(kv_tokens=4096)
+    plan = mixed_plan(QUICK_SHAPE, 40.0, 2.0, seed=0)
+    for placement in PLACEMENTS:
+        served = des_served(plan, physics, 2, 1, placement)
+        jobs = replay(plan, 2, 1, physics, placement)
+        assert sum(s.cause == "met" for s in served) == sum(capacity.met(j) for j in jobs)
+        assert sum(s.cause == "refused" for s in served) == sum(j.refused for j in jobs)
+        misses = [int(c) for c in timeline("x", served, 2.0).strip("| ").split(" | ")[1:]]
+        assert sum(misses) == sum(s.cause != "met" for s in served)
