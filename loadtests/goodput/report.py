@@ -10,6 +10,11 @@ per second of arrivals (the plan's duration): the throughput a steady state woul
 Over the time to the last answer instead, a 12 s window would lose a third to the drain of
 the longest streams (500 tokens take ~5 s), which no router can shorten.
 
+Offered rate: requests sent per second of arrivals. A rate names its plan (workload.py); the
+plan offers less, since a conversation that starts late in the window ends with it (the mixed
+plans offer about 0.8 of their rate, the hot ones about 0.95). A completed rate is compared
+with goodput in the same unit: the offered rate of goodput's plans (`offered_at`).
+
 Goodput is the highest rate with >= 90% attainment, read off the sweep by linear
 interpolation: from the lowest rate up, the first swept rate whose attainment is below 0.9 and
 the rate before it bracket the crossing, and goodput is where the straight line between their
@@ -47,6 +52,7 @@ class RateRow:
     refused_retry_after: int  # of those, with a Retry-After header
     errors: int  # neither served in full nor refused
     completed_per_s: float
+    offered_per_s: float  # sent per second of arrivals
     ttft_p50_ms: float
     ttft_p90_ms: float
     itl_p50_ms: float
@@ -83,6 +89,7 @@ def make_row(target: str, rate: float, pairs: list[tuple[Planned, Outcome]],
         attained=sum(attained(r, g) for r, g in pairs), refused=len(refused),
         refused_retry_after=sum(g.retry_after for g in refused), errors=len(errors),
         completed_per_s=len(served) / window if window > 0 else 0.0,
+        offered_per_s=len(pairs) / window if window > 0 else 0.0,
         ttft_p50_ms=_pct(ttfts, 50), ttft_p90_ms=_pct(ttfts, 90),
         itl_p50_ms=_pct(itls, 50), itl_p90_ms=_pct(itls, 90), by_kind=by_kind,
         error_samples=sorted(set(errors))[:5])
@@ -109,6 +116,22 @@ def goodput(points: list[tuple[float, float]], target: float = TARGET) -> Goodpu
             return Goodput(crossing, False, (r0, r1))
         previous = (rate, share)
     return Goodput(ordered[-1][0] if ordered else 0.0, True, None)
+
+
+def offered_at(rows: list[RateRow], rate: float) -> float:
+    """The requests per second a plan at `rate` offers, read off `rows` (one router's runs):
+    their offered share of the rate, interpolated linearly between the nearest rates and held
+    beyond them."""
+    shares = sorted((row.rate, row.offered_per_s / row.rate) for row in rows if row.rate > 0)
+    if not shares:
+        return rate
+    below = [point for point in shares if point[0] <= rate]
+    above = [point for point in shares if point[0] >= rate]
+    if not below or not above:
+        return rate * (above[0][1] if not below else below[-1][1])
+    (r0, s0), (r1, s1) = below[-1], above[0]
+    share = s0 if r1 == r0 else s0 + (s1 - s0) * (rate - r0) / (r1 - r0)
+    return rate * share
 
 
 HEADER = ("router", "rate", "sent", "attained", "refused (RA)", "errors", "done/s",

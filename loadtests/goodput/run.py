@@ -45,6 +45,7 @@ from loadtests.goodput.report import (
     goodput,
     make_row,
     markdown,
+    offered_at,
     side_by_side,
     summary,
     sweep_table,
@@ -327,11 +328,15 @@ class _Runner:
         over = self.results.get("past_capacity")
         if over is not None:
             mine = goodputs.get(OURS)
-            ratio = over["completed_per_s"] / mine.rate if mine and mine.rate else 0.0
+            ours = [r for r in self.rows if r.target == OURS] + [self.overload_row]
+            offered = offered_at(ours, mine.rate) if mine and mine.rate else 0.0
+            ratio = over["completed_per_s"] / offered if offered else 0.0
+            over["goodput_offered_per_s"] = offered
             over["completed_over_goodput"] = ratio
             lines.append(
-                f"past capacity ({over['rate']:.1f} req/s): {over['completed_per_s']:.1f} "
-                f"completed/s ({ratio:.2f}x goodput), {over['attained']} of {over['sent']} "
+                f"past capacity ({over['rate']:.1f} req/s, {over['offered_per_s']:.1f} "
+                f"offered): {over['completed_per_s']:.1f} completed/s ({ratio:.2f}x goodput, "
+                f"whose plans offer {offered:.1f} req/s), {over['attained']} of {over['sent']} "
                 f"within objective, {over['refused']} refused early "
                 f"({over['refused_retry_after']} with Retry-After), {over['errors']} other "
                 f"failures, {over['cut_for_waiting']} cut for waiting; prefill legs "

@@ -21,7 +21,7 @@ import pytest
 from loadtests.goodput import capacity
 from loadtests.goodput.capacity import PLACEMENTS, DesResult, replay, simulate
 from loadtests.goodput.physics import Physics
-from loadtests.goodput.report import goodput
+from loadtests.goodput.report import RateRow, goodput, offered_at
 from loadtests.goodput.where import breakdown
 from loadtests.goodput.workload import QUICK_SHAPE, Objectives, Plan, mixed_plan
 from tests.procs import ROOT
@@ -38,6 +38,26 @@ def test_goodput_is_where_attainment_first_falls_below_90_percent(points, rate, 
     got = goodput(points)
     assert got.rate == pytest.approx(rate)
     assert got.lower_bound is lower_bound
+
+
+def _offering(rate: float, sent: int, window: float = 10.0) -> RateRow:
+    return RateRow(target="gateway", rate=rate, sent=sent, attained=sent, refused=0,
+                   refused_retry_after=0, errors=0, completed_per_s=sent / window,
+                   offered_per_s=sent / window, ttft_p50_ms=1.0, ttft_p90_ms=1.0,
+                   itl_p50_ms=1.0, itl_p90_ms=1.0, by_kind={})
+
+
+@pytest.mark.parametrize(("rate", "expected"), [
+    pytest.param(10.0, 8.0, id="at-a-run"),
+    pytest.param(15.0, 15.0 * 0.85, id="between-runs-the-share-interpolates"),
+    pytest.param(5.0, 5.0 * 0.8, id="below-the-runs-the-lowest-share"),
+    pytest.param(40.0, 40.0 * 0.9, id="above-the-runs-the-highest-share"),
+])
+def test_goodput_is_compared_in_the_requests_its_plans_offer(rate, expected):
+    # a plan at 10 req/s sent 80 in 10 s (0.8 of its rate), one at 20 sent 180 (0.9)
+    rows = [_offering(20.0, 180), _offering(10.0, 80)]
+    assert offered_at(rows, rate) == pytest.approx(expected)
+    assert offered_at([], 12.0) == 12.0
 
 
 def test_objectives_give_long_prompts_the_longer_ttft():
@@ -170,6 +190,10 @@ def test_quick_run_reports_every_router_and_rate_with_sane_figures(tmp_path):
     assert answered == over["sent"], over["gateway_metrics"]
     # the simulated prefills saw a leg for every request served (read from their counters)
     assert over["prefill_legs"] >= over["attained"] > 0, over
+    # completed/s is weighed against goodput in the same unit: what goodput's plans offered
+    assert 0 < over["goodput_offered_per_s"] <= results["goodput"]["gateway"]["rate"], over
+    assert over["completed_over_goodput"] == pytest.approx(
+        over["completed_per_s"] / over["goodput_offered_per_s"]), over
 
     assert set(results["goodput"]) == {"gateway", "gateway:round_robin"}
     for figure in results["goodput"].values():
