@@ -5,7 +5,9 @@ Runs once the request holds its admission slot (gateway/admission/slots.py), jus
 dispatch, so the forecast is of the servers as they are when it would be sent:
 
 * no TTFT objective, or its class says `best_effort`: sent as today;
-* the best pair's forecast meets the objective: sent (the joint policy picks that pair);
+* the best pair's forecast meets the objective and, while other requests wait in the gate,
+  puts no more queueing ahead of it than the tightest recent requests of its class or a more
+  urgent one bear (slo/tolerance.py): sent (the joint policy picks that pair);
 * else `shed` (batch by default): 429 with Retry-After (the predicted excess, at least 1 s),
   code `slo_unattainable`, nothing sent to any server;
 * else `queue` (interactive, standard): it waits for a pair that can serve it in what is
@@ -34,6 +36,7 @@ from gateway.slo.margin import Margin
 from gateway.slo.model import Prediction
 from gateway.slo.objectives import Objectives
 from gateway.slo.ticket import Ticket
+from gateway.slo.tolerance import Tolerance
 
 POLL = 0.05  # seconds between looks of a queued request when nothing ends meanwhile
 LOOK = 4  # queued requests that ask for forecasts (the most urgent)
@@ -65,6 +68,7 @@ class SloGate:
         self._waiting: list[_Waiter] = []  # queued requests, most urgent first
         self._outcomes: dict[tuple[int, str], object] = {}
         self.margin = Margin()  # forecasts run late by this much (slo/margin.py)
+        self.tolerance = Tolerance(len(CLASSES))  # the queueing the tightest bear
         self._errors = {kind: metrics.buffered_histogram(
             metrics.slo_prediction_error.labels(kind)) for kind in ("ttft", "itl")}
 
@@ -85,19 +89,40 @@ class SloGate:
             return
         forecast = self.forecast(view)
         left = objective.ttft - (time.perf_counter() - ticket.since)  # queued before: spent
-        if forecast is None or self.margin.late(forecast.ttft) <= left:
+        if forecast is None:
             return
         klass = objective.klass
+        late, queued = self._late(forecast)
+        self.tolerance.observe(klass, objective.ttft - (late - queued))
+        excess = self._excess(late, queued, left, klass)
+        if excess <= 0:
+            return
         if objective.on_miss == "shed":
             ticket.shed = True
             self._count(klass, "shed")
             raise TooManyRequests(
                 f"no server pair can start this request within its time-to-first-token "
-                f"objective ({objective.ttft * 1e3:g} ms; predicted {forecast.ttft * 1e3:.0f} "
-                "ms); nothing was sent; retry later", code="slo_unattainable",
-                headers={"retry-after": _seconds(self.margin.late(forecast.ttft) - left)})
+                f"objective ({objective.ttft * 1e3:g} ms; predicted {late * 1e3:.0f} ms, "
+                f"{queued * 1e3:.0f} ms of it queued) while the queues stay as short as the "
+                "tightest objectives need; nothing was sent; retry later",
+                code="slo_unattainable", headers={"retry-after": _seconds(excess)})
         self._count(klass, "queued")
         await self._wait(view, left, klass, forecast.compute + forecast.transfer)
+
+    def _late(self, forecast: Prediction) -> tuple[float, float]:
+        """The forecast TTFT as late as the margin assumes, and the queued part of it (the
+        waits at the prefill and the decode, not the request's own work)."""
+        late = self.margin.late(forecast.ttft)
+        raw = forecast.raw_ttft
+        queued = late * (forecast.wait + forecast.admit) / raw if raw > 0 else 0.0
+        return late, queued
+
+    def _excess(self, late: float, queued: float, left: float, klass: int) -> float:
+        """Seconds by which a forecast misses its own objective's `left`, or, while requests
+        wait in the gate (some did not fit), the queueing that the tightest requests of the
+        class bear (slo/tolerance.py); <= 0 when it fits."""
+        bound = self.tolerance.bound(klass) if self._waiting else math.inf
+        return max(late - left, queued - bound)
 
     async def _wait(self, view: RequestView, budget: float, klass: int,
                     floor: float) -> None:
@@ -117,10 +142,13 @@ class SloGate:
                 left = budget - (time.perf_counter() - started)
                 if self._waiting.index(waiter) < LOOK:
                     forecast = self.forecast(view)
-                    late = self.margin.late(forecast.ttft) if forecast is not None else 0.0
-                    if forecast is None or late <= left:
+                    if forecast is None:
                         return
-                    floor, excess = forecast.compute + forecast.transfer, late - left
+                    late, queued = self._late(forecast)
+                    excess = self._excess(late, queued, left, klass)
+                    if excess <= 0:
+                        return
+                    floor = forecast.compute + forecast.transfer
                 else:
                     excess = budget
                 if left <= floor:  # not even an idle pair could make it now: a certain miss

@@ -1,0 +1,53 @@
+"""How much queueing the tightest objectives bear: what keeps requests with long objectives
+from crowding out those with short ones past capacity.
+
+A gate that admits each request while its own forecast meets its own objective lets, under
+overload, the requests with the longest objectives (a long document's 3 s) fill the queues
+to the length they bear; a request with a short objective (a chat turn's 1.5 s) then finds no
+pair it fits and is refused, again and again. On the 8B calibration at 1.5x capacity the
+gate served 99% of the document questions in time and refused over half of the chat turns,
+and the cluster completed 0.79x the requests per second it completes at capacity
+(docs/SCHEDULING.md, "The tightest objectives set the queue").
+
+So a request is admitted only while its forecast queueing (the wait ahead of it at the
+prefill and at the decode, as late as the gate's margin assumes) is within what the tightest
+recent requests of its class, or of a more urgent class, bear: the quantile `QUANTILE` of
+their tolerances (objective less their own compute and transfer). Below capacity the queues
+are short and nothing changes; a batch class never sets the bound of an interactive one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+QUANTILE = 0.1  # the tolerance that all but the tightest tenth of recent requests exceed
+WINDOW = 256  # recent requests per class the quantile is read from
+EVERY = 16  # requests between two reads of a class's quantile
+WARM = 32  # requests of a class before it bounds anything
+
+
+class Tolerance:
+    """Per class, the queueing (seconds) its tightest recent requests bear."""
+
+    __slots__ = ("_windows", "_since", "_lows")
+
+    def __init__(self, classes: int) -> None:
+        self._windows: list[deque[float]] = [deque(maxlen=WINDOW) for _ in range(classes)]
+        self._since = [0] * classes  # requests since the class's last read
+        self._lows = [math.inf] * classes  # each class's quantile, once WARM
+
+    def observe(self, klass: int, tolerance: float) -> None:
+        """A request of class `klass` arrived that bears `tolerance` seconds of queueing."""
+        window = self._windows[klass]
+        window.append(tolerance)
+        self._since[klass] += 1
+        if self._since[klass] >= EVERY and len(window) >= WARM:
+            self._since[klass] = 0
+            ordered = sorted(window)
+            self._lows[klass] = ordered[max(0, math.ceil(QUANTILE * len(ordered)) - 1)]
+
+    def bound(self, klass: int) -> float:
+        """The queueing a request of class `klass` may be admitted to: the least that its
+        own class and every more urgent one bear (lower index, more urgent)."""
+        return min(self._lows[:klass + 1])
