@@ -130,7 +130,14 @@ class Engine:
 
     @property
     def waiting_uncached_tokens(self) -> int:
-        return sum(max(0, j.prompt_tokens - j.cached_tokens) for j in self.waiting)
+        """Uncached prompt tokens not yet in a prefill batch. Mirrors SGLang's
+        `LoadInquirer.get_num_waiting_uncached_tokens`: the waiting queue's uncached tokens
+        plus what the chunked request has left. SGLang's PrefillAdder takes a request out of
+        its waiting queue only into a batch; this engine admits to `prefilling` at once and
+        cuts each batch from that list, so a job there counts with what it has left to extend
+        (all of it until its first chunk runs, the rest for a chunked one)."""
+        return sum(max(0, j.prompt_tokens - j.cached_tokens) for j in self.waiting) \
+            + sum(j.remaining_prefill for j in self.prefilling)
 
     @property
     def cache_hit_rate(self) -> float:

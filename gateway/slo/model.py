@@ -72,10 +72,16 @@ def prefill_speed(server, physics: Physics = H200_LLAMA3_8B) -> float:
 
 
 def queued_tokens(server, now: float | None = None) -> float:
-    """Uncached prompt tokens waiting ahead of a new request on a prefill server or rank."""
+    """Uncached prompt tokens waiting ahead of a new request on a prefill server or rank:
+    the larger of what this gateway has in flight there and what the server last reported
+    less what it has prefilled since (its speed times the report's age; a snapshot is up to
+    a poll interval old, and a queue of seconds drains by then)."""
     ours = float(server.totals()[1])
+    now = time.monotonic() if now is None else now
     if fresh(server, now):
-        return max(ours, float(server.load.waiting_uncached_tokens))
+        load = server.load
+        drained = load.prefill_speed * max(0.0, now - load.updated_at)
+        return max(ours, float(load.waiting_uncached_tokens) - drained)
     return ours
 
 

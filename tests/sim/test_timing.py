@@ -195,3 +195,35 @@ def test_sim_process_prefill_and_decode_take_the_profiles_time(sim_factory):
     decode_s = sum(p.decode_ms(1, 8192 + i) for i in range(1, 101)) / 1e3
     whole = _timed_generate(sim, other, 101) - p.prefill_ms(8192, 0) / 1e3
     assert decode_s * 0.99 <= whole <= decode_s * 2 + 0.5
+
+
+def test_queued_prompts_count_as_waiting_until_their_batch_runs():
+    """`num_waiting_uncached_tokens` as SGLang's `get_num_waiting_uncached_tokens` counts it
+    while a batch runs: every prompt not yet in a batch, plus what the chunked one has left.
+    (The engine admits requests to its prefill list at once; counting only its admission
+    queue hid a long prefill queue from the gateway's forecasts.)"""
+    config = config_from_args(["--mode", "null", "--timing", "h200-llama3-8b"])
+    engine = Engine(config, RadixCache(page_size=1, capacity=config.cache_capacity_tokens))
+    seen: list[int] = []
+    original = engine._after
+
+    def record(started, seconds, step_end, *args):
+        if step_end.__name__ == "_end_prefill":
+            seen.append(engine.waiting_uncached_tokens)
+        original(started, 0.0, step_end, *args)
+
+    engine._after = record  # type: ignore[method-assign]
+    jobs = [_job(list(range(1, 20_001)), 1), _job(list(range(30_000, 35_000)), 1)]
+
+    async def main() -> None:
+        engine.start()
+        for job in jobs:
+            engine.submit_prefill(job)
+        while not all(j.done for j in jobs):
+            await asyncio.sleep(0)
+        await engine.stop()
+
+    asyncio.run(main())
+    # chunks of 8192: the first prompt's 20,000 in three, the second's 5,000 behind them
+    assert seen == [20_000 - 8192 + 5000, 20_000 - 2 * 8192 + 5000, 5000 - (8192 - 3616), 0]
+    assert engine.waiting_uncached_tokens == 0

@@ -103,7 +103,7 @@ def test_with_objectives_auto_steering_chooses_the_pair_by_the_objective() -> No
     """The anchor (holder of the cached prefix) would miss a 400 ms objective behind its
     queue; another target meets it: `auto` with `steer` moves the request, the default
     `auto` and cache_aware do not; the default still forecasts it for the gate."""
-    holder = server("holder", load={**SPEED, "waiting_uncached_tokens": 5_200}, age=1.0)
+    holder = server("holder", tokens=5_200, load=dict(SPEED), age=0.0)
     other = server("other", load=dict(SPEED), age=1.0)
     decode = server("d", "decode")
     auto, old = create_policy("auto", "prefill", {"steer": True}), \

@@ -40,10 +40,17 @@ def test_decode_prior_follows_the_h200_run(batch, context, measured_ms) -> None:
 def test_measured_speed_replaces_the_prior_and_queue_waits_on_it() -> None:
     slow = server("p", load={"prefill_speed": 10_000.0, "waiting_uncached_tokens": 20_000},
                   age=1.0)
-    assert predicted_wait(slow) == pytest.approx(2.0)
+    polled = slow.load.updated_at
+    assert predicted_wait(slow, polled) == pytest.approx(2.0)
     model = LatencyModel()
-    wait, compute = model.prefill_part(slow, 1000, 0, slow.load.updated_at)
+    wait, compute = model.prefill_part(slow, 1000, 0, polled)
     assert wait == pytest.approx(2.0)
+    # a second after its poll the server has prefilled 10,000 of them: 1 s left ahead
+    assert predicted_wait(slow, polled + 1.0) == pytest.approx(1.0)
+    assert model.prefill_part(slow, 1000, 0, polled + 1.0)[0] == pytest.approx(1.0)
+    # never less than what this gateway itself has in flight there
+    slow.in_flight_tokens = 15_000
+    assert predicted_wait(slow, polled + 1.0) == pytest.approx(1.5)
     assert compute == pytest.approx(0.1 + H200_LLAMA3_8B.prefill_fixed, rel=0.05)
 
 
@@ -135,7 +142,7 @@ def test_joint_choice_prefers_the_cached_prefix_unless_its_queue_is_longer(
         holder_queue, expected) -> None:
     slo = policy()
     speed = {"prefill_speed": 20_000.0}
-    holder = server("holder", load={**speed, "waiting_uncached_tokens": holder_queue}, age=1.0)
+    holder = server("holder", tokens=holder_queue, load=dict(speed), age=0.0)
     other = server("other", load=dict(speed), age=1.0)
     decode = server("d", "decode")
     warm(slo, holder, PROMPT)
@@ -146,7 +153,7 @@ def test_joint_choice_prefers_the_cached_prefix_unless_its_queue_is_longer(
 def test_objective_moves_a_request_whose_anchor_would_miss() -> None:
     slo = policy()
     speed = {"prefill_speed": 20_000.0}
-    holder = server("holder", load={**speed, "waiting_uncached_tokens": 5_200}, age=1.0)
+    holder = server("holder", tokens=5_200, load=dict(speed), age=0.0)
     other = server("other", load=dict(speed), age=1.0)
     decode = server("d", "decode")
     warm(slo, holder, PROMPT)
@@ -168,7 +175,7 @@ def test_without_steering_the_anchor_keeps_the_request_and_the_forecast_is_kept(
     the request off the cache-aware choice (it does with steering: the test above); the
     pair's forecast still goes on the ticket, for the gate and for learning."""
     speed = {"prefill_speed": 20_000.0}
-    holder = server("holder", load={**speed, "waiting_uncached_tokens": 5_200}, age=1.0)
+    holder = server("holder", tokens=5_200, load=dict(speed), age=0.0)
     other = server("other", load=dict(speed), age=1.0)
     decode = server("d", "decode")
     targets = {}
