@@ -12,7 +12,11 @@
    bound (`--fractions`) unless `--rates` gives them; open-loop arrivals of the mixed
    workload (`workload.py`) with per-request objectives as headers; attainment, TTFT/ITL
    percentiles, refusals (`report.py`).
-3. Past capacity (run before the sweep, so that `--budget` never skips it): our gateway at
+3. Refinement (`--refine N`): each router's crossing of 90% bisected N times, each step one
+   more run of that router at the middle of the swept rates around its crossing, so that a
+   coarse sweep does not decide a ratio by its interpolation (where attainment falls steeply
+   the straight line between two swept rates misplaces the crossing).
+4. Past capacity (run before the sweep, so that `--budget` never skips it): our gateway at
    `--overload` x the capacity bound; served within objective, refused early (with
    Retry-After), cut for waiting (its `/metrics`: `measure.py`), completed rate against its
    goodput.
@@ -122,6 +126,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "131072; quick 4096)")
     parser.add_argument("--timing", default=Physics.timing, choices=tuple(PROFILES),
                         help="the simulator's timing profile (backends/sim/timing.py)")
+    parser.add_argument("--refine", type=int, default=0, help="bisect each router's "
+                        "crossing of 90%% this many times after the sweep (default 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=40.0, help="seconds per request "
                         "(the longest answer that can still attain is 3 s + 499 x 60 ms: 33 s)")
@@ -206,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             if over > 0 and OURS in setup.targets:  # first: the budget never skips it
                 run.past_capacity(over)
             run.sweep(rates)
+            run.refine(args.refine)
     run.finish(capacity)
     results["machine"]["load_avg_end"] = os.getloadavg()
     _write(args.out, results)
@@ -292,9 +299,44 @@ class _Runner:
                 self.rows.append(row)
                 self.results["sweep"].append({**row.to_dict(), **self._extra(got)})
                 _write(self.args.out, self.results)
+        self._table()
+
+    def _table(self) -> None:
+        """The rows by router, then rate, printed."""
         order = {name: i for i, name in enumerate(self.setup.targets)}
         self.rows.sort(key=lambda r: (order[r.target], r.rate))
         print(f"\n{sweep_table(self.rows)}", flush=True)
+
+    def _points(self) -> dict[str, list[tuple[float, float]]]:
+        """(rate, attainment) per router, the past-capacity run included for ours."""
+        points: dict[str, list[tuple[float, float]]] = {}
+        for row in self.rows:
+            points.setdefault(row.target, []).append((row.rate, row.attainment))
+        if self.overload_row is not None and OURS in points:
+            points[OURS].append((self.overload_row.rate, self.overload_row.attainment))
+        return points
+
+    def refine(self, steps: int) -> None:
+        """Bisect each router's crossing `steps` times: one more run per step, at the middle
+        of the rates around it (none for a router that attained at every rate)."""
+        if steps <= 0:
+            return
+        print(f"\n== refine: each crossing bisected {steps} times", flush=True)
+        for name in self.setup.targets:
+            for _ in range(steps):
+                found = goodput(self._points().get(name, []))
+                if found.bracket is None:
+                    break
+                rate = round(sum(found.bracket) / 2, 2)
+                done = self._run(name, rate) if self._fits(name, rate) else None
+                if done is None:
+                    break
+                row, got = done
+                self.rows.append(row)
+                self.results["sweep"].append({**row.to_dict(), **self._extra(got),
+                                              "refined": True})
+                _write(self.args.out, self.results)
+        self._table()
 
     def past_capacity(self, rate: float) -> None:
         print(f"\n== past capacity: {OURS} at {rate:.1f} req/s", flush=True)
@@ -315,12 +357,7 @@ class _Runner:
 
     def finish(self, capacity: float) -> None:
         """Goodput per router, the ratios, the past-capacity verdicts; printed and stored."""
-        points: dict[str, list[tuple[float, float]]] = {}
-        for row in self.rows:
-            points.setdefault(row.target, []).append((row.rate, row.attainment))
-        if self.overload_row is not None and OURS in points:
-            points[OURS].append((self.overload_row.rate, self.overload_row.attainment))
-        goodputs = {name: goodput(p) for name, p in points.items()}
+        goodputs = {name: goodput(p) for name, p in self._points().items()}
         others = tuple(t for t in self.setup.targets if t != OURS)
         lines = summary(goodputs, capacity, OURS, others) + side_by_side(self.rows, OURS, others)
         self.results["goodput"] = {n: {"rate": g.rate, "lower_bound": g.lower_bound,

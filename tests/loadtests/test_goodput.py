@@ -11,14 +11,17 @@ least 90% of the requests even on a busy machine.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
 
 from loadtests.goodput import capacity
+from loadtests.goodput import run as goodput_run
 from loadtests.goodput.capacity import PLACEMENTS, DesResult, replay, simulate
 from loadtests.goodput.physics import Physics
 from loadtests.goodput.report import RateRow, goodput, offered_at
@@ -215,3 +218,31 @@ def test_the_gap_reads_the_des_as_the_bound_does() -> None:
         assert sum(s.cause == "refused" for s in served) == sum(j.refused for j in jobs)
         misses = [int(c) for c in timeline("x", served, 2.0).strip("| ").split(" | ")[1:]]
         assert sum(misses) == sum(s.cause != "met" for s in served)
+
+
+def test_refine_bisects_each_routers_crossing(tmp_path, monkeypatch):
+    """`--refine 2`: each router's bracket around its crossing is halved twice, by runs at
+    its middle; a router that attained at every rate is not run again."""
+    truth = {"gateway": 27.0, "gateway:round_robin": 99.0}  # where attainment falls to 50%
+    tried: list[tuple[str, float]] = []
+
+    def fake_run(name: str, rate: float):
+        tried.append((name, rate))
+        share = 1.0 if rate <= truth[name] else 0.5
+        row = replace(_offering(rate, 100), target=name, attained=round(100 * share))
+        return row, None
+
+    setup = replace(goodput_run.QUICK, targets=("gateway", "gateway:round_robin"))
+    args = argparse.Namespace(budget=1e9, timeout=1.0, out=None)
+    runner = goodput_run._Runner(setup, args, None, tmp_path, None, {}, time.monotonic())
+    monkeypatch.setattr(runner, "_run", fake_run)
+    monkeypatch.setattr(runner, "_extra", lambda got: {})
+    for rate in (10.0, 20.0, 40.0):
+        for name in setup.targets:
+            runner.rows.append(fake_run(name, rate)[0])
+    tried.clear()
+    runner.refine(2)
+    assert tried == [("gateway", 30.0), ("gateway", 25.0)]  # (20, 40) -> (20, 30) -> (25, 30)
+    found = goodput(runner._points()["gateway"])
+    assert found.bracket == (25.0, 30.0)
+    assert [r["rate"] for r in runner.results["sweep"]] == [30.0, 25.0]
