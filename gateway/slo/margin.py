@@ -11,8 +11,7 @@ the margin falls below 1 and the gate admits more; it stays within [`LOW`, `HIGH
 
 from __future__ import annotations
 
-import math
-from collections import deque
+from gateway.slo.window import WindowQuantile
 
 QUANTILE = 0.9  # the share of admitted requests the gate means to see in time
 WINDOW = 256  # recent observations the quantile is read from
@@ -24,12 +23,11 @@ WARM = 32  # observations before the margin moves from 1
 class Margin:
     """The factor the gate multiplies each forecast TTFT by before it tests the objective."""
 
-    __slots__ = ("value", "_ratios", "_since")
+    __slots__ = ("value", "_ratios")
 
     def __init__(self) -> None:
         self.value = 1.0
-        self._ratios: deque[float] = deque(maxlen=WINDOW)
-        self._since = 0  # observations since the last read
+        self._ratios = WindowQuantile(QUANTILE, WINDOW, EVERY, WARM)
 
     def late(self, forecast: float) -> float:
         """`forecast` seconds as late as the gate must assume they run."""
@@ -40,10 +38,6 @@ class Margin:
         `forecast` seconds."""
         if observed <= 0 or forecast <= 0:
             return
-        self._ratios.append(observed / forecast)
-        self._since += 1
-        if self._since >= EVERY and len(self._ratios) >= WARM:
-            self._since = 0
-            ordered = sorted(self._ratios)
-            at = max(0, math.ceil(QUANTILE * len(ordered)) - 1)
-            self.value = min(HIGH, max(LOW, ordered[at]))
+        read = self._ratios.add(observed / forecast)
+        if read is not None:
+            self.value = min(HIGH, max(LOW, read))

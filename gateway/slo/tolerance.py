@@ -19,7 +19,8 @@ are short and nothing changes; a batch class never sets the bound of an interact
 from __future__ import annotations
 
 import math
-from collections import deque
+
+from gateway.slo.window import WindowQuantile
 
 QUANTILE = 0.1  # the tolerance that all but the tightest tenth of recent requests exceed
 WINDOW = 256  # recent requests per class the quantile is read from
@@ -30,22 +31,17 @@ WARM = 32  # requests of a class before it bounds anything
 class Tolerance:
     """Per class, the queueing (seconds) its tightest recent requests bear."""
 
-    __slots__ = ("_windows", "_since", "_lows")
+    __slots__ = ("_windows", "_lows")
 
     def __init__(self, classes: int) -> None:
-        self._windows: list[deque[float]] = [deque(maxlen=WINDOW) for _ in range(classes)]
-        self._since = [0] * classes  # requests since the class's last read
+        self._windows = [WindowQuantile(QUANTILE, WINDOW, EVERY, WARM) for _ in range(classes)]
         self._lows = [math.inf] * classes  # each class's quantile, once WARM
 
     def observe(self, klass: int, tolerance: float) -> None:
         """A request of class `klass` arrived that bears `tolerance` seconds of queueing."""
-        window = self._windows[klass]
-        window.append(tolerance)
-        self._since[klass] += 1
-        if self._since[klass] >= EVERY and len(window) >= WARM:
-            self._since[klass] = 0
-            ordered = sorted(window)
-            self._lows[klass] = ordered[max(0, math.ceil(QUANTILE * len(ordered)) - 1)]
+        read = self._windows[klass].add(tolerance)
+        if read is not None:
+            self._lows[klass] = read
 
     def bound(self, klass: int) -> float:
         """The queueing a request of class `klass` may be admitted to: the least that its
