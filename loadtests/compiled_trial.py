@@ -1,9 +1,11 @@
 """The compiled-hot-path trial: a copy of this checkout with the request path built by mypyc,
-to count what a compiled build saves per request (docs/BENCHMARKS.md, "Compiled hot path").
+or the whole package by Cython, to count what a compiled build saves per request
+(docs/BENCHMARKS.md, "Compiled hot path").
 
     pip install mypy                                   # mypyc comes with it; needs a C compiler
     python -m loadtests.compiled_trial /tmp/compiled   # copy of HEAD, built in place there
     cd /tmp/compiled && python -m loadtests.instruction_cost --base /path/to/pure/checkout
+    pip install cython && python -m loadtests.compiled_trial --compiler cython /tmp/cy
 
 The build goes into the copy, never into this checkout: an extension module beside its `.py`
 is what Python imports, so a build here would keep running old code after an edit. The
@@ -44,6 +46,24 @@ _RETYPED = (  # (file, text, text in the copy)
      "        self._callback: Callable | None = callback\n"
      "        self._args: tuple | None = args\n"),
 )
+# Cython (pure-Python mode, untyped) compiles every module but these: Starlette's `Route`
+# tells a handler from an ASGI app by `inspect.isfunction` (false for a compiled function),
+# and `python -m` (the `--workers` supervisor starts its workers so) runs no compiled module.
+CYTHON_PURE = ("gateway/app.py", "gateway/processes/worker_main.py")
+CYTHON_DIRECTIVES = {"language_level": 3, "binding": True, "annotation_typing": False,
+                     "embedsignature": False}
+_CYTHON_SETUP = """
+import glob, os
+from setuptools import Extension, setup
+from Cython.Build import cythonize
+files = sorted(p for p in glob.glob("gateway/**/*.py", recursive=True)
+               if os.path.basename(p) not in ("__init__.py", "__main__.py")
+               and p not in {pure!r})
+setup(name="gateway-cython-trial", script_args=["build_ext", "--inplace", "-j", "2"],
+      ext_modules=cythonize([Extension(p[:-3].replace("/", "."), [p],
+                                       extra_compile_args=["-O2", "-g0"]) for p in files],
+                            compiler_directives={directives!r}, nthreads=2, quiet=True))
+"""
 # Findings of mypy's checker that are about annotations looser than the code (methods called
 # on an `object` attribute, an Optional set by then); mypyc compiles them as generic access.
 _RELAXED = ("attr-defined", "union-attr", "arg-type", "assignment", "return-value",
@@ -55,13 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.compiled_trial", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dest", type=Path, help="an empty or missing folder for the copy")
-    dest = p.parse_args(argv).dest.resolve()
+    p.add_argument("--compiler", choices=("mypyc", "cython"), default="mypyc")
+    args = p.parse_args(argv)
+    dest = args.dest.resolve()
     dest.mkdir(parents=True, exist_ok=True)
     if any(dest.iterdir()):
         p.error(f"{dest} is not empty")
     archive = subprocess.run(["git", "archive", "HEAD"], cwd=HERE, capture_output=True,
                              check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    if args.compiler == "cython":
+        script = _CYTHON_SETUP.format(pure=CYTHON_PURE, directives=CYTHON_DIRECTIVES)
+        return subprocess.run([sys.executable, "-c", script], cwd=dest).returncode
     for name, old, new in _RETYPED:
         path = dest / name
         text = path.read_text()

@@ -338,8 +338,15 @@ class PDDispatcher:
             return body
         except UpstreamError as exc:
             ok = False if exc.retryable else None
-            if response is not None and not attempt.view.logprob_merge:
-                return b""  # cut after its 200 head: it computed; the decode tells if KV came
+            if response is not None and not attempt.view.logprob_merge and \
+                    (attempt.progressed or not attempt.view.stream):
+                # cut after a whole answer's 200 head (SGLang sends it with the body, once
+                # the KV is sent), or once the decode works: it computed; the decode tells
+                # if the KV came. A streamed leg's head comes at once, before any work:
+                # cut before its answer, the prefill died with the request, and its decode
+                # would wait for KV that never comes (SGLang's decode notices a dead prefill
+                # only by its heartbeats, about 10 s), so the attempt fails and is retried.
+                return b""
             raise
         finally:
             if response is not None:

@@ -33,6 +33,7 @@ class FakeServer:
     aborts: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)  # more /server_info fields (dp_size, ...)
     fail_if: Callable[[dict], bool] | None = None  # answer 500 to the bodies it selects
+    hang_if: Callable[[dict], bool] | None = None  # never answer the bodies it selects
     tokenized: int = 0  # /v1/tokenize calls
     headers: list[dict] = field(default_factory=list)  # request headers, with `received`
     whole: list[bytes] | None = None  # a non-streamed 200 answer's raw body, in these chunks
@@ -68,7 +69,7 @@ class FakeCluster:
         server.headers.append(dict(request.headers))
         server.arrivals.append(asyncio.get_running_loop().time())
         try:
-            if server.hang:
+            if server.hang or (server.hang_if is not None and server.hang_if(body)):
                 await asyncio.Event().wait()
             if server.delay:
                 await asyncio.sleep(server.delay)

@@ -136,3 +136,36 @@ def test_a_prefill_answer_cut_after_its_head_does_not_fail_the_request():
     r, prefill_failures = run(go())
     assert r.status_code == 200 and r.content == GOOD
     assert prefill_failures == 1
+
+
+def test_a_streamed_prefill_cut_before_its_answer_is_retried_not_waited_for():
+    """A streamed prefill leg's 200 head comes before any work (SGLang starts the event
+    stream at once): cut before its answer event, the prefill died with the request, and
+    its decode would wait for KV that never comes. The attempt fails at once and the request
+    is retried on the other prefill; the client sees only the good stream."""
+    p2 = "http://127.0.0.1:30002"
+    event = b'data: {"text": "ok", "meta_info": {"id": "x"}}\n\n'
+    done = [event, b"data: [DONE]\n\n"]
+    waits = []  # the first decode leg is the dead prefill's: its KV never comes
+
+    def kv_never_comes(body: dict) -> bool:
+        waits.append(body["bootstrap_room"])
+        return len(waits) == 1
+
+    fakes = FakeCluster({P1: FakeServer("prefill", chunks=[b"<error>"]),
+                         p2: FakeServer("prefill", chunks=done),
+                         D1: FakeServer("decode", chunks=done, hang_if=kv_never_comes)})
+    ask = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 1}}
+
+    async def go():
+        async with served_gateway(fakes) as (client, gw):
+            started = time.monotonic()
+            r = await client.post("/generate", json=ask)
+            return r, time.monotonic() - started, gw.pool.get(P1).breaker.consecutive_failures
+
+    r, took, p1_failures = run(go(), timeout=30)
+    assert r.status_code == 200 and b'"ok"' in r.content
+    assert len(fakes.servers[P1].received) == 1 and len(fakes.servers[p2].received) == 1
+    assert fakes.servers[D1].cancelled == 1  # the waiting decode leg was stopped
+    assert took < 2.0  # not held until the decode's deadline
+    assert p1_failures == 1
