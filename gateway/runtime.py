@@ -267,7 +267,7 @@ class Gateway:
             timers=self.timers, forward_priority=c.forward_priority)
         self.proxy = Proxy(self.scheduler, self.dispatcher, self.metrics, c.max_attempts,
                            c.retry_backoff, c.retry_backoff_max, c.request_timeout,
-                           failover=c.midstream_failover)
+                           failover=c.midstream_failover, readmit=self.slo.admit)
         self.samples = Samples(self.proxy)
         if self.cluster is not None:
             await self.cluster.start()

@@ -7,7 +7,12 @@ exponential backoff with jitter, and within the request's total deadline. `--max
 counts the attempts that failed on their servers; an attempt the gateway stopped itself to
 move it elsewhere (a rescue: its server was marked down, opened its breaker, or its pair is
 suspected hung) and one whose server refused the connection do not count, up to twice
-`--max-attempts` attempts in all. The retry avoids the server the evidence blames
+`--max-attempts` attempts in all. A retry of a request with a TTFT objective passes the SLO
+gate again (`readmit`): a server lost under load sends its queue to the others at once, and
+those retries, let through, would queue everything behind them past its objective (the work
+of a dead prefill's queue landing on one survivor held interactive requests 12 s); so a retry
+that cannot make what is left of its objective waits or is refused as a new request would
+be. The retry avoids the server the evidence blames
 (gateway/dispatch/blame.py), and the samples of an n > 1 request share what they learned
 (`Shared`; docs/RELIABILITY.md, "Rolling faults").
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 
 from gateway.dispatch.aborts import Aborted
 from gateway.dispatch.blame import culprits
@@ -41,8 +47,10 @@ ROLLING = 5.0  # seconds: another server's success this recent means faults roll
 class Proxy:
     def __init__(self, scheduler: Scheduler, dispatcher: PDDispatcher, metrics: Metrics,
                  max_attempts: int, backoff: float, backoff_max: float,
-                 request_timeout: float, failover: bool = True) -> None:
+                 request_timeout: float, failover: bool = True,
+                 readmit: Callable[[RequestView], Awaitable[None]] | None = None) -> None:
         self.scheduler = scheduler
+        self.readmit = readmit  # the SLO gate's admission, for a retry (SloGate.admit)
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.max_attempts = max_attempts
@@ -97,6 +105,9 @@ class Proxy:
                     if loop.time() + delay >= not_after:
                         raise self._out_of_time(last_error) from None
                     await asyncio.sleep(delay)
+                    if self.readmit is not None and placement is None and depth == 0 \
+                            and view.slo is not None:
+                        await self.readmit(view)  # queues, or raises 429/503: nothing sent
         except UpstreamError as exc:
             if exc.reason == REQUEST_TIMEOUT:
                 raise self._out_of_time(last_error) from None

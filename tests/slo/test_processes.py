@@ -8,6 +8,9 @@
   them): batch requests that could not start in time are refused at once (429,
   Retry-After, code `slo_unattainable`) and cause no prefill work (the prefill server's
   /sim/stats counts exactly the requests the gateway did not refuse).
+* The same flood while a prefill is killed and restarted (faults in pairs): its queue, retried
+  at once, passes the gate again instead of landing on the survivor, so no interactive
+  request waits past its objective for it.
 """
 
 from __future__ import annotations
@@ -130,3 +133,64 @@ def test_batch_flood_leaves_interactive_within_objective_and_sheds_without_work(
         assert json.loads(body)["error"]["code"] == "slo_unattainable"
     sent = statuses.count(200) + len(interactive)
     assert prefilled == sent  # nothing of the shed requests reached the prefill
+
+
+@pytest.mark.timeout(240)
+def test_batch_flood_while_a_prefill_dies_and_comes_back(tmp_path) -> None:
+    """Faults in pairs: the flood above on two prefills, one of them killed in the middle of
+    it and started again a few seconds later. The gate's forecasts lose a server and its
+    queue at once (its requests retried on the other), then get it back empty: no request
+    hangs or fails for it, interactive requests are answered within their objective or
+    refused early (503, nothing sent), batch ones are served or refused with Retry-After,
+    and the restarted prefill is given work again."""
+    classes = {"interactive": {"ttft_ms": 2500}, "batch": {"ttft_ms": 1000}}
+    args = ("--policy", "auto", "--loads-interval", "0.5", "--health-interval", "1",
+            "--slo-classes", json.dumps(classes))
+    with running_rig(tmp_path, args, n_prefill=2, n_decode=1) as rig, \
+            httpx.Client(timeout=60) as client, ThreadPoolExecutor(24) as pool:
+        victim = rig.prefill[0]
+        for i in range(4):
+            stream(client, rig.gateway, 1000, f"warm-{i}", {})
+        stop = threading.Event()
+
+        def flood(i: int) -> list[tuple]:
+            out = []
+            with httpx.Client(timeout=60) as own:
+                while not stop.is_set():
+                    out.append(stream(own, rig.gateway, 8000, f"batch-{i}-{len(out)}",
+                                      {"x-priority": "batch"}))
+                    if out[-1][0] == 429:
+                        stop.wait(float(out[-1][2]["retry-after"]))
+            return out
+
+        batches = [pool.submit(flood, i) for i in range(24)]
+        interactive = []
+        try:
+            time.sleep(1.0)
+            for i in range(30):
+                if i == 5:
+                    rig.kill(victim)
+                if i == 15:
+                    rig.restart(victim)
+                interactive.append(stream(client, rig.gateway, 1000, f"chat-{i}",
+                                          {"x-priority": "interactive"}))
+                time.sleep(0.2)
+            # the restarted prefill is usable again and takes its share of the flood
+            wait_until(lambda: rig.stats(victim)["received"] > 0, 20,
+                       "the restarted prefill to receive work")
+        finally:
+            stop.set()
+        answers = [a for job in batches for a in job.result()]
+    statuses = [a[0] for a in answers]
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))
+    assert statuses.count(200) > 0
+    seen = " ".join(f"{a[0]}:{a[1] or 0:.2f}" for a in interactive)
+    for status, first, headers, body in interactive:
+        if status == 200:
+            assert first is not None and first <= 2.5, seen
+        else:
+            assert status == 503, (status, body)
+            assert json.loads(body)["error"]["code"] == "slo_unattainable"
+            assert int(headers["retry-after"]) >= 1
+    served = [a for a in interactive if a[0] == 200]
+    assert len(served) >= len(interactive) // 2, [a[0] for a in interactive]
