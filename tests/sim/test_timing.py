@@ -95,9 +95,11 @@ def test_prefill_attention_and_floor_terms():
         p.prefill_ms(8192, 0) + p.prefill_ms(8192, 8192))
 
 
-def _run_engine(jobs_in_turns: list[list[Job]], prefix: list[int] | None = None
-                ) -> list[tuple[str, float]]:
-    """Run jobs through an Engine timed by H200_LLAMA3_8B; the steps' modelled seconds.
+def _run_engine(jobs_in_turns: list[list[Job]], prefix: list[int] | None = None,
+                waiting: list[int] | None = None) -> list[tuple[str, float]]:
+    """Run jobs through an Engine timed by H200_LLAMA3_8B; the steps' modelled seconds
+    (and into `waiting`, the engine's reported waiting uncached tokens as each prefill
+    batch starts).
 
     Steps end in the next loop callback rather than after their time, so the test is quick."""
     config = config_from_args(["--mode", "null", "--timing", "h200-llama3-8b"])
@@ -110,6 +112,8 @@ def _run_engine(jobs_in_turns: list[list[Job]], prefix: list[int] | None = None
 
     def record(started, seconds, step_end, *args):
         steps.append((step_end.__name__, seconds))
+        if waiting is not None and step_end.__name__ == "_end_prefill":
+            waiting.append(engine.waiting_uncached_tokens)
         original(started, 0.0, step_end, *args)
 
     engine._after = record  # type: ignore[method-assign]
@@ -202,28 +206,8 @@ def test_queued_prompts_count_as_waiting_until_their_batch_runs():
     while a batch runs: every prompt not yet in a batch, plus what the chunked one has left.
     (The engine admits requests to its prefill list at once; counting only its admission
     queue hid a long prefill queue from the gateway's forecasts.)"""
-    config = config_from_args(["--mode", "null", "--timing", "h200-llama3-8b"])
-    engine = Engine(config, RadixCache(page_size=1, capacity=config.cache_capacity_tokens))
     seen: list[int] = []
-    original = engine._after
-
-    def record(started, seconds, step_end, *args):
-        if step_end.__name__ == "_end_prefill":
-            seen.append(engine.waiting_uncached_tokens)
-        original(started, 0.0, step_end, *args)
-
-    engine._after = record  # type: ignore[method-assign]
-    jobs = [_job(list(range(1, 20_001)), 1), _job(list(range(30_000, 35_000)), 1)]
-
-    async def main() -> None:
-        engine.start()
-        for job in jobs:
-            engine.submit_prefill(job)
-        while not all(j.done for j in jobs):
-            await asyncio.sleep(0)
-        await engine.stop()
-
-    asyncio.run(main())
+    _run_engine([[_job(list(range(1, 20_001)), 1), _job(list(range(30_000, 35_000)), 1)]],
+                waiting=seen)
     # chunks of 8192: the first prompt's 20,000 in three, the second's 5,000 behind them
     assert seen == [20_000 - 8192 + 5000, 20_000 - 2 * 8192 + 5000, 5000 - (8192 - 3616), 0]
-    assert engine.waiting_uncached_tokens == 0
