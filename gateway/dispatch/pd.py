@@ -14,9 +14,8 @@ queued (dispatch/first_progress.py), so a hung pair is suspected in seconds and 
 waited for. Attempts are registered on their servers: when one is marked down or its breaker
 opens, `rescue` stops its attempts for a retry elsewhere (if the role has another one).
 
-The decode leg runs in the caller's task and the prefill leg in a second task whose failure
-interrupts the decode (`Interrupt`, gateway/cancel.py): two legs, one extra task.
-"""
+The decode leg runs in the caller's task, the prefill leg in a second one whose failure
+interrupts the decode (`Interrupt`, gateway/cancel.py)."""
 
 from __future__ import annotations
 
@@ -56,10 +55,8 @@ class _PrefillWatch:
     __slots__ = ("interrupt", "armed", "dispatcher", "attempt")
 
     def __init__(self, interrupt: Interrupt, dispatcher: PDDispatcher, attempt: Attempt) -> None:
-        self.interrupt = interrupt
+        self.interrupt, self.dispatcher, self.attempt = interrupt, dispatcher, attempt
         self.armed = True
-        self.dispatcher = dispatcher
-        self.attempt = attempt
 
     def __call__(self, prefill: asyncio.Task) -> None:
         error = None if prefill.cancelled() else prefill.exception()  # always retrieved
@@ -338,14 +335,10 @@ class PDDispatcher:
             return body
         except UpstreamError as exc:
             ok = False if exc.retryable else None
+            # computed if a whole answer (its head comes with its body) or once the decode
+            # works; a stream's head comes at once (docs/RELIABILITY.md, fixed bugs)
             if response is not None and not attempt.view.logprob_merge and \
                     (attempt.progressed or not attempt.view.stream):
-                # cut after a whole answer's 200 head (SGLang sends it with the body, once
-                # the KV is sent), or once the decode works: it computed; the decode tells
-                # if the KV came. A streamed leg's head comes at once, before any work:
-                # cut before its answer, the prefill died with the request, and its decode
-                # would wait for KV that never comes (SGLang's decode notices a dead prefill
-                # only by its heartbeats, about 10 s), so the attempt fails and is retried.
                 return b""
             raise
         finally:

@@ -1,7 +1,8 @@
-"""auto (opt-in, `--policy auto`): a request that carries latency objectives is placed by the
-joint `slo` scorer; a request without keeps `cache_aware` (prefill) and `least_load` (decode)
-exactly. Not the default: near capacity its gate refused requests `cache_aware` would serve in
-time (docs/SCHEDULING.md, "The default policy, and `auto`").
+"""auto (the default for both roles, with `steer` off): a request that carries latency
+objectives gets its decode, and its forecast for the SLO gate, from the joint `slo` scorer,
+and keeps the cache-aware prefill unless `steer` is on; a request without keeps `cache_aware`
+(prefill) and `least_load` (decode) exactly (docs/SCHEDULING.md, "The default policy, and
+`auto`").
 
 Objectives are the headers `x-slo-ttft-ms` / `x-slo-itl-ms` or the defaults of the request's
 class in `--slo-classes` (gateway/slo/objectives.py). A client that states an objective asks

@@ -88,7 +88,10 @@ class Rank(Counted):
     working = totals
 
 
-@dataclass(eq=False)
+# slots: a Server holds 31 fields, past the 30 keys up to which CPython 3.11 shares an
+# instance dict's keys; with a dict every attribute read of a server got slower (about 1% of
+# a request's instructions, docs/BENCHMARKS.md "Where the instructions went")
+@dataclass(eq=False, slots=True)
 class Server(Counted):
     url: str
     role: str
