@@ -77,12 +77,14 @@ def test_mass_disconnects_leave_nothing_behind(make_rig, timing):
                 now_ended - ended == now_received - received
         took = wait_until(all_ended, 15, "every decode leg is cancelled or aborted")
         wait_until(lambda: settled(rig), 15, "in-flight counters and sockets settle")
-        # keep-alive connections to the servers are the pool, sized by the last peak of
-        # concurrency; every other socket must not grow
+        # keep-alive connections to the servers are the pools, sized by the last peak of
+        # concurrency: the data path's (both legs of each request) and the control client's
+        # (the aborts sent as the clients left, kept alive 4 s; CI once counted 61 of 60
+        # for the data path alone); every other socket must not grow
         pool = sum(n for (peer, state), n in rig.connections().items()
                    if peer not in ("client", "other") and state == "ESTABLISHED")
         sockets.append(rig.sockets() - pool)
-        assert pool <= 2 * CLIENTS, f"round {number}: {pool} upstream connections kept"
+        assert pool <= 3 * CLIENTS, f"round {number}: {pool} upstream connections kept"
         timing("clients hang up" + (" before the first token" if before_first_token else
                                     " mid-stream"), "all decode legs ended after", took)
         completed = sum(rig.stats(s)["completed"] for s in rig.decode)
