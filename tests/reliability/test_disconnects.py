@@ -79,8 +79,8 @@ def test_mass_disconnects_leave_nothing_behind(make_rig, timing):
         wait_until(lambda: settled(rig), 15, "in-flight counters and sockets settle")
         # keep-alive connections to the servers are the pools, sized by the last peak of
         # concurrency: the data path's (both legs of each request) and the control client's
-        # (the aborts sent as the clients left, kept alive 4 s; CI once counted 61 of 60
-        # for the data path alone); every other socket must not grow
+        # (the aborts sent as the clients left, kept alive 4 s; CI once counted 61 against
+        # a bound of 60 that left them out); every other socket must not grow
         pool = sum(n for (peer, state), n in rig.connections().items()
                    if peer not in ("client", "other") and state == "ESTABLISHED")
         sockets.append(rig.sockets() - pool)
