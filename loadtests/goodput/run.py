@@ -295,11 +295,14 @@ class _Runner:
                 done = self._run(name, rate) if self._fits(name, rate) else None
                 if done is None:
                     continue
-                row, got = done
-                self.rows.append(row)
-                self.results["sweep"].append({**row.to_dict(), **self._extra(got)})
-                _write(self.args.out, self.results)
+                self._keep(*done)
         self._table()
+
+    def _keep(self, row, got, **more) -> None:
+        """One run of the sweep or its refinement: a row, its figures in the JSON."""
+        self.rows.append(row)
+        self.results["sweep"].append({**row.to_dict(), **self._extra(got), **more})
+        _write(self.args.out, self.results)
 
     def _table(self) -> None:
         """The rows by router, then rate, printed."""
@@ -331,11 +334,7 @@ class _Runner:
                 done = self._run(name, rate) if self._fits(name, rate) else None
                 if done is None:
                     break
-                row, got = done
-                self.rows.append(row)
-                self.results["sweep"].append({**row.to_dict(), **self._extra(got),
-                                              "refined": True})
-                _write(self.args.out, self.results)
+                self._keep(*done, refined=True)
         self._table()
 
     def past_capacity(self, rate: float) -> None:
