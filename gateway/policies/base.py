@@ -51,10 +51,11 @@ class Policy:
         `blocked(prefill_url, decode_url)` says whether a pair is quarantined."""
         return None
 
-    def forecast(self, prefills: Sequence, decodes: Sequence[Server],
-                 view: RequestView) -> Any:
-        """The best latency forecast any pair offers `view` now (gateway/slo/model.py's
-        `Prediction`), for the SLO gate; None: this policy makes none."""
+    def forecast(self, prefills: Sequence, decodes: Sequence[Server], view: RequestView,
+                 blocked: Any = None) -> Any:
+        """The best latency forecast any pair not `blocked` offers `view` now
+        (gateway/slo/model.py's `Prediction`), for the SLO gate; None: this policy makes
+        none."""
         return None
 
     def predicted_hit(self, server: Server, view: RequestView) -> float | None:

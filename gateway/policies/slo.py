@@ -103,13 +103,15 @@ class SloPolicy(CacheAwarePolicy):
             ticket.picked(self.model, target.url, decode.url, forecast, time.perf_counter())
         return target, decode
 
-    def forecast(self, prefills: Sequence, decodes: Sequence[Server],
-                 view: RequestView) -> Prediction | None:
+    def forecast(self, prefills: Sequence, decodes: Sequence[Server], view: RequestView,
+                 blocked: Callable[[str, str], bool] | None = None) -> Prediction | None:
         """The best forecast any pair offers `view` now (no state changes): what the SLO
-        gate tests the request's objective against."""
+        gate tests the request's objective against. `blocked` is `pick_pair`'s: a pair the
+        pick will not use (a prefill that just refused connections, not yet marked down)
+        must not lend the gate its empty queue."""
         key = view.routing_key
         matched = self.match(key, prefills)
-        pairs = self._pairs(prefills, decodes, view, matched, None, time.monotonic(), None)
+        pairs = self._pairs(prefills, decodes, view, matched, None, time.monotonic(), blocked)
         return min((p[2] for p in pairs), key=lambda p: p.ttft, default=None)
 
     # -- pricing -------------------------------------------------------------------------------

@@ -159,7 +159,8 @@ class Scheduler:
         decodes = self.candidates("decode", view, (), model)
         if not prefills or not decodes:
             return None
-        return model.policies["prefill"].forecast(targets(prefills), decodes, view)
+        return model.policies["prefill"].forecast(targets(prefills), decodes, view,
+                                                  self.pairs.blocked)
 
     def by_policy(self, view: RequestView, prefill: Target,
                   prefer: tuple[Server, int | None] | None) -> bool:

@@ -145,7 +145,7 @@ def test_batch_flood_while_a_prefill_dies_and_comes_back(tmp_path) -> None:
     and the restarted prefill is given work again."""
     classes = {"interactive": {"ttft_ms": 2500}, "batch": {"ttft_ms": 1000}}
     args = ("--policy", "auto", "--loads-interval", "0.5", "--health-interval", "1",
-            "--slo-classes", json.dumps(classes))
+            "--slo-classes", json.dumps(classes), "--access-log", str(tmp_path / "access.log"))
     with running_rig(tmp_path, args, n_prefill=2, n_decode=1) as rig, \
             httpx.Client(timeout=60) as client, ThreadPoolExecutor(24) as pool:
         victim = rig.prefill[0]
