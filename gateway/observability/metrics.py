@@ -199,6 +199,10 @@ class Metrics:
         `figures()` gives {"desired": {(model, role): n}, "pressure": {...}})."""
         self.registry.register(RebalanceCollector(figures))
 
+    def watch_slo(self, gate) -> None:
+        """Gauges of the SLO gate (gateway/slo/gate.py), read at scrape time."""
+        self.registry.register(SloCollector(gate))
+
     def watch_admission(self, admission) -> None:
         """Gauges of the admission queue (read at scrape time: this process's queue)."""
         self.registry.register(AdmissionCollector(admission))
@@ -229,6 +233,32 @@ class AdmissionCollector(Collector):
             "count that grows after traffic is a leak)")
         alive.add_metric([], tasks)
         yield alive
+
+
+class SloCollector(Collector):
+    """What the SLO gate refuses by, this process's: an operator whose gate refuses while
+    the servers idle sees whether the margin (stale errors) or the queue bound decides."""
+
+    def __init__(self, gate) -> None:
+        self.gate = gate
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        gate = self.gate
+        margin = GaugeMetricFamily(
+            "gateway_slo_margin", "The factor the SLO gate multiplies each forecast TTFT by "
+            "(the 0.9 quantile of observed / forecast over recent streams; 0.5-4)")
+        margin.add_metric([], gate.margin.value)
+        waiting = GaugeMetricFamily(
+            "gateway_slo_waiting", "Requests queued in the SLO gate for a pair that can meet "
+            "their objective")
+        waiting.add_metric([], gate.waiting())
+        bound = GaugeMetricFamily(
+            "gateway_slo_queue_bound_seconds", "Queueing a request of each class is admitted "
+            "to while others wait in the gate (+Inf until enough requests are seen)",
+            labels=["priority"])
+        for klass, name in enumerate(gate.objectives.CLASSES):
+            bound.add_metric([name], gate.tolerance.bound(klass))
+        yield from (margin, waiting, bound)
 
 
 class RebalanceCollector(Collector):

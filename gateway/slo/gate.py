@@ -71,6 +71,11 @@ class SloGate:
         self.tolerance = Tolerance(len(CLASSES))  # the queueing the tightest bear
         self._errors = {kind: metrics.buffered_histogram(
             metrics.slo_prediction_error.labels(kind)) for kind in ("ttft", "itl")}
+        metrics.watch_slo(self)
+
+    def waiting(self) -> int:
+        """Requests queued in the gate now."""
+        return len(self._waiting)
 
     def ticket(self, headers: list[tuple[bytes, bytes]], klass: int,
                request_id: str) -> Ticket:

@@ -13,6 +13,7 @@ from gateway.errors import ServiceUnavailable, TooManyRequests
 from gateway.observability.metrics import Metrics
 from gateway.servers.pool import ServerPool
 from gateway.slo.gate import SloGate
+from gateway.slo.margin import WARM
 from gateway.slo.model import Prediction
 from gateway.slo.objectives import Objectives, SloClass
 from tests.unit.builders import generate_ids
@@ -183,3 +184,31 @@ def test_queued_requests_do_not_each_ask_for_forecasts() -> None:
     # 40 at arrival, then the 4 most urgent per poll (every waiter per poll: 280)
     assert 40 < forecasts.asked < 80
     assert slo._waiting == []
+
+
+def test_the_gates_margin_queue_and_bounds_are_gauges() -> None:
+    """An operator whose gate refuses while the servers idle reads why on /metrics: the
+    margin (how late forecasts ran), requests queued in the gate, each class's bound."""
+    slo, metrics = gate(Forecasts(5.0, compute=0.1))
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert value("gateway_slo_margin") == 1.0
+    assert value("gateway_slo_queue_bound_seconds", priority="batch") == float("inf")
+    for _ in range(WARM):
+        slo.margin.observe(2.5, 1.0)
+    assert value("gateway_slo_margin") == 2.5
+
+    async def queued() -> float | None:
+        held = asyncio.create_task(slo.admit(request(slo, INTERACTIVE)))
+        await asyncio.sleep(0.01)
+        seen = value("gateway_slo_waiting")
+        held.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        return seen
+
+    assert value("gateway_slo_waiting") == 0
+    assert asyncio.run(queued()) == 1
+    assert value("gateway_slo_waiting") == 0
