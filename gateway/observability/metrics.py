@@ -247,7 +247,7 @@ class SloCollector(Collector):
         margin = GaugeMetricFamily(
             "gateway_slo_margin", "The factor the SLO gate multiplies each forecast TTFT by "
             "(the 0.9 quantile of observed / forecast over recent streams; 0.5-4)")
-        margin.add_metric([], gate.margin.value)
+        margin.add_metric([], gate.margin.factor())
         waiting = GaugeMetricFamily(
             "gateway_slo_waiting", "Requests queued in the SLO gate for a pair that can meet "
             "their objective")

@@ -7,9 +7,18 @@ The quantile `QUANTILE` of the recent ratios observed / forecast TTFT, applied t
 forecast the gate tests, admits a request only when `QUANTILE` of requests forecast like it
 came in time (a split-conformal bound over a sliding window). When the forecasts run long
 the margin falls below 1 and the gate admits more; it stays within [`LOW`, `HIGH`].
+
+Only what the gate admits teaches the margin, so a margin left high by a burst of late
+answers (a server lost under load) refused, for as long as it stood, every request whose
+forecast times it missed: on an idle cluster, a class shed whole never came back, and a
+class that kept some traffic waited for a whole window of it. So a ratio counts for
+`MAX_AGE` seconds, and with none that recent the margin is 1 again.
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 from gateway.slo.window import WindowQuantile
 
@@ -18,26 +27,37 @@ WINDOW = 256  # recent observations the quantile is read from
 EVERY = 16  # observations between two reads of the quantile (a sort of WINDOW)
 LOW, HIGH = 0.5, 4.0  # the margin's bounds (a few odd requests cannot refuse everything)
 WARM = 32  # observations before the margin moves from 1
+MAX_AGE = 30.0  # seconds a ratio counts for (time.monotonic())
 
 
 class Margin:
     """The factor the gate multiplies each forecast TTFT by before it tests the objective."""
 
-    __slots__ = ("value", "_ratios")
+    __slots__ = ("value", "_ratios", "_last")
 
     def __init__(self) -> None:
-        self.value = 1.0
-        self._ratios = WindowQuantile(QUANTILE, WINDOW, EVERY, WARM)
+        self.value = 1.0  # as last read; `factor` is what applies now
+        self._ratios = WindowQuantile(QUANTILE, WINDOW, EVERY, WARM, MAX_AGE, default=1.0)
+        self._last = -math.inf  # when the last ratio came
 
-    def late(self, forecast: float) -> float:
+    def factor(self, now: float | None = None) -> float:
+        """The margin now: 1 once no ratio came for `MAX_AGE` seconds."""
+        now = time.monotonic() if now is None else now
+        return self.value if now - self._last <= MAX_AGE else 1.0
+
+    def late(self, forecast: float, now: float | None = None) -> float:
         """`forecast` seconds as late as the gate must assume they run."""
-        return forecast * self.value
+        return forecast * self.factor(now)
 
-    def observe(self, observed: float, forecast: float) -> None:
+    def observe(self, observed: float, forecast: float, now: float | None = None) -> None:
         """One request's first token came `observed` seconds after its pick, forecast at
         `forecast` seconds."""
         if observed <= 0 or forecast <= 0:
             return
-        read = self._ratios.add(observed / forecast)
+        now = time.monotonic() if now is None else now
+        if now - self._last > MAX_AGE:
+            self.value = 1.0  # what it held is stale (its ratios leave at the next read)
+        self._last = now
+        read = self._ratios.add(observed / forecast, now)
         if read is not None:
             self.value = min(HIGH, max(LOW, read))

@@ -34,7 +34,8 @@ class Tolerance:
     __slots__ = ("_windows", "_lows")
 
     def __init__(self, classes: int) -> None:
-        self._windows = [WindowQuantile(QUANTILE, WINDOW, EVERY, WARM) for _ in range(classes)]
+        self._windows = [WindowQuantile(QUANTILE, WINDOW, EVERY, WARM, default=math.inf)
+                         for _ in range(classes)]
         self._lows = [math.inf] * classes  # each class's quantile, once WARM
 
     def observe(self, klass: int, tolerance: float) -> None:

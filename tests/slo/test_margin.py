@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
 from gateway.errors import TooManyRequests
-from gateway.slo.margin import HIGH, LOW, QUANTILE, WARM, Margin
+from gateway.slo.margin import HIGH, LOW, MAX_AGE, QUANTILE, WARM, Margin
 from tests.slo.test_gate import BATCH, Forecasts, gate, request
 
 
@@ -80,3 +81,33 @@ def test_forecasts_on_the_prior_speed_do_not_move_the_margin() -> None:
                                         stream=True, completion=11, duration=ttft + 0.5,
                                         prompt=100))
     assert slo.margin.value == pytest.approx(1.0)
+
+
+def test_ratios_older_than_max_age_leave_the_margin() -> None:
+    """A burst of late answers (a server lost under load) must not hold the margin for a
+    whole window of later traffic: a class with little traffic would wait minutes."""
+    margin = Margin()
+    for i in range(WARM):
+        margin.observe(4.0, 1.0, now=float(i) / WARM)
+    assert margin.factor(now=1.0) == pytest.approx(4.0)
+    later = 1.0 + MAX_AGE
+    for i in range(WARM):
+        margin.observe(1.1, 1.0, now=later + i / WARM)
+    assert margin.factor(now=later + 1) == pytest.approx(1.1)  # (a count window: 4.0)
+
+
+def test_a_margin_nothing_measures_again_lapses_and_the_gate_admits() -> None:
+    """Only what the gate admits teaches the margin: a margin left at 4 by old errors
+    would refuse a class whose forecasts it pushes past their objective for ever, on an
+    idle cluster. With no ratio for MAX_AGE seconds it is 1 again."""
+    slo, _ = gate(Forecasts(0.4))  # 0.4 s forecast, 1 s objective: fits unless 2.5x late
+    for _ in range(WARM):
+        slo.margin.observe(4.0, 1.0)
+    with pytest.raises(TooManyRequests):
+        asyncio.run(slo.admit(request(slo, BATCH)))
+    slo, _ = gate(Forecasts(0.4))
+    then = time.monotonic() - MAX_AGE - 1
+    for _ in range(WARM):
+        slo.margin.observe(4.0, 1.0, now=then)
+    assert slo.margin.value == pytest.approx(4.0)
+    asyncio.run(slo.admit(request(slo, BATCH)))  # admitted: the margin lapsed to 1
