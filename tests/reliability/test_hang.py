@@ -71,8 +71,12 @@ def test_hung_decode_is_blamed_and_opens_its_breaker(make_rig):
     with Load(rig.gateway, loops=4, max_new_tokens=8, timeout=20):
         wait_until(lambda: rig.stats(victim)["cancelled"] >= 3, 30,
                    "three requests timed out on the hung decode (breaker threshold: 2)")
-        assert rig.metrics().total("gateway_upstream_failures_total", server=victim.url) >= 2, \
-            "timeouts on the hung decode are not counted against it"
+        # the first timeouts with one prefill may be blamed on the pair until the decode is
+        # seen failing with another partner (gateway/health/pairs.py): counted against the
+        # server from then on (CI once read 1 right after the third cancel)
+        wait_until(lambda: rig.metrics().total("gateway_upstream_failures_total",
+                                               server=victim.url) >= 2, 30,
+                   "timeouts on the hung decode counted against it")
         wait_until(lambda: not rig.usable(victim), 5, "the hung decode leaves rotation")
 
 
