@@ -55,9 +55,8 @@ class Margin:
         if observed <= 0 or forecast <= 0:
             return
         now = time.monotonic() if now is None else now
-        if now - self._last > MAX_AGE:
-            self.value = 1.0  # what it held is stale (its ratios leave at the next read)
-        self._last = now
+        self.value = self.factor(now)  # 1 if what it held is stale (those ratios leave
+        self._last = now  # at the next read)
         read = self._ratios.add(observed / forecast, now)
         if read is not None:
             self.value = min(HIGH, max(LOW, read))
