@@ -7,6 +7,8 @@ The quantile `QUANTILE` of the recent ratios observed / forecast TTFT, applied t
 forecast the gate tests, admits a request only when `QUANTILE` of requests forecast like it
 came in time (a split-conformal bound over a sliding window). When the forecasts run long
 the margin falls below 1 and the gate admits more; it stays within [`LOW`, `HIGH`].
+The gate observes a forecast shorter than the objective over `HIGH` as that long
+(`SloGate._shortest`): no margin refuses it, and its lateness by an addend is not a factor.
 
 Only what the gate admits teaches the margin, so a margin left high by a burst of late
 answers (a server lost under load) refused, for as long as it stood, every request whose
