@@ -32,6 +32,7 @@ for >= 90% of the requests, scanning upward, as the routers' goodput is read
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections import deque
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 from backends.sim.radix import RadixCache
 from loadtests.goodput.physics import Physics
-from loadtests.goodput.workload import MixShape, Plan, Planned, mixed_plan
+from loadtests.goodput.workload import MixShape, Plan, Planned, mixed_plan, warmup_plan
 
 TARGET = 0.9  # attainment that counts as serving a rate
 PLACEMENTS = ("earliest", "affinity")
@@ -233,11 +234,27 @@ def met(job: _Job) -> bool:
     return seen is not None and seen[0] <= job.req.ttft_ms and seen[1] <= job.req.itl_ms
 
 
-def simulate(plan: Plan, prefills: int, decodes: int, physics: Physics) -> DesResult:
-    """Replay `plan` with each placement; the one that attains most is the result."""
+DRAIN = 2.0  # seconds between a warm-up's last arrival and the measured plan's first
+
+
+def _after(warmup: Plan | None, plan: Plan) -> tuple[Plan, int]:
+    """`plan` behind `warmup` (its arrivals shifted past the warm-up's and a drain), and
+    how many requests lead it: the DES warms its caches as the routers' runs do."""
+    if warmup is None:
+        return plan, 0
+    offset = warmup.duration + DRAIN
+    shifted = tuple(dataclasses.replace(r, at=r.at + offset) for r in plan.requests)
+    return dataclasses.replace(plan, requests=warmup.requests + shifted), len(warmup.requests)
+
+
+def simulate(plan: Plan, prefills: int, decodes: int, physics: Physics,
+             warmup: Plan | None = None) -> DesResult:
+    """Replay `plan` (after `warmup`, not counted) with each placement; the one that
+    attains most is the result."""
+    joined, lead = _after(warmup, plan)
     results = []
     for placement in PLACEMENTS:
-        jobs = replay(plan, prefills, decodes, physics, placement)
+        jobs = replay(joined, prefills, decodes, physics, placement)[lead:]
         results.append(DesResult(plan.rate, len(jobs), sum(met(j) for j in jobs),
                                  sum(j.refused for j in jobs), placement))
     return max(results, key=lambda r: r.attained)
@@ -282,7 +299,8 @@ SCAN = 1.1  # the upward scan's ratio from one rate to the next
 
 def capacity_rate(shape: MixShape, duration: float, seed: int, prefills: int, decodes: int,
                   physics: Physics, start: float = 10.0, precision: float = 0.03,
-                  log: Callable[[str], None] = print) -> tuple[float, list[DesResult]]:
+                  log: Callable[[str], None] = print,
+                  warmup: float = 0.0) -> tuple[float, list[DesResult]]:
     """Where the DES's attainment first falls below 90%, by the routers' goodput rule
     (`report.goodput`: the first crossing from below): scan upward from `start` in steps of
     `SCAN` (halving first if `start` already fails) to the first failing rate, then bisect
@@ -295,7 +313,8 @@ def capacity_rate(shape: MixShape, duration: float, seed: int, prefills: int, de
     tried: list[DesResult] = []
 
     def ok(rate: float) -> bool:
-        result = simulate(mixed_plan(shape, rate, duration, seed), prefills, decodes, physics)
+        result = simulate(mixed_plan(shape, rate, duration, seed), prefills, decodes, physics,
+                          warmup_plan(shape, rate, warmup, seed))
         tried.append(result)
         log(f"   capacity DES: {rate:7.2f} req/s -> attainment {result.attainment:.3f} "
             f"({result.refused} refused of {result.requests}; {result.placement})")

@@ -127,17 +127,23 @@ def _cpu(pids: list[int | None]) -> list[float]:
 
 
 def measure(name: str, cluster: Cluster, plan: Plan, timeout: float, log_dir: Path,
-            peer_python: Path | None) -> Run:
+            peer_python: Path | None, warmup: Plan | None = None) -> Run:
+    """`plan` through router `name` on a rested cluster with flushed caches, after `warmup`
+    (answered in full, not measured: workload.warmup_plan)."""
     settle(cluster, timeout=60.0)  # TimeoutError: a router left work behind
     target = target_of(name)
     label = f"goodput-{plan.rate:g}"
-    with endpoint(target, cluster, label, plan, timeout, log_dir, peer_python) as ep:
+    with endpoint(target, cluster, label, plan, timeout, log_dir, peer_python) as ep, \
+            asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        legs_before = 0
+        if warmup is not None:
+            runner.run(_replay(ep.port, warmup, timeout))
+            legs_before = sum(snapshot(cluster).requests.values())
         before = scrape(ep.port) if target.ours and ep.port else {}
         pids = [ep.pid, *cluster.pids]
         cpu = _cpu(pids)
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            pairs, elapsed = runner.run(_replay(ep.port, plan, timeout))
+        pairs, elapsed = runner.run(_replay(ep.port, plan, timeout))
         busy = [(b - a) / elapsed for a, b in zip(cpu, _cpu(pids), strict=True)]
         after = scrape(ep.port) if target.ours and ep.port else {}
-    legs = sum(snapshot(cluster).requests.values())  # counted from the settle's reset
+    legs = sum(snapshot(cluster).requests.values()) - legs_before  # since the settle's reset
     return Run(pairs, elapsed, deltas(before, after), ep.argv, max(busy[1:]), busy[0], legs)

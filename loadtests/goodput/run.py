@@ -10,8 +10,9 @@
    objectives for >= 90% of the requests.
 2. The sweep: every router (`--targets`) at every rate, each rate a fraction of the capacity
    bound (`--fractions`) unless `--rates` gives them; open-loop arrivals of the mixed
-   workload (`workload.py`) with per-request objectives as headers; attainment, TTFT/ITL
-   percentiles, refusals (`report.py`).
+   workload (`workload.py`) with per-request objectives as headers, after an unmeasured
+   warm-up of the same documents and prompts at a quarter of the rate (`--warmup` seconds;
+   the DES replays it too); attainment, TTFT/ITL percentiles, refusals (`report.py`).
 3. Refinement (`--refine N`): each router's crossing of 90% bisected N times, each step one
    more run of that router at the middle of the swept rates around its crossing, so that a
    coarse sweep does not decide a ratio by its interpolation (where attainment falls steeply
@@ -60,6 +61,7 @@ from loadtests.goodput.workload import (
     QUICK_SHAPE,
     MixShape,
     mixed_plan,
+    warmup_plan,
 )
 from loadtests.routing.cluster import SimOptions, sim_cluster
 from loadtests.routing.targets import KNOWN
@@ -80,11 +82,12 @@ class Setup:
     overload: float  # x the capacity bound; 0: no past-capacity run
     overload_rate: float  # explicit rate of the past-capacity run (0: overload x capacity)
     cache_tokens: int = 0  # prefix cache per prefill when smaller than the pool (0: the pool)
+    warmup: float = 0.0  # seconds of the plan's warm-up before each measured run (0: none)
 
 
 FULL = Setup(prefills=2, decodes=2, kv_tokens=131072, shape=MixShape(), duration=12.0,
              fractions=(0.25, 0.5, 0.75, 1.0), rates=(),
-             targets=(OURS, *PEERS), overload=1.5, overload_rate=0.0)
+             targets=(OURS, *PEERS), overload=1.5, overload_rate=0.0, warmup=4.0)
 # The CI machine cannot drive the small cluster near its capacity bound (hundreds of
 # requests/s): fixed small rates, the structure and the invariants only.
 # A dominant hot prompt: the same cluster and sweep, the hot workload and smaller caches; the
@@ -118,6 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rates", type=_floats, help="explicit rates, req/s (quick: 3,8)")
     parser.add_argument("--duration", type=float, help="seconds of arrivals per run "
                         "(default 12; quick 4)")
+    parser.add_argument("--warmup", type=float, help="seconds of warm-up before each run, "
+                        "at a quarter of its rate, not measured (default 4; quick 0; 0: cold caches)")
     parser.add_argument("--overload", type=float, help="past-capacity run at this multiple "
                         "of the capacity bound (default 1.5; 0: none)")
     parser.add_argument("--prefills", type=int, help="prefill servers (default 2)")
@@ -150,7 +155,9 @@ def build_setup(args: argparse.Namespace) -> Setup:
     changes = {k: v for k, v in (
         ("prefills", args.prefills), ("decodes", args.decodes), ("kv_tokens", args.kv_tokens),
         ("duration", args.duration), ("fractions", args.fractions),
-        ("overload", args.overload)) if v is not None}
+        ("overload", args.overload), ("warmup", args.warmup)) if v is not None}
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.rates:
         changes["rates"] = args.rates
     elif args.fractions:
@@ -227,9 +234,9 @@ def sim_options(setup: Setup, physics: Physics) -> SimOptions:
 
 def _capacity(setup: Setup, physics: Physics, seed: int, results: dict) -> float:
     print(f"\n== capacity bound: DES of {setup.prefills} prefill + {setup.decodes} decode, "
-          f"{setup.duration:g} s of arrivals", flush=True)
+          f"{setup.duration:g} s of arrivals after {setup.warmup:g} s of warm-up", flush=True)
     rate, tried = capacity_rate(setup.shape, setup.duration, seed, setup.prefills,
-                                setup.decodes, physics)
+                                setup.decodes, physics, warmup=setup.warmup)
     results["capacity"] = {"rate": rate, "tried": [
         {"rate": r.rate, "attainment": r.attainment, "requests": r.requests,
          "refused": r.refused} for r in tried]}
@@ -253,7 +260,8 @@ class _Runner:
     def _fits(self, name: str, rate: float) -> bool:
         """Whether a run can end within --budget: its arrivals, then at most a request's
         timeout of draining, and ~10 s of settling and starting the router."""
-        worst = time.monotonic() - self.started + self.setup.duration + self.args.timeout + 10
+        worst = (time.monotonic() - self.started + self.setup.warmup + self.setup.duration
+                 + self.args.timeout + 10)
         if worst <= self.args.budget:
             return True
         print(f"   skipped {name} at {rate:.1f} req/s: could end past --budget "
@@ -266,9 +274,10 @@ class _Runner:
         the run before (a router that left work behind): then it is listed as skipped."""
         setup, args = self.setup, self.args
         plan = mixed_plan(setup.shape, rate, setup.duration, args.seed)
+        warm = warmup_plan(setup.shape, rate, setup.warmup, args.seed)
         try:
             got = measure(name, self.cluster, plan, args.timeout, self.log_dir,
-                          self.peer_python)
+                          self.peer_python, warm)
         except TimeoutError as exc:
             print(f"   skipped {name} at {rate:.1f} req/s: {exc}", flush=True)
             self.results["skipped"].append({"target": name, "rate": rate, "why": str(exc)})

@@ -189,3 +189,19 @@ def mixed_plan(shape: MixShape, rate: float, duration: float, seed: int,
             requests += make(rng, shape, rate * share, duration, objectives)
     requests.sort(key=lambda r: r.at)
     return Plan(shape, rate, duration, tuple(requests))
+
+
+WARMUP_SHARE = 0.25  # of the measured rate: below any router's knee, so no queue is left
+
+
+def warmup_plan(shape: MixShape, rate: float, seconds: float, seed: int) -> Plan | None:
+    """What a run is preceded by so that it measures servers in their steady state: the
+    same documents and system prompts (drawn first from the same seed), at `WARMUP_SHARE`
+    of `rate`, for `seconds`; None for none. Every run starts on flushed caches, and a cold
+    start at the measured rate computes each document and hot prompt once per request in
+    flight before the first is cached (the 32B calibration at 33 requests/s: 67k new
+    tokens in the first 2 s of one plan, a prefix hit ratio of 0.43, 2 s of queue), so a
+    12 s run's attainment hung on its first seconds (docs/BENCHMARKS.md)."""
+    if seconds <= 0:
+        return None
+    return mixed_plan(shape, rate * WARMUP_SHARE, seconds, seed)

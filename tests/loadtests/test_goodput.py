@@ -26,7 +26,14 @@ from loadtests.goodput.capacity import PLACEMENTS, DesResult, replay, simulate
 from loadtests.goodput.physics import Physics
 from loadtests.goodput.report import RateRow, goodput, offered_at
 from loadtests.goodput.where import breakdown
-from loadtests.goodput.workload import QUICK_SHAPE, Objectives, Plan, mixed_plan
+from loadtests.goodput.workload import (
+    QUICK_SHAPE,
+    WARMUP_SHARE,
+    Objectives,
+    Plan,
+    mixed_plan,
+    warmup_plan,
+)
 from tests.procs import ROOT
 
 
@@ -140,6 +147,22 @@ def test_the_affinity_placement_keeps_documents_partitioned_where_earliest_thras
     assert hits["earliest"] < hits["affinity"]
 
 
+def test_the_des_warms_its_caches_as_the_runs_do_and_counts_only_the_plan():
+    """The bound is of the same steady state the routers are measured in: after the
+    warm-up, the plan's documents are found cached from its first request on."""
+    shape = replace(QUICK_SHAPE, shares=(0.0, 1.0, 0.0), documents=2, document_tokens=1200)
+    physics = Physics(kv_tokens=65536)
+    plan = mixed_plan(shape, 20.0, 3.0, seed=2)
+    warm = warmup_plan(shape, 20.0, 2.0, seed=2)
+    assert simulate(plan, 2, 1, physics, warm).requests == len(plan.requests)
+    cold = replay(plan, 2, 1, physics)
+    joined, lead = capacity._after(warm, plan)
+    warmed = replay(joined, 2, 1, physics)[lead:]
+    assert [j.req.prompt_tokens for j in warmed] == [j.req.prompt_tokens for j in cold]
+    assert cold[0].cached < 1000 <= warmed[0].cached
+    assert sum(j.cached > 1000 for j in warmed) > sum(j.cached > 1000 for j in cold)
+
+
 def test_plans_are_the_same_for_every_router_and_carry_objectives():
     one = mixed_plan(QUICK_SHAPE, 8.0, 4.0, seed=3)
     two = mixed_plan(QUICK_SHAPE, 8.0, 4.0, seed=3)
@@ -150,6 +173,23 @@ def test_plans_are_the_same_for_every_router_and_carry_objectives():
                                  "x-slo-itl-ms": f"{request.itl_ms:g}"}
     assert request.body()["stream"] is True
     assert len(request.prompt_ids()) == request.prompt_tokens
+
+
+def _systems(plan: Plan) -> set[str]:
+    return {r.body()["messages"][0]["content"] for r in plan.requests
+            if r.body()["messages"][0]["role"] == "system"}
+
+
+def test_the_warmup_plays_the_plans_documents_and_prompts_at_a_quarter_of_its_rate():
+    """Every run starts on flushed caches; the warm-up fills them with what the measured
+    plan asks for (its documents and system prompts), slowly enough to leave no queue."""
+    plan = mixed_plan(QUICK_SHAPE, 40.0, 10.0, seed=5)
+    warm = warmup_plan(QUICK_SHAPE, 40.0, 10.0, seed=5)
+    assert warm is not None and warm.rate == pytest.approx(40.0 * WARMUP_SHARE)
+    assert 0.6 * WARMUP_SHARE < len(warm.requests) / len(plan.requests) < 1.4 * WARMUP_SHARE
+    assert _systems(warm) and _systems(warm) <= _systems(plan)
+    assert not _systems(warmup_plan(QUICK_SHAPE, 40.0, 10.0, seed=6)) & _systems(plan)
+    assert warmup_plan(QUICK_SHAPE, 40.0, 0.0, seed=5) is None
 
 
 def _check_row(row: dict) -> None:
