@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from gateway.errors import ServiceUnavailable, TooManyRequests
 from gateway.request import RequestView
-from gateway.slo.margin import HIGH, Margin
+from gateway.slo.margin import Margin
 from gateway.slo.model import Prediction
 from gateway.slo.objectives import Objectives
 from gateway.slo.ticket import Ticket
@@ -199,7 +199,8 @@ class SloGate:
             if ttft is not None:
                 self._errors["ttft"].observe(ttft / max(predicted.ttft, 1e-6))
                 if predicted.measured:  # the margin is the measured forecasts' error
-                    self.margin.observe(ttft, self._shortest(predicted.ttft, ticket))
+                    self.margin.observe(ttft, predicted.ttft,
+                                        objective=ticket.objective.ttft)
             if itl is not None:
                 self._errors["itl"].observe(itl / max(predicted.itl, 1e-6))
         objective = ticket.objective
@@ -207,15 +208,6 @@ class SloGate:
             met = ok and (objective.ttft is None or record.ttft <= objective.ttft) and \
                 (objective.itl is None or itl is None or itl <= objective.itl)
             self._count(objective.klass, "met" if met else "missed")
-
-    @staticmethod
-    def _shortest(forecast: float, ticket: Ticket) -> float:
-        """`forecast`, or the shortest one the margin can refuse when it is shorter: under
-        the objective over the margin's ceiling no margin turns a request away, and such a
-        forecast that runs late by a batch already running (an addend) held the margin at
-        its ceiling, refusing the long forecasts it did not describe (docs/SCHEDULING.md)."""
-        ttft = ticket.objective.ttft
-        return forecast if ttft is None else max(forecast, ttft / HIGH)
 
     @staticmethod
     def _seen(ticket: Ticket, record) -> tuple[float | None, float | None]:

@@ -7,8 +7,9 @@ The quantile `QUANTILE` of the recent ratios observed / forecast TTFT, applied t
 forecast the gate tests, admits a request only when `QUANTILE` of requests forecast like it
 came in time (a split-conformal bound over a sliding window). When the forecasts run long
 the margin falls below 1 and the gate admits more; it stays within [`LOW`, `HIGH`].
-The gate observes a forecast shorter than the objective over `HIGH` as that long
-(`SloGate._shortest`): no margin refuses it, and its lateness by an addend is not a factor.
+A forecast shorter than its objective over `HIGH` is observed as that long: no margin
+refuses it, and its lateness by an addend (a batch already running on the prefill) held the
+margin at its ceiling, refusing the long forecasts it did not describe (docs/SCHEDULING.md).
 
 Only what the gate admits teaches the margin, so a margin left high by a burst of late
 answers (a server lost under load) refused, for as long as it stood, every request whose
@@ -51,11 +52,14 @@ class Margin:
         """`forecast` seconds as late as the gate must assume they run."""
         return forecast * self.factor(now)
 
-    def observe(self, observed: float, forecast: float, now: float | None = None) -> None:
+    def observe(self, observed: float, forecast: float, now: float | None = None, *,
+                objective: float | None = None) -> None:
         """One request's first token came `observed` seconds after its pick, forecast at
-        `forecast` seconds."""
+        `forecast` seconds, against a TTFT `objective` (seconds) when it had one."""
         if observed <= 0 or forecast <= 0:
             return
+        if objective is not None:  # the shortest forecast a margin can refuse
+            forecast = max(forecast, objective / HIGH)
         now = time.monotonic() if now is None else now
         self.value = self.factor(now)  # 1 if what it held is stale (those ratios leave
         self._last = now  # at the next read)

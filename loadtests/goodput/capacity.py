@@ -32,12 +32,11 @@ for >= 90% of the requests, scanning upward, as the routers' goodput is read
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from backends.sim.radix import RadixCache
 from loadtests.goodput.physics import Physics
@@ -243,8 +242,8 @@ def _after(warmup: Plan | None, plan: Plan) -> tuple[Plan, int]:
     if warmup is None:
         return plan, 0
     offset = warmup.duration + DRAIN
-    shifted = tuple(dataclasses.replace(r, at=r.at + offset) for r in plan.requests)
-    return dataclasses.replace(plan, requests=warmup.requests + shifted), len(warmup.requests)
+    shifted = tuple(replace(r, at=r.at + offset) for r in plan.requests)
+    return replace(plan, requests=warmup.requests + shifted), len(warmup.requests)
 
 
 def simulate(plan: Plan, prefills: int, decodes: int, physics: Physics,
