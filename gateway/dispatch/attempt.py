@@ -20,7 +20,7 @@ class Timeouts:
     abort: float = 5.0  # bound of a best-effort /abort_request
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Attempt:
     """One dispatch on a pair, with its rooms and rids; `outcome` records what each leg did.
 
@@ -115,7 +115,7 @@ class Attempt:
             target.load.trail(self.view.prompt_tokens, -1)
 
 
-@dataclass
+@dataclass(slots=True)
 class Answer:
     """The decode's answer: a whole body, or a first chunk plus the rest of the stream."""
 

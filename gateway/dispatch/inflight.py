@@ -73,7 +73,7 @@ def client_rids(rid: object, items: int | None) -> tuple[str, ...] | None:
     raise BadRequest("'rid' must be a string, or a list with one id per prompt")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Tracked:
     """One inference request as the abort endpoint sees it."""
 
