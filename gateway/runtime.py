@@ -126,7 +126,7 @@ class Gateway:
             self.access_log = AccessLog(config.access_log, self.metrics.access_log_dropped)
         # the SLO gate (gateway/slo/gate.py) learns from every ended request, then the log
         self.slo = SloGate(Objectives(config.slo_classes), self.scheduler.forecast,
-                           self.metrics)
+                           self.metrics, self.scheduler.learns_from_every_request)
         self.usage = Usage(self.metrics, self.models.label,  # per tenant and model
                            self.slo.sink(self.access_log.write if self.access_log is not None
                                          else None))

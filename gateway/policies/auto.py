@@ -54,6 +54,7 @@ class AutoOptions(SloOptions):
 class AutoPolicy(SloPolicy):
     name = "auto"
     Options = AutoOptions
+    learns_from_every_request = False  # the joint choice only for a request with objectives
 
     def __init__(self, role: str, options=None) -> None:
         super().__init__(role, options)

@@ -29,6 +29,10 @@ class Policy:
     # loaded (gateway/tokens/prompt_tokens.py); tokenizing costs about a microsecond a token, so it
     # happens only for policies that match token ids exactly
     wants_token_ids: ClassVar[bool] = False
+    # True: `pick_pair` writes its forecast on the SLO ticket of every request, one without
+    # objectives too, and learns from how it ran (slo); the SLO gate then opens a ticket for
+    # each request, else only for one that states an objective (slo/gate.py `ticket`)
+    learns_from_every_request: ClassVar[bool] = False
 
     def __init__(self, role: str, options: Any = None) -> None:
         self.role = role

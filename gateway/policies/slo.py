@@ -80,6 +80,7 @@ class SloOptions(CacheAwareOptions):
 class SloPolicy(CacheAwarePolicy):
     name = "slo"
     Options = SloOptions
+    learns_from_every_request = True
 
     def __init__(self, role: str, options: SloOptions | None = None) -> None:
         super().__init__(role, options)

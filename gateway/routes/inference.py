@@ -180,7 +180,8 @@ class InferenceEndpoint:
         ticket = parts.tenancy.classify(scope["headers"], caller.key_index)
         view = await self._view(scope, lease, caller, ticket, usage)
         if parts.slo is not None:  # the request's latency objectives (400 if bad)
-            view.slo = parts.slo.ticket(scope["headers"], ticket.klass, usage.request_id)
+            view.slo = parts.slo.ticket(scope["headers"], ticket.klass, usage.request_id,
+                                        view)
         tracked = Tracked(usage.request_id, caller.owner, view.rids or (), interrupt=interrupt,
                           trace=trace, usage=usage, not_after=ticket.deadline)
         if trace is not None:

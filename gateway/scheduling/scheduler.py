@@ -162,6 +162,11 @@ class Scheduler:
         return model.policies["prefill"].forecast(targets(prefills), decodes, view,
                                                   self.pairs.blocked)
 
+    def learns_from_every_request(self, view: RequestView) -> bool:
+        """Whether the prefill policy of `view`'s model learns from a request without
+        objectives (`Policy.learns_from_every_request`): the SLO gate's ticket for it."""
+        return self.models.of(view).policies["prefill"].learns_from_every_request
+
     def by_policy(self, view: RequestView, prefill: Target,
                   prefer: tuple[Server, int | None] | None) -> bool:
         """Was `prefill`, as `pick(view, ..., prefer)` returned it, the prefill policy's own

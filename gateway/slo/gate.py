@@ -60,9 +60,11 @@ def _urgency(waiter: _Waiter) -> tuple[int, float]:
 
 class SloGate:
     def __init__(self, objectives: Objectives, forecast: Callable[[RequestView], Prediction],
-                 metrics) -> None:
+                 metrics, learns: Callable[[RequestView], bool] | None = None) -> None:
         self.objectives = objectives
         self.forecast = forecast  # Scheduler.forecast
+        # Scheduler.learns_from_every_request; None: every request gets a ticket
+        self.learns = learns
         self.metrics = metrics
         self._open: dict[str, Ticket] = {}  # request id -> its ticket, until it ends
         self._waiting: list[_Waiter] = []  # queued requests, most urgent first
@@ -77,10 +79,16 @@ class SloGate:
         """Requests queued in the gate now."""
         return len(self._waiting)
 
-    def ticket(self, headers: list[tuple[bytes, bytes]], klass: int,
-               request_id: str) -> Ticket:
-        """The request's objective (its headers, else its class's defaults; 400 if bad)."""
-        ticket = Ticket(self.objectives.of(headers, klass))
+    def ticket(self, headers: list[tuple[bytes, bytes]], klass: int, request_id: str,
+               view: RequestView | None = None) -> Ticket | None:
+        """The request's objective (its headers, else its class's defaults; 400 if bad).
+        None for a request without objectives whose policy would not learn from it: nothing
+        of the gate is then spent on it (neither here nor when it ends)."""
+        objective = self.objectives.of(headers, klass)
+        if not objective.any and self.learns is not None and view is not None \
+                and not self.learns(view):
+            return None
+        ticket = Ticket(objective)
         if len(self._open) >= MAX_OPEN:
             self._open.pop(next(iter(self._open)))
         self._open[request_id] = ticket

@@ -76,17 +76,24 @@ class Objectives:
     def __init__(self, classes: dict[str, SloClass] | None) -> None:
         classes = classes or {}
         self.defaults = [classes.get(name) or SloClass() for name in self.CLASSES]
+        # a request that sets neither header (most) gets its class's objective, built once
+        self._plain = [self._objective(d.ttft_ms, d.itl_ms, k)
+                       for k, d in enumerate(self.defaults)]
 
     def of(self, headers: list[tuple[bytes, bytes]], klass: int) -> Objective:
         """The objective of a request of class `klass` with these headers (400 if bad)."""
         default = self.defaults[klass]
         ttft = default.ttft_ms
         itl = default.itl_ms
+        given = False
         for name, value in headers:
             if name == TTFT_HEADER:
-                ttft = _millis(name, value)
+                ttft, given = _millis(name, value), True
             elif name == ITL_HEADER:
-                itl = _millis(name, value)
+                itl, given = _millis(name, value), True
+        return self._objective(ttft, itl, klass) if given else self._plain[klass]
+
+    def _objective(self, ttft: float | None, itl: float | None, klass: int) -> Objective:
         return Objective(ttft / 1e3 if ttft is not None else None,
                          itl / 1e3 if itl is not None else None,
-                         default.on_miss or DEFAULT_ON_MISS[klass], klass)
+                         self.defaults[klass].on_miss or DEFAULT_ON_MISS[klass], klass)

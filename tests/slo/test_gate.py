@@ -212,3 +212,38 @@ def test_the_gates_margin_queue_and_bounds_are_gauges() -> None:
     assert value("gateway_slo_waiting") == 0
     assert asyncio.run(queued()) == 1
     assert value("gateway_slo_waiting") == 0
+
+
+@pytest.mark.parametrize("learns", [False, True])
+def test_a_request_without_objectives_gets_a_ticket_only_where_its_policy_learns(learns) -> None:
+    """`auto` places a request without objectives by cache_aware and learns nothing from
+    it: the gate opens no ticket for it (nothing kept until it ends); `slo` forecasts every
+    request and learns from each, so each gets one. An objective always gets its ticket."""
+    asked = []
+
+    def learns_from(view) -> bool:
+        asked.append(view)
+        return learns
+
+    slo = SloGate(Objectives(None), Forecasts(1.0), Metrics(CollectorRegistry(), ServerPool()),
+                  learns_from)
+    view = generate_ids(list(range(100)))
+    ticket = slo.ticket([], STANDARD, "plain", view)
+    assert (ticket is not None) is learns
+    assert asked == [view]
+    assert ("plain" in slo._open) is learns
+    stated = slo.ticket([(b"x-slo-ttft-ms", b"800")], STANDARD, "stated", view)
+    assert stated is not None and stated.objective.ttft == 0.8
+    asyncio.run(slo.admit(view))  # a view without a ticket passes the gate
+    slo.observe(SimpleNamespace(request_id="plain", status=200, ttft=0.1, stream=False,
+                                duration=0.2, prompt=100, completion=1))  # ends quietly
+    assert "plain" not in slo._open
+
+
+def test_a_class_objective_read_without_headers_equals_one_read_with_them() -> None:
+    objectives = Objectives(CLASSES)
+    plain = objectives.of([(b"x-other", b"1")], BATCH)
+    assert (plain.ttft, plain.itl, plain.on_miss, plain.klass) == (1.0, None, "shed", BATCH)
+    stated = objectives.of([(b"x-slo-itl-ms", b"50")], BATCH)
+    assert (stated.ttft, stated.itl, stated.on_miss) == (1.0, 0.05, "shed")
+    assert objectives.of([], STANDARD).on_miss == "best_effort"

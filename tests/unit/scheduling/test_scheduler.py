@@ -111,3 +111,21 @@ def test_the_gates_forecast_skips_a_pair_the_pick_skips():
     target, _ = scheduler.pick(view)
     assert target.server is busy
     assert scheduler.forecast(view).wait > 1.0  # the busy pair's queue, as the pick's
+
+
+def test_only_a_policy_that_learns_from_every_request_asks_for_its_ticket():
+    """The SLO gate opens a ticket for a request without objectives only where the model's
+    prefill policy learns from it: `slo` (every request is forecast and learned from), not
+    the default `auto` (cache_aware then places it). Per model (`--model-policies`)."""
+    view = parse_request("generate", b'{"text": "hello"}')
+    for flags, learns in (([], False), (["--policy", "slo"], True),
+                          (["--prefill-policy", "cache_aware"], False)):
+        cfg = load_config(["--prefill", P, "--decode", D0, *flags], environ={})
+        pool = ServerPool()
+        for server in (Server(P, "prefill", 8998, model="m"), Server(D0, "decode", model="m")):
+            server.verified = True
+            pool.add(server)
+        models = Models(pool, lambda name, cfg=cfg: build_policies(cfg, name),
+                        aliases=cfg.model_aliases, default=cfg.default_model,
+                        configured=configured_names(cfg), fallback=cfg.model)
+        assert Scheduler(pool, models).learns_from_every_request(view) is learns, flags
