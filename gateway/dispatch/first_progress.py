@@ -23,15 +23,20 @@ from gateway.timers import Timers
 
 
 class FirstProgressDeadline(Deadline):
-    """A `Deadline` that asks its watch, when due, whether the attempt is only queued."""
+    """A `Deadline` that asks its watch, when due, whether the attempt is only queued.
 
-    __slots__ = ("watch", "cap", "decode_queue", "silence")
+    `decode` (with its chunk-gap ring `gaps` and the least window `floor`): the decode whose
+    admission queue may keep the attempt once its KV is there; its `DecodeQueue` is built at
+    the first look at such a silence (most attempts never have one)."""
+
+    __slots__ = ("watch", "cap", "decode", "gaps", "floor", "decode_queue", "silence")
 
     def __init__(self, timers: Timers, interrupt: Interrupt, when: float, cap: float,
-                 watch: QueueWatch | None, decode_queue: DecodeQueue | None = None) -> None:
+                 watch: QueueWatch | None, decode=None, gaps=None, floor: float = 0.0) -> None:
         self.watch = watch
         self.cap = cap
-        self.decode_queue = decode_queue
+        self.decode, self.gaps, self.floor = decode, gaps, floor
+        self.decode_queue: DecodeQueue | None = None
         self.silence: tuple[float, float] | None = None  # (since, window) on the decode alone
         super().__init__(timers, interrupt, min(when, cap))
 
@@ -60,12 +65,23 @@ class FirstProgressDeadline(Deadline):
                 self.watch = None
             else:
                 later = now + later - mono
-        elif self.decode_queue is not None and self.silence is not None:
+        elif self.decode is not None and self.silence is not None:
             since, window = self.silence
-            later = self.decode_queue.look(since, now, window, mono - now)
+            later = self._decode_queue().look(since, now, window, mono - now)
         if later is not None:
             self.when = min(self.cap, max(later, now + timers.resolution))
         super()._expire()
+
+    def _decode_queue(self) -> DecodeQueue:
+        queue = self.decode_queue
+        if queue is None:
+            # the decode's progress for its other requests: chunks it streamed, legs it
+            # answered or finished (a queue of long answers may finish none for many seconds)
+            decode, gaps = self.decode, self.gaps
+            queue = self.decode_queue = DecodeQueue(
+                decode, lambda: (gaps.count if gaps is not None else 0) + decode.last_success,
+                least=self.floor)
+        return queue
 
 
 def first_deadline(timers: Timers, attempt: Attempt, first: float, response: float,
@@ -86,9 +102,6 @@ def first_deadline(timers: Timers, attempt: Attempt, first: float, response: flo
     watch = QueueWatch(attempt.prefill_target or prefill, decode, tokens, first,
                        time.monotonic(), elsewhere, floor)
     started = attempt.started_at
-    # the decode's progress for its other requests: chunks it streamed, legs it answered or
-    # finished (a queue of long answers may finish none for many seconds)
-    queue = DecodeQueue(decode, lambda: (gaps.count if gaps is not None else 0)
-                        + decode.last_success, least=floor)
     return FirstProgressDeadline(timers, attempt.interrupt, started + first,
-                                 min(started + response, attempt.not_after), watch, queue)
+                                 min(started + response, attempt.not_after), watch, decode,
+                                 gaps, floor)

@@ -9,7 +9,6 @@ import time
 
 from gateway.cancel import Interrupt
 from gateway.dispatch.first_progress import FirstProgressDeadline
-from gateway.health.queue_wait import DecodeQueue
 from gateway.servers.load import ServerLoad
 from gateway.servers.pool import Server
 from gateway.timers import Timers
@@ -39,8 +38,7 @@ async def silence(waiting: int, serving: bool, frozen_after: float = 10.0) -> fl
     waiter = asyncio.ensure_future(asyncio.sleep(10))  # what the interrupt stops
     interrupt = Interrupt(waiter, loop=loop)
     now = loop.time()
-    deadline = FirstProgressDeadline(timers, interrupt, now + 30.0, now + 60.0, None,
-                                     DecodeQueue(server, lambda: server.last_success))
+    deadline = FirstProgressDeadline(timers, interrupt, now + 30.0, now + 60.0, None, server)
     started = loop.time()
     deadline.move(started + WINDOW)  # the prefill answered: the decode's gap from here
     poller = asyncio.ensure_future(busy(server, waiting, serving,
