@@ -358,8 +358,10 @@ def test_a_growing_conversation_stays_on_its_rank(dp_cluster: DpCluster, endpoin
     stays = [turns] if not moves else [moves[0], turns - moves[0]]
     assert sorted(gateway) == [0] * (2 - len(stays)) + sorted(stays) and server == gateway, (
         gateway, server, why, last_move)
-    if moves:
-        assert all(t["load"] > 0 for t in last_move["targets"] if t["matched"]), last_move
+    if moves:  # the rank holding the conversation (the longest match) looked busy; another
+        # rank may match a token or two of any prompt, from earlier tests, and be idle
+        holder = max(last_move["targets"], key=lambda target: target["matched"])
+        assert holder["load"] > 0, last_move
     found = [turn for turn in range(1, turns) if turn not in moves]
     for turn in found:  # the previous turn's prompt was found in the cache
         assert cached[turn] >= 0.9 * prompts[turn - 1], (prompts, cached)
