@@ -99,15 +99,27 @@ def test_pair_specific_failures_with_defaults(make_rig, timing):
     nothing."""
     rig = make_rig()
     prefill0, decode0 = rig.prefill[0], rig.decode[0]
-    outcomes, at = run_load_through(
-        rig, lambda: rig.fault(decode0, fail_bootstrap_port=prefill0.bootstrap_port))
+
+    def pair_faults() -> int:  # answers the broken pair gave, as the decode counts them
+        return rig.stats(decode0)["faults_applied"].get("pair", 0)
+
+    def break_the_pair() -> float:
+        at = rig.fault(decode0, fail_bootstrap_port=prefill0.bootstrap_port)
+        # the load picks its pairs by load, so the broken one may take a moment to be tried
+        # as often as the quarantine needs: wait for that, not for luck
+        wait_until(lambda: pair_faults() >= 3, 30, "the broken pair is tried 3 times")
+        return at
+
+    outcomes, at = run_load_through(rig, break_the_pair)
     assert_no_client_saw_it(outcomes)
     servers = rig.http.get(rig.gateway + "/admin/servers").json()
     opened = {s["url"]: (s["breaker"], s.get("total_failures")) for s in servers["servers"]
               if s["breaker"] != "closed"}
     assert not opened, f"breakers not closed (state, failures): {opened}"
     quarantined = [(p["prefill"], p["decode"]) for p in servers["pairs"] if p["quarantined"]]
-    assert quarantined == [(prefill0.url, decode0.url)], servers["pairs"]
+    judged = rig.metrics().total("gateway_pair_failures_total")
+    assert quarantined == [(prefill0.url, decode0.url)], (
+        servers["pairs"], f"pair faults answered {pair_faults()}, judged the pair's {judged}")
     assert rig.metrics().value("gateway_pair_quarantined", prefill=prefill0.url,
                                decode=decode0.url) == 1
     timing("defaults: pair-specific failures", "client-visible failures", 0)
