@@ -80,13 +80,12 @@ class SloGate:
         return len(self._waiting)
 
     def ticket(self, headers: list[tuple[bytes, bytes]], klass: int, request_id: str,
-               view: RequestView | None = None) -> Ticket | None:
+               view: RequestView) -> Ticket | None:
         """The request's objective (its headers, else its class's defaults; 400 if bad).
         None for a request without objectives whose policy would not learn from it: nothing
         of the gate is then spent on it (neither here nor when it ends)."""
         objective = self.objectives.of(headers, klass)
-        if not objective.any and self.learns is not None and view is not None \
-                and not self.learns(view):
+        if not objective.any and self.learns is not None and not self.learns(view):
             return None
         ticket = Ticket(objective)
         if len(self._open) >= MAX_OPEN:

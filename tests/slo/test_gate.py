@@ -46,7 +46,7 @@ def gate(forecasts: Forecasts) -> tuple[SloGate, Metrics]:
 
 def request(slo: SloGate, klass: int, headers=(), rid: str = "r1"):
     view = generate_ids(list(range(100)))
-    view.slo = slo.ticket(list(headers), klass, rid)
+    view.slo = slo.ticket(list(headers), klass, rid, view)
     return view
 
 
