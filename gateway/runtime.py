@@ -355,9 +355,16 @@ class Gateway:
         return server
 
     def unregister(self, url: str) -> Server | None:
+        """Out of the pool, with what was learned of it: a server added again under the same
+        URL (a role switch, a pod replaced at the same address) starts afresh, not with the
+        quarantines of its old pairs nor the deadlines learned of its old role or process."""
         server = self.pool.remove(url)
-        if server is not None and self.health is not None:
-            self.health.unwatch(url)
+        if server is not None:
+            if self.health is not None:
+                self.health.unwatch(url)
+            self.scheduler.pairs.forget(url)
+            if self.dispatcher is not None:
+                self.dispatcher.model.forget(url)
         return server
 
     async def stop(self) -> None:

@@ -60,8 +60,7 @@ def parts_of(gw: Gateway) -> RoleSwitchParts:
     switcher = RoleSwitcher(SwitchParts(
         gw.pool, gw.client, gw.register, gw.unregister, gw.siblings.admin_change,
         c.probe_timeout, lock,
-        refuse_all=DISCOVERY if c.prefill_selector or c.decode_selector else None,
-        forget_pairs=gw.scheduler.pairs.forget))
+        refuse_all=DISCOVERY if c.prefill_selector or c.decode_selector else None))
     return RoleSwitchParts(switcher, gw.metrics.role_switches, gw.state.note_error, gw.usage,
                            gw.access_log.write if gw.access_log is not None else None)
 

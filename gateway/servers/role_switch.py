@@ -119,7 +119,6 @@ class SwitchParts:
     probe_timeout: float
     lock: SwitchLock
     refuse_all: str | None = None  # why this gateway cannot switch at all (None: it can)
-    forget_pairs: Callable[[str], None] = lambda url: None  # PairHealth.forget
 
 
 class RoleSwitcher:
@@ -268,8 +267,7 @@ class RoleSwitcher:
     async def _register_again(self, server: Server, role: str) -> Server:
         """Out of the pool and back in as `role`, from a fresh /server_info."""
         p = self.parts
-        p.unregister(server.url)
-        p.forget_pairs(server.url)  # its pairs were another role's
+        p.unregister(server.url)  # with its pairs and deadlines: they were another role's
         p.tell("remove", server.url)
         for attempt in range(VERIFY_TRIES):  # its event loop restarts in the new role first
             try:

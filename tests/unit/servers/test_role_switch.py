@@ -53,9 +53,7 @@ def switcher(pool: ServerPool, answer: Callable[[dict], httpx.Response],
 
     client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     tell = (lambda *a, **k: told.append(a)) if told is not None else (lambda *a, **k: None)
-    parts = SwitchParts(pool, client, register, pool.remove, tell, 1.0, SwitchLock(),
-                        forget_pairs=lambda url: told.append(("forget", url))
-                        if told is not None else None)
+    parts = SwitchParts(pool, client, register, pool.remove, tell, 1.0, SwitchLock())
     return RoleSwitcher(parts), asked
 
 
@@ -74,7 +72,7 @@ def test_success_sends_the_peer_figures_and_moves_the_server():
         {"new_role": "decode", "decode_cuda_graph_memory_gb": 0.5, "decode_cuda_graph_bs": [1, 2],
          "prepare_only": True},
         {"new_role": "decode", "decode_cuda_graph_memory_gb": 0.5, "decode_cuda_graph_bs": [1, 2]}]
-    assert [t[0] for t in told] == ["drain", "forget", "remove", "add"]
+    assert [t[0] for t in told] == ["drain", "remove", "add"]
     assert not pool.get(P1).draining
 
 
