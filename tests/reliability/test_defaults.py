@@ -14,11 +14,13 @@ import time
 import httpx
 import pytest
 
+from gateway.health.pairs import PairHealth
 from tests.rigs.faults import wait_until
 from tests.rigs.load import Load, Stream, failures, summary
 
 CLIENT_GIVES_UP = 15.0
 LOAD_SECONDS = 12.0  # of traffic while the fault lasts
+QUARANTINE_AFTER = PairHealth().threshold  # pair failures in a row, the gateway's default
 
 
 def run_load_through(rig, fault, seconds: float = LOAD_SECONDS, loops: int = 4):
@@ -107,7 +109,8 @@ def test_pair_specific_failures_with_defaults(make_rig, timing):
         at = rig.fault(decode0, fail_bootstrap_port=prefill0.bootstrap_port)
         # the load picks its pairs by load, so the broken one may take a moment to be tried
         # as often as the quarantine needs: wait for that, not for luck
-        wait_until(lambda: pair_faults() >= 3, 30, "the broken pair is tried 3 times")
+        wait_until(lambda: pair_faults() >= QUARANTINE_AFTER, 30,
+                   f"the broken pair is tried {QUARANTINE_AFTER} times")
         return at
 
     outcomes, at = run_load_through(rig, break_the_pair)
