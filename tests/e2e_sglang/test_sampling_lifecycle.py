@@ -35,42 +35,40 @@ async def _timed(client: httpx.AsyncClient, url: str, n: int) -> list[dict]:
 
 
 def test_n2_runs_its_samples_side_by_side(sglang_cluster: SglangCluster) -> None:
-    """The samples of n=2 run at the same time on the servers, and n=2 costs what the same two
-    requests cost when a client sends them at once: the fan-out adds no wait of its own.
+    """The samples of n=2 run at the same time on the servers: the fan-out adds no wait of its
+    own beyond its design (sample 1 follows sample 0's prefill, to find the prompt cached).
 
-    Why not "n=2 in about the time of n=1": on the 2-core rig, two requests at once cost about
-    five times one (three SGLang schedulers spinning on two cores), with or without the
-    gateway's fan-out (measured 2026-12-01: n=2 median 1.89 s, two n=1 sent at once 1.71 s,
-    one n=1 0.30 s). What shows that the samples overlap is the servers' own clock: each
-    sample's `e2e_latency` (its decode server's time from receipt to finish) is most of the
-    request's wall time, so their sum exceeds it; one after the other, it could not."""
+    Judged on the servers' clock, not by comparing wall times: on the 2-core rig two requests
+    at once cost 0.6-2.1 s against 0.17 s for one (two decode schedulers and a prefill on two
+    cores), whether they are n=2's samples or two n=1 sent at once, with the same placement
+    (one per decode; measured 2026-12-05, 10 rounds of each: n=2 1.04-1.98 s, two n=1
+    0.58-2.13 s). A comparison of six wall times each failed a CI run when the pair happened to
+    draw the fast mode. Each sample's `e2e_latency` (its decode server's time from receipt to
+    finish) is what shows overlap: side by side, even the later sample runs for most of the
+    request's wall time, and the two sum past it; one after the other, neither could."""
     url = sglang_cluster.gateway + "/generate"
 
     async def rounds() -> tuple[list[float], list[float], list[float]]:
-        n2, pair, overlap = [], [], []
+        walls, overlap, later = [], [], []
         async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
             for round_ in range(7):  # 1 warm-up round (a server restarted just before is slow)
                 start = time.monotonic()
                 items = await _timed(client, url, 2)
                 wall = time.monotonic() - start
-                start = time.monotonic()
-                await asyncio.gather(_timed(client, url, 1), _timed(client, url, 1))
                 if round_:
-                    n2.append(wall)
-                    pair.append(time.monotonic() - start)
-                    overlap.append(sum(i["meta_info"]["e2e_latency"] for i in items) / wall)
-        return n2, pair, overlap
+                    served = [item["meta_info"]["e2e_latency"] for item in items]
+                    walls.append(wall)
+                    overlap.append(sum(served) / wall)
+                    later.append(min(served) / wall)
+        return walls, overlap, later
 
-    n2, pair, overlap = asyncio.run(rounds())
-    print(f"n=2 median {statistics.median(n2):.3f}s {[round(t, 3) for t in n2]}; two n=1 at "
-          f"once {statistics.median(pair):.3f}s {[round(t, 3) for t in pair]}; samples' server "
-          f"time / wall time {[round(o, 2) for o in overlap]}")
+    walls, overlap, later = asyncio.run(rounds())
+    print(f"n=2 wall {[round(t, 3) for t in walls]}; samples' server time / wall time "
+          f"{[round(o, 2) for o in overlap]}; the later sample's / wall {[round(o, 2) for o in later]}")
     assert statistics.median(overlap) > 1.3, overlap
-    # the pair's own cost moves with the rig's load more than the fan-out could add: a CI run
-    # of 2026-12-04 read its median at 0.59 s (three rounds at 0.32-0.34 s: both requests in
-    # the time of one) against n=2's 1.47 s; a run on the development machine that hour, 1.52 s
-    # against 1.10 s
-    assert statistics.median(n2) < 2.0 * statistics.median(pair) + 0.5, (n2, pair)
+    # one after the other, the later sample's share is at most 1/2; rounds here read 0.90-0.98
+    # (2026-12-05); a CI round read 1/2 once, both decodes done within a prefill answer's delay
+    assert statistics.median(later) > 0.6, later
 
 
 def server_loads(url: str) -> list[dict]:
