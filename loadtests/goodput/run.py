@@ -7,7 +7,8 @@
 
 1. The capacity bound (`capacity.py`): the highest rate at which a discrete-event simulation
    of the same servers, placing every request with exact knowledge of every server, meets the
-   objectives for >= 90% of the requests.
+   objectives for >= 90% of the requests; beside it the decode ceiling (`ceiling.py`), the
+   rate no placement sustains.
 2. The sweep: every router (`--targets`) at every rate, each rate a fraction of the capacity
    bound (`--fractions`) unless `--rates` gives them; open-loop arrivals of the mixed
    workload (`workload.py`) with per-request objectives as headers, after an unmeasured
@@ -44,6 +45,7 @@ from pathlib import Path
 from backends.sim.timing import PROFILES
 from loadtests import peers
 from loadtests.goodput.capacity import capacity_rate
+from loadtests.goodput.ceiling import decode_ceiling
 from loadtests.goodput.measure import OURS, cut_for_waiting, measure
 from loadtests.goodput.physics import Physics
 from loadtests.goodput.report import (
@@ -240,7 +242,10 @@ def _capacity(setup: Setup, physics: Physics, seed: int, results: dict) -> float
     results["capacity"] = {"rate": rate, "tried": [
         {"rate": r.rate, "attainment": r.attainment, "requests": r.requests,
          "refused": r.refused} for r in tried]}
-    print(f"capacity bound: {rate:.1f} req/s", flush=True)
+    ceiling = decode_ceiling(setup.shape, rate, seed, setup.decodes, physics)
+    results["capacity"]["decode_ceiling"] = ceiling
+    print(f"capacity bound: {rate:.1f} req/s; decode ceiling (no placement sustains more, "
+          f"ceiling.py): {ceiling:.1f} req/s", flush=True)
     return rate
 
 

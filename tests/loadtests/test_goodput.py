@@ -212,6 +212,7 @@ def test_quick_run_reports_every_router_and_rate_with_sane_figures(tmp_path):
 
     results = json.loads(out.read_text())
     assert results["capacity"]["rate"] > 0, output
+    assert results["capacity"]["decode_ceiling"] > 0, output  # printed beside the bound
     rows = results["sweep"]
     assert {(r["target"], r["rate"]) for r in rows} == {
         (t, rate) for t in ("gateway", "gateway:round_robin") for rate in (3.0, 8.0)}, output
