@@ -1,21 +1,29 @@
-"""A ceiling no placement can pass: the rate the decodes' KV pools sustain, by Little's law.
+"""A ceiling no placement can pass: what the decodes complete per second in a steady state.
 
 The capacity bound of `capacity.py` is a strong placement, not a proven optimum: a router may
-beat it. This ceiling is proven, and it holds for any router and any prefill placement,
-because what it counts does not depend on placement: every request holds its context's KV
-on its decode (prompt plus the tokens generated so far; SGLang's decode reserves even more,
-`DecodePreallocQueue` allocating the prompt before the transfer) for each of its decode steps,
-and no step is shorter than an empty batch's (`TimingProfile.decode_ms(1, 0)`, the weight
-read). In a steady state the KV held on average is the arrival rate times each request's
-token-seconds (Little's law), and it cannot pass the pools' sum, so
+beat it. This ceiling is proven for any router and any prefill placement, because what it
+counts does not depend on placement. A request with prompt p and n output tokens takes n - 1
+decode steps (its first token comes with the prefill), holding p + 1, ..., p + n - 1 tokens of
+KV on its decode; whichever prefill computed it, that work is the same. A decode runs its steps
+one after another, each taking (`TimingProfile.decode_ms`, the physics the servers compute
+with)
 
-    rate <= decodes * kv_tokens / (mean token-steps per request * shortest step)
+    step = step_ms + ms_per_req x batch + ms_per_kv_token x context held by the batch
 
-where a request with prompt p and n output tokens takes n - 1 decode steps (its first token
-comes with the prefill) holding p + 1, ..., p + n - 1 tokens. A router whose goodput reads
-above the ceiling was measured in a transient (the pools still filling), not a steady state;
-a goal above it is out of reach on that cluster for every router (docs/BENCHMARKS.md, "The
-decode ceiling").
+and no step holds more than the pool (`kv_tokens`). So over a long time T, a decode that
+completes requests at rate r spends at least
+
+    r T (token_steps x (step_ms / kv_tokens + ms_per_kv_token) + request_steps x ms_per_req)
+
+in steps (the fewest steps are full ones), which cannot pass T. Summed over the decodes:
+
+    completed per second <= decodes / (mean token-steps x (step_ms / kv_tokens + ms_per_kv_token)
+                                       + mean request-steps x ms_per_req)
+
+It counts completions, not the nominal rate a plan is drawn at (a plan offers fewer requests
+than its rate: conversations cut by its end). A goodput's rate whose plans offer more than
+ceiling / 0.9 requests per second cannot attain 90% in a steady state; a short plan can read
+past it while the pools fill (docs/BENCHMARKS.md, "The decode ceiling").
 """
 
 from __future__ import annotations
@@ -41,11 +49,17 @@ def mean_token_steps(plan: Plan) -> float:
 
 def decode_ceiling(shape: MixShape, rate: float, seed: int, decodes: int,
                    physics: Physics) -> float:
-    """The highest rate (requests/s) the decodes' pools could hold in a steady state of
-    `shape`'s mix, drawn at `rate` (the mix barely moves with it: conversations cut by the
-    plan's end are its only dependence)."""
-    held = mean_token_steps(mixed_plan(shape, rate, SECONDS, seed))
-    shortest = physics.decode_step_ms(1, 0) / 1e3
-    if held <= 0 or shortest <= 0:
+    """Requests per second the decodes could complete in a steady state of `shape`'s mix,
+    drawn at `rate` (the mix barely moves with it: conversations cut by the plan's end are
+    its only dependence)."""
+    plan = mixed_plan(shape, rate, SECONDS, seed)
+    if not plan.requests:
         return float("inf")
-    return decodes * physics.kv_tokens / (held * shortest)
+    held = mean_token_steps(plan)
+    steps = sum(max(0, r.max_tokens - 1) for r in plan.requests) / len(plan.requests)
+    one = physics.decode_step_ms(1, 0)  # the physics' three coefficients, read back
+    per_request = physics.decode_step_ms(2, 0) - one
+    per_token = physics.decode_step_ms(1, 1) - one
+    fixed = one - per_request
+    seconds = (held * (fixed / physics.kv_tokens + per_token) + steps * per_request) / 1e3
+    return decodes / seconds if seconds > 0 else float("inf")

@@ -8,7 +8,7 @@
 1. The capacity bound (`capacity.py`): the highest rate at which a discrete-event simulation
    of the same servers, placing every request with exact knowledge of every server, meets the
    objectives for >= 90% of the requests; beside it the decode ceiling (`ceiling.py`), the
-   rate no placement sustains.
+   completions per second no placement sustains.
 2. The sweep: every router (`--targets`) at every rate, each rate a fraction of the capacity
    bound (`--fractions`) unless `--rates` gives them; open-loop arrivals of the mixed
    workload (`workload.py`) with per-request objectives as headers, after an unmeasured
@@ -244,8 +244,8 @@ def _capacity(setup: Setup, physics: Physics, seed: int, results: dict) -> float
          "refused": r.refused} for r in tried]}
     ceiling = decode_ceiling(setup.shape, rate, seed, setup.decodes, physics)
     results["capacity"]["decode_ceiling"] = ceiling
-    print(f"capacity bound: {rate:.1f} req/s; decode ceiling (no placement sustains more, "
-          f"ceiling.py): {ceiling:.1f} req/s", flush=True)
+    print(f"capacity bound: {rate:.1f} req/s; decode ceiling (ceiling.py): no router "
+          f"completes more than {ceiling:.1f} requests/s in a steady state", flush=True)
     return rate
 
 
