@@ -34,9 +34,14 @@ from loadtests.goodput.workload import MixShape, Plan, mixed_plan
 SECONDS = 120.0  # of arrivals drawn to average the mix over (the mean settles well before)
 
 
+def decode_steps(output: int) -> int:
+    """A request's decode steps: its first token comes with the prefill."""
+    return max(0, output - 1)
+
+
 def token_steps(prompt: int, output: int) -> int:
     """KV tokens held, summed over a request's decode steps."""
-    steps = max(0, output - 1)
+    steps = decode_steps(output)
     return steps * prompt + steps * (steps + 1) // 2
 
 
@@ -56,7 +61,7 @@ def decode_ceiling(shape: MixShape, rate: float, seed: int, decodes: int,
     if not plan.requests:
         return float("inf")
     held = mean_token_steps(plan)
-    steps = sum(max(0, r.max_tokens - 1) for r in plan.requests) / len(plan.requests)
+    steps = sum(decode_steps(r.max_tokens) for r in plan.requests) / len(plan.requests)
     one = physics.decode_step_ms(1, 0)  # the physics' three coefficients, read back
     per_request = physics.decode_step_ms(2, 0) - one
     per_token = physics.decode_step_ms(1, 1) - one
