@@ -30,12 +30,14 @@ _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 HERE = Path(__file__).resolve().parent.parent
 
 
-def instructions(tree: Path, config: str, endpoint: str, requests: int) -> int:
-    """Instructions of one `logic_cost` run of `requests` requests in checkout `tree`."""
+def instructions(tree: Path, config: str, endpoint: str, requests: int,
+                 without: str = "") -> int:
+    """Instructions of one `logic_cost` run of `requests` requests in checkout `tree`
+    (`without`: mechanisms stubbed, `logic_cost --without`)."""
     command = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
                "--cachegrind-out-file=/dev/null", sys.executable, "-m", "loadtests.logic_cost",
                "--rounds", "1", "--configs", config, "--endpoint", endpoint,
-               "--requests", str(requests)]
+               "--requests", str(requests), *(["--without", without] if without else [])]
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(tree)}
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
                           timeout=1800)
@@ -45,9 +47,10 @@ def instructions(tree: Path, config: str, endpoint: str, requests: int) -> int:
     return int(found.group(1).replace(",", ""))
 
 
-def per_request(tree: Path, config: str, endpoint: str, small: int, large: int) -> float:
-    return (instructions(tree, config, endpoint, large)
-            - instructions(tree, config, endpoint, small)) / (large - small)
+def per_request(tree: Path, config: str, endpoint: str, small: int, large: int,
+                without: str = "") -> float:
+    return (instructions(tree, config, endpoint, large, without)
+            - instructions(tree, config, endpoint, small, without)) / (large - small)
 
 
 def main(argv: list[str] | None = None) -> int:

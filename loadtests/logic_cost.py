@@ -13,7 +13,12 @@ moves less from run to run. Configurations, side by side in one run:
 * `default`: the shipped policies (cache_aware prefill, least_load decode);
 * `round_robin`: `--policy round_robin`;
 * `fixed`: the scheduler's choice replaced by a fixed alternation and its dispatch and
-  completion hooks by nothing: what the policies cost is `default` minus this.
+  completion hooks by nothing: what the policies cost is `default` minus this;
+* `floor` (asked by name): the python-floor's app (loadtests/pd_floor.py), the least a PD
+  proxy does, on the same clients and upstream: what the harness and a bare proxy cost.
+
+`--without NAME,...` (or `all`) runs every configuration with those per-request mechanisms
+replaced by nothing (loadtests/mechanisms.py): upper bounds of what each costs.
 
 CPU time of this process per request (`time.process_time`), min and median over the rounds;
 each round alternates the configurations so that a slow moment of the machine hits all of
@@ -33,6 +38,7 @@ import orjson
 from gateway.app import build_app
 from gateway.config.settings import load_config
 from gateway.routes.server_protocol import CHUNKS, DEPARTURE, WHOLE, Departure
+from loadtests import mechanisms, pd_floor
 
 SERVERS = ["--prefill", "http://127.0.0.1:1", "9", "--decode", "http://127.0.0.1:2",
            "--decode", "http://127.0.0.1:3", "--skip-probe", "--health-interval", "600",
@@ -158,8 +164,29 @@ def _stop_clocked_loops() -> None:
 
 async def _measure(config: str, endpoint: str, requests: int) -> float:
     """CPU microseconds per request for one configuration (after a warm-up)."""
+    streamed = endpoint.endswith("-stream")
+    upstream = _Upstream(orjson.dumps(ANSWERS[endpoint.removesuffix("-stream")]),
+                         _events() if streamed else None)
+    if config == "floor":
+        if streamed:
+            raise ValueError("the floor relays no streams: --configs floor is for generate "
+                             "and chat")
+        app = pd_floor.build("http://127.0.0.1:1", 9, ["http://127.0.0.1:2",
+                                                       "http://127.0.0.1:3"], client=upstream)
+        return await _drive(config, app, endpoint, requests)
     flags = ["--policy", "round_robin"] if config == "round_robin" else []
     app = build_app(load_config([*SERVERS, *flags]))
+    async with app.app.router.lifespan_context(app.app):
+        gateway = app.state.gateway
+        gateway.dispatcher.upstream = upstream
+        if config == "fixed":
+            _fixed_choice(gateway)
+        _stop_clocked_loops()
+        return await _drive(config, app, endpoint, requests)
+
+
+async def _drive(config: str, app, endpoint: str, requests: int) -> float:
+    """`CONCURRENCY` clients on `app`, a warm-up then the measured requests: CPU us each."""
     path, body = BODIES[endpoint]
     raw = orjson.dumps(body)
     headers = [(b"host", b"gw"), (b"content-type", b"application/json"),
@@ -191,22 +218,13 @@ async def _measure(config: str, endpoint: str, requests: int) -> float:
                      CHUNKS: chunks}
             await app(scope, receive, send)
 
-    async with app.app.router.lifespan_context(app.app):
-        gateway = app.state.gateway
-        streamed = endpoint.endswith("-stream")
-        gateway.dispatcher.upstream = _Upstream(
-            orjson.dumps(ANSWERS[endpoint.removesuffix("-stream")]),
-            _events() if streamed else None)
-        if config == "fixed":
-            _fixed_choice(gateway)
-        _stop_clocked_loops()
-        await asyncio.gather(*(client(20) for _ in range(CONCURRENCY)))  # warm-up
-        per_client = max(1, requests // CONCURRENCY)
-        answered = 0
-        gc.collect()
-        start = time.process_time()
-        await asyncio.gather(*(client(per_client) for _ in range(CONCURRENCY)))
-        spent = time.process_time() - start
+    await asyncio.gather(*(client(20) for _ in range(CONCURRENCY)))  # warm-up
+    per_client = max(1, requests // CONCURRENCY)
+    answered = 0
+    gc.collect()
+    start = time.process_time()
+    await asyncio.gather(*(client(per_client) for _ in range(CONCURRENCY)))
+    spent = time.process_time() - start
     if answered != per_client * CONCURRENCY:
         raise RuntimeError(f"{config}: {answered} of {per_client * CONCURRENCY} answered 200")
     return spent / answered * 1e6
@@ -218,8 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=12800, help="measured requests per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--endpoint", choices=sorted(BODIES), default="generate")
-    p.add_argument("--configs", default="default,round_robin,fixed")
+    p.add_argument("--configs", default="default,round_robin,fixed",
+                   help="of default, round_robin, fixed, floor")
+    p.add_argument("--without", default="", help="mechanisms replaced by nothing for the "
+                   "whole run, comma-separated, or all (loadtests/mechanisms.py): upper "
+                   "bounds of what each costs")
     args = p.parse_args(argv)
+    try:
+        stubs = mechanisms.names(args.without)
+    except ValueError as exc:
+        p.error(str(exc))
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     try:
         import uvloop
@@ -232,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)  # as the gateway runs (gateway/cli.py)
     try:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
+        with mechanisms.stubbed(stubs), asyncio.Runner(loop_factory=loop_factory) as runner:
             for _ in range(args.rounds):
                 for config in configs:
                     results[config].append(runner.run(_measure(config, args.endpoint,
@@ -242,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.set_threshold(*threshold)
     base = statistics.median(results[configs[0]])
     per_event = STREAM_EVENTS + 1 if args.endpoint.endswith("-stream") else 0
-    print(f"`python -m loadtests.logic_cost --endpoint {args.endpoint}` ({args.requests} "
-          f"requests x {args.rounds} rounds, {CONCURRENCY} at a time)\n")
+    without = f" --without {','.join(stubs)}" if stubs else ""
+    print(f"`python -m loadtests.logic_cost --endpoint {args.endpoint}{without}` "
+          f"({args.requests} requests x {args.rounds} rounds, {CONCURRENCY} at a time)\n")
     extra = f" CPU us / event ({per_event} a stream, median) |" if per_event else ""
     print("| configuration | CPU us / request (min) | median | vs " + configs[0] + " |" + extra)
     print("|---|---|---|---|" + ("---|" if per_event else ""))

@@ -32,8 +32,10 @@ from gateway.upstream.http11 import HTTPClient
 HEADERS = [(b"content-type", b"application/json")]
 
 
-def build(prefill: str, bootstrap_port: int, decodes: list[str]):
-    client = HTTPClient(connect_timeout=5.0)
+def build(prefill: str, bootstrap_port: int, decodes: list[str], client=None):
+    """The floor's ASGI app; `client`: its upstream (`loadtests.logic_cost` gives one that
+    answers in memory), else the gateway's own HTTP client."""
+    client = client or HTTPClient(connect_timeout=5.0)
     host = urlsplit(prefill).hostname
     turn = itertools.cycle(decodes)
 

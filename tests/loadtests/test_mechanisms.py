@@ -1,0 +1,71 @@
+"""The per-mechanism cost instruments: every stub names code that exists (a rename fails here,
+not as a silent zero in the table), is undone after its block, and leaves every request
+answered 200 (`logic_cost` raises otherwise); the floor runs in the same harness."""
+
+from __future__ import annotations
+
+import shutil
+from importlib import import_module
+
+import pytest
+
+from loadtests import logic_cost, mechanism_cost, mechanisms
+
+
+def _current(module: str, path: str) -> object:
+    owner = import_module(module)
+    for part in path.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def test_every_stub_replaces_existing_code_and_is_undone():
+    targets = [(m, path) for _, patches in mechanisms.STUBS.values() for m, path, _ in patches]
+    before = {t: _current(*t) for t in targets}
+    with mechanisms.stubbed(mechanisms.names("all")):
+        during = {t: _current(*t) for t in targets}
+    assert all(during[t] is not before[t] for t in targets)
+    assert all(_current(*t) is before[t] for t in targets)
+
+
+def test_unknown_mechanisms_are_refused():
+    with pytest.raises(ValueError, match="nonesuch"):
+        mechanisms.names("usage,nonesuch")
+    with pytest.raises(SystemExit):
+        logic_cost.main(["--without", "nonesuch"])
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "chat-stream"])
+def test_requests_are_still_answered_with_every_mechanism_stubbed(endpoint, capsys):
+    assert logic_cost.main(["--requests", "256", "--rounds", "1", "--configs", "default",
+                            "--endpoint", endpoint, "--without", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "--without usage,prefill_usage," in out
+    row = next(line for line in out.splitlines() if line.startswith("| default"))
+    assert float(row.split(" | ")[1]) > 0
+
+
+def test_the_floor_runs_in_the_same_harness_and_costs_less(capsys):
+    assert logic_cost.main(["--requests", "640", "--rounds", "1",
+                            "--configs", "default,floor"]) == 0
+    rows = {line.split(" | ")[0]: line.strip("| ").split(" | ")
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert float(rows["| floor"][2]) < float(rows["| default"][2])
+    with pytest.raises(ValueError, match="no streams"):
+        logic_cost.main(["--requests", "64", "--rounds", "1", "--configs", "floor",
+                         "--endpoint", "chat-stream"])
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+def test_the_table_has_a_row_per_change_and_the_floor_below_the_default(capsys):
+    assert mechanism_cost.main(["--only", "inflight", "--small", "128", "--large", "448"]) == 0
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| the default less")]
+    labels = [row[0] for row in rows]
+    assert labels[0] == "nothing (the default)"
+    assert labels[1].startswith("without inflight")
+    assert any(label.startswith("the floor") for label in labels)
+    default = float(rows[0][1].replace(",", ""))
+    floor = float(next(r for r in rows if r[0].startswith("the floor"))[1].replace(",", ""))
+    assert 10_000 < default < 5_000_000
+    assert floor < default / 2  # the floor is a fraction of the gateway's own work
