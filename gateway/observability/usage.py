@@ -62,7 +62,7 @@ class RequestUsage:
     __slots__ = ("owner", "endpoint", "request_id", "time", "started", "tenant", "model",
                  "stream", "status", "ttft", "duration", "prompt", "cached",
                  "completion", "attempts", "retries", "failovers", "prefill", "decode",
-                 "open_legs", "ended", "tail", "meter")
+                 "open_legs", "ended", "tail", "meter", "counters")
 
     def __init__(self, owner: Usage, endpoint: str, request_id: str, started: float) -> None:
         self.owner = owner
@@ -88,6 +88,7 @@ class RequestUsage:
         self.ended = False
         self.tail = b""  # the whole answer, or a stream's last two chunks
         self.meter: StreamTokens | None = None
+        self.counters: _Children | None = None  # its (tenant, model)'s, once the body is parsed
 
     # -- called by the request path ---------------------------------------------------------
 
@@ -101,7 +102,7 @@ class RequestUsage:
         """A prefill server's answer said how many prompt tokens it had cached."""
         self.prompt = (self.prompt or 0) + prompt
         self.cached = (self.cached or 0) + cached
-        children = self.owner.children(self.tenant, self.model or OTHER)
+        children = self.counters or self.owner.children(self.tenant, self.model or OTHER)
         children.cached.pending += cached
         children.uncached.pending += max(0, prompt - cached)
 
@@ -130,6 +131,9 @@ class Usage:
         `model` to."""
         record.model = self.label(view.model)
         record.stream = view.stream
+        # the tenant is known before the body is read (routes/inference.py): its counters
+        # are looked up once for the request's later figures
+        record.counters = self.children(record.tenant, record.model)
 
     def children(self, tenant: str, model: str) -> _Children:
         key = (tenant, model)
@@ -152,7 +156,7 @@ class Usage:
             record.completion = completion_final(tail) if record.stream \
                 else completion_total(tail)
         record.tail = b""
-        children = self.children(record.tenant, record.model)
+        children = record.counters or self.children(record.tenant, record.model)
         children.requests.pending += 1
         if status >= 500:
             children.errors_5xx.pending += 1

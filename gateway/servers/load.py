@@ -29,9 +29,10 @@ from dataclasses import dataclass
 SAMPLE_US = 250_000  # a poll's prefill busy time weighs at most this much (a quarter second)
 
 
-@dataclass
+@dataclass(slots=True)
 class ServerLoad:
-    """The latest `/v1/loads` figures of a server (summed over its DP ranks)."""
+    """The latest `/v1/loads` figures of a server (summed over its DP ranks). Slots: the
+    request path writes it as each leg ends (`settle`, `trail`)."""
 
     running: int = 0
     waiting: int = 0
@@ -79,8 +80,9 @@ class ServerLoad:
     def trail(self, tokens: int, sign: int = 1) -> None:
         """A settled request of ours whose prefill has not answered yet (sign 1), or whose
         prefill leg has now ended (-1)."""
-        self.trailing = max(0, self.trailing + sign)  # (ranks remade meanwhile: from 0)
-        self.trailing_tokens = max(0, self.trailing_tokens + sign * tokens)
+        count, held = self.trailing + sign, self.trailing_tokens + sign * tokens
+        self.trailing = count if count > 0 else 0  # (ranks remade meanwhile: from 0)
+        self.trailing_tokens = held if held > 0 else 0
 
     def ask(self, asked: float) -> None:
         """A poll goes out at `asked`: note what its answer will still count."""

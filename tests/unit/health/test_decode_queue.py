@@ -3,6 +3,8 @@ it; a frozen, idle or stuck decode is cut within one window of its last answered
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gateway.health.queue_wait import PROBE, DecodeQueue
@@ -30,7 +32,7 @@ def decode(**load) -> Server:
 
 
 def poll(s: Server, at: float, **change) -> None:
-    s.load = ServerLoad(**{**s.load.__dict__, "updated_at": at, **change})
+    s.load = dataclasses.replace(s.load, updated_at=at, **change)
 
 
 def test_a_decode_working_through_its_queue_keeps_the_request_look_after_look():

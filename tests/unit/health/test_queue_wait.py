@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -29,7 +30,7 @@ def watch(ahead: int = 10_000, elsewhere: float = 0.0, counters: bool = True, at
 
 def poll(s: Server, at: float, **change) -> None:
     """A /v1/loads answer asked at `at`."""
-    s.load = ServerLoad(**{**s.load.__dict__, "updated_at": at, **change})
+    s.load = dataclasses.replace(s.load, updated_at=at, **change)
 
 
 @pytest.mark.parametrize("moved, decode_polled, kept", [
