@@ -77,7 +77,8 @@ def names(spec: str) -> list[str]:
     return chosen
 
 
-def _owner(module: str, path: str) -> tuple[object, str]:
+def resolve(module: str, path: str) -> tuple[object, str]:
+    """The object holding `module`'s attribute `path` (dotted), and the attribute's name."""
     owner: object = import_module(module)
     *parents, attribute = path.split(".")
     for parent in parents:
@@ -94,7 +95,7 @@ def stubbed(chosen: list[str]) -> Iterator[None]:
     try:
         for name in chosen:
             for module, path, replacement in STUBS[name][1]:
-                owner, attribute = _owner(module, path)
+                owner, attribute = resolve(module, path)
                 undo.append((owner, attribute, getattr(owner, attribute)))
                 setattr(owner, attribute, replacement)
         yield

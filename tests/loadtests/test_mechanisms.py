@@ -5,7 +5,6 @@ answered 200 (`logic_cost` raises otherwise); the floor runs in the same harness
 from __future__ import annotations
 
 import shutil
-from importlib import import_module
 
 import pytest
 
@@ -13,10 +12,7 @@ from loadtests import logic_cost, mechanism_cost, mechanisms
 
 
 def _current(module: str, path: str) -> object:
-    owner = import_module(module)
-    for part in path.split("."):
-        owner = getattr(owner, part)
-    return owner
+    return getattr(*mechanisms.resolve(module, path))
 
 
 def test_every_stub_replaces_existing_code_and_is_undone():

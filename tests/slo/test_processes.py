@@ -46,12 +46,6 @@ def stream(client: httpx.Client, url: str, tokens: int, tag: str, headers: dict,
         return r.status_code, first, r.headers, data if r.status_code != 200 else b""
 
 
-def _listed(gateway: str, url: str) -> list[dict]:
-    """The gateway's view of one server (admin from loopback): what a failure should show."""
-    servers = httpx.get(gateway + "/admin/servers", timeout=5).json()["servers"]
-    return [s for s in servers if s.get("url") == url]
-
-
 def error_counts(rig) -> dict[str, float]:
     metrics = rig.metrics()
     return {edge: metrics.total(ERROR + "_bucket", kind="ttft", le=edge) for edge in
@@ -184,7 +178,7 @@ def test_batch_flood_while_a_prefill_dies_and_comes_back(tmp_path) -> None:
             # the restarted prefill is usable again and takes its share of the flood
             wait_until(lambda: rig.stats(victim)["received"] > 0, 20,
                        "the restarted prefill to receive work",
-                       detail=lambda: _listed(rig.gateway, victim.url))
+                       detail=lambda: rig.snapshot(victim))
         finally:
             stop.set()
         answers = [a for job in batches for a in job.result()]
