@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -201,11 +203,12 @@ class Gateway:
         self.metrics.flush()
         return list(self.registry.collect())
 
-    async def serve(self, view: RequestView, tracked: Tracked) -> Answer:
-        """One request: a PD dispatch with retries, or n of them for n > 1."""
+    def serve(self, view: RequestView, tracked: Tracked) -> Coroutine[Any, Any, Answer]:
+        """One request: a PD dispatch with retries, or n of them for n > 1. The handler's
+        coroutine itself, for the caller to await (no frame of its own per request)."""
         if view.n > 1:
-            return await self.samples.handle(view, tracked)
-        return await self.proxy.handle(view, tracked)
+            return self.samples.handle(view, tracked)
+        return self.proxy.handle(view, tracked)
 
     async def probe_generation(self, view: RequestView) -> Answer:
         """A request the gateway makes itself (health generation), in flight as the gateway's."""

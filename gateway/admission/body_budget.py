@@ -14,8 +14,6 @@ The budget is never below one largest body, so a lone request of `--max-body-byt
 
 from __future__ import annotations
 
-from starlette.types import Message, Receive, Scope
-
 from gateway.errors import ServiceUnavailable
 
 RETRY_AFTER = "1"  # seconds: large bodies in flight end within a few
@@ -31,9 +29,9 @@ class BodyBudget:
         self.used = 0
         self.refused = 0  # requests refused for the budget
 
-    def lease(self, scope: Scope, receive: Receive) -> BodyLease:
-        """A request's share, charged as its body is received through `lease.receive`."""
-        return BodyLease(self, scope, receive)
+    def lease(self) -> BodyLease:
+        """A request's share, charged as the body reader receives its body."""
+        return BodyLease(self)
 
     def take(self, size: int) -> None:
         """Reserve `size` more bytes, or raise 503 with Retry-After if they do not fit."""
@@ -52,44 +50,28 @@ class BodyBudget:
 
 
 class BodyLease:
-    """One request's bytes of the budget: taken by `receive`, all given back by `release`."""
+    """One request's bytes of the budget: charged by the body reader as chunks arrive
+    (`gateway/routes/asgi.read_body`), all given back by `release`."""
 
-    __slots__ = ("budget", "scope", "_receive", "held")
+    __slots__ = ("budget", "held")
 
-    def __init__(self, budget: BodyBudget, scope: Scope, receive: Receive) -> None:
+    def __init__(self, budget: BodyBudget) -> None:
         self.budget = budget
-        self.scope = scope
-        self._receive = receive
         self.held = 0  # bytes taken from the budget: the body received so far
 
-    async def receive(self) -> Message:
-        """The ASGI receive, charging each chunk of the body as it arrives; a declared
-        Content-Length that does not fit now is refused before anything is read. (Not
-        reserved up front: a client that declares a large body and sends nothing would hold
-        the budget from every other request while it held no memory.)"""
-        budget = self.budget
+    def declared(self, size: int) -> None:
+        """A declared Content-Length that does not fit now is refused before anything is
+        read. (Not reserved up front: a client that declares a large body and sends nothing
+        would hold the budget from every other request while it held no memory.)"""
         if self.held == 0:
-            declared = _content_length(self.scope)
-            if declared:
-                budget.check(declared)
-        message = await self._receive()
-        chunk = message.get("body")
-        if chunk:
-            budget.take(len(chunk))
-            self.held += len(chunk)
-        return message
+            self.budget.check(size)
+
+    def take(self, size: int) -> None:
+        """A chunk of the body arrived: its bytes are charged (503 if they do not fit)."""
+        self.budget.take(size)
+        self.held += size
 
     def release(self) -> None:
         """Give every byte back (idempotent)."""
         self.budget.used -= self.held
         self.held = 0
-
-
-def _content_length(scope: Scope) -> int:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return max(0, int(value))
-            except ValueError:
-                return 0
-    return 0

@@ -109,7 +109,7 @@ class InferenceEndpoint:
         # tracing.RequestTrace with tracing on (--otlp-endpoint), else None
         trace = parts.tracing.request(scope, request_id) if parts.tracing is not None else None
         usage = parts.usage.begin(self.endpoint, request_id, started)
-        lease = parts.bodies.lease(scope, receive)
+        lease = parts.bodies.lease()
         try:
             try:
                 status = await self._serve(scope, receive, send, interrupt, trace, usage, lease)
@@ -141,14 +141,14 @@ class InferenceEndpoint:
                 trace.finish(status)
             parts.usage.finish(usage, status)
 
-    async def _view(self, scope: Scope, lease: BodyLease, caller: Caller, ticket: Ticket,
-                    usage) -> RequestView:
+    async def _view(self, scope: Scope, receive: Receive, lease: BodyLease, caller: Caller,
+                    ticket: Ticket, usage) -> RequestView:
         """The request parsed once, its model resolved, its context checked (by its size
         first), its tokens counted and limited. The body's bytes are not kept past parsing."""
         parts = self.parts
         view = self.parse(self.endpoint,
-                          await read_body(scope, lease.receive, parts.max_body_bytes,
-                                          buffer=True))
+                          await read_body(scope, receive, parts.max_body_bytes,
+                                          buffer=True, lease=lease))
         view.priority, view.session = ticket.klass, ticket.session  # completing the new view
         parts.usage.parsed(usage, view)  # counted under its model, even when refused
         view = parts.models.resolve(view)  # 404 model_not_found
@@ -178,7 +178,7 @@ class InferenceEndpoint:
             raise
         usage.tenant = caller.tenant
         ticket = parts.tenancy.classify(scope["headers"], caller.key_index)
-        view = await self._view(scope, lease, caller, ticket, usage)
+        view = await self._view(scope, receive, lease, caller, ticket, usage)
         if parts.slo is not None:  # the request's latency objectives (400 if bad)
             view.slo = parts.slo.ticket(scope["headers"], ticket.klass, usage.request_id,
                                         view)
