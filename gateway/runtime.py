@@ -281,7 +281,7 @@ class Gateway:
             self.pool, self.client, endpoint=c.health_endpoint, interval=c.health_interval,
             timeout=c.health_timeout, failures=c.health_failures,
             successes=c.health_successes, loads_interval=c.loads_interval,
-            on_down=lambda server: self.dispatcher.rescue(server, "was marked down"))
+            on_down=lambda server: self.dispatcher.ledger.rescue(server, "was marked down"))
         self.health.start()
         self._flusher = asyncio.get_running_loop().create_task(self.metrics.run_flusher())
         self._latency_task = asyncio.get_running_loop().create_task(self.latency.run())

@@ -44,7 +44,7 @@ from gateway.servers.pool import Server
 from gateway.servers.probe import FOLLOW_ROOM
 from gateway.timers import Timers
 from gateway.tokens.context_check import requested_new_tokens
-from gateway.upstream.client import Upstream, UpstreamResponse, status_error, translate_errors
+from gateway.upstream.client import Upstream, UpstreamResponse, leg_error, status_error
 
 __all__ = ["Answer", "Attempt", "PDDispatcher", "Timeouts"]
 
@@ -221,10 +221,6 @@ class PDDispatcher:
     def _prefill_peers(self) -> list[Server] | None:
         return self.ledger.peers_of("prefill")
 
-    def rescue(self, server: Server, why: str) -> int:
-        """Stop the attempts on `server` (down, breaker open) if a retry can go elsewhere."""
-        return self.ledger.rescue(server, why)
-
     def _stopped(self, attempt: Attempt, reason: BaseException, p_task: asyncio.Task,
                  first: float, now: float) -> BaseException:
         """What to raise for the interrupt that stopped the attempt's wait: its deadline
@@ -306,7 +302,7 @@ class PDDispatcher:
 
     async def _open(self, attempt: Attempt, leg: str, server: Server) -> UpstreamResponse:
         """The leg's response, its head read; an error status raised. The caller wraps it
-        and the body's reading in one `translate_errors`."""
+        and the body's reading in one `try` whose errors go through `leg_error`."""
         trace = attempt.trace  # tracing.AttemptTrace, or None (tracing off)
         payload = attempt.prefill_payload if leg == "prefill" else attempt.payload
         response = await self.upstream.post(
@@ -326,9 +322,11 @@ class PDDispatcher:
         ok: bool | None = None
         response = None
         try:
-            with translate_errors("prefill", attempt.prefill):
+            try:
                 response = await self._open(attempt, "prefill", attempt.prefill)
                 body = await response.read()
+            except Exception as exc:  # noqa: BLE001 - named for the leg, or raised as it is
+                raise leg_error("prefill", attempt.prefill.url, exc)  # noqa: B904
             response = None
             ok = True
             self.ledger.prefill_answered(attempt, body)
@@ -354,7 +352,7 @@ class PDDispatcher:
         the leg ends (`_settle`, or `_stream_ended` for a relayed stream)."""
         response = None
         try:
-            with translate_errors("decode", attempt.decode):
+            try:
                 response = await self._open(attempt, "decode", attempt.decode)
                 content_type = response.header(b"content-type") or b"application/json"
                 if not attempt.view.stream:  # its answer began: bounded by its gaps now,
@@ -367,6 +365,8 @@ class PDDispatcher:
                     attempt.verdict["decode"] = True
                     return None, Answer(200, content_type, body)
                 first = await stream_head(response, attempt.view, attempt.decode.url)
+            except Exception as exc:  # noqa: BLE001 - named for the leg, or raised as it is
+                raise leg_error("decode", attempt.decode.url, exc)  # noqa: B904
             failure = head_failure(first, attempt.view) if first else None
             if failure is not None:
                 status, message = failure

@@ -66,8 +66,11 @@ class Proxy:
         """Serve one PD request; `placement` (parallel sampling) lets the samples of one
         request follow the first to its prefill server; `depth` counts continuations of a
         broken stream, `avoid` the servers it should not go to first."""
-        shared = placement.shared if placement is not None else Shared()
-        shared.blame(avoid)
+        # what the attempts learned; made at the first failure unless a sampling placement
+        # shares one (most requests never fail: no object, no calls)
+        shared = placement.shared if placement is not None else Shared() if avoid else None
+        if avoid:
+            shared.blame(avoid)
         last_error: GatewayError | None = None
         loop = self.dispatcher.timers.loop()
         not_after = loop.time() + self.request_timeout  # each attempt's deadline is capped
@@ -76,14 +79,16 @@ class Proxy:
         failed = 0  # attempts that failed on servers that looked sound when picked
         try:
             for number in range(1, 2 * self.max_attempts + 1):
-                attempt, by_policy = self._attempt(view, tracked, placement, depth,
-                                                   shared.avoiding(), number)
-                doubtful = _doubtful(attempt, shared.tried)
+                avoiding = shared.avoiding() if shared is not None else []
+                attempt, by_policy = self._attempt(view, tracked, placement, depth, avoiding,
+                                                   number)
+                doubtful = _doubtful(attempt, shared.tried if shared is not None else ())
                 attempt.not_after = not_after
                 tracked.attempts.add(attempt)
                 try:
                     answer = await self.dispatcher.run(attempt, by_policy)
-                    shared.served = True  # (the attempt stays in `attempts`)
+                    if shared is not None:
+                        shared.served = True  # (the attempt stays in `attempts`)
                     return answer
                 except BaseException as exc:
                     tracked.attempts.discard(attempt)
@@ -99,6 +104,8 @@ class Proxy:
                     if not exc.retryable or failed == self.max_attempts \
                             or number == 2 * self.max_attempts:
                         raise
+                    if shared is None:
+                        shared = Shared()
                     shared.failed(attempt, exc)
                     delay = self._retrying(exc, tracked, number, hold=not spent
                                            and exc.reason not in FREE and not shared.served)
@@ -260,7 +267,7 @@ class Shared:
         self.tried += (attempt.prefill, attempt.decode)
 
 
-def _doubtful(attempt: Attempt, tried: list[Server]) -> bool:
+def _doubtful(attempt: Attempt, tried: list[Server] | tuple) -> bool:
     """Whether the pair was picked with no sound choice left: one of its servers was in a
     pair that failed this request already, or was not usable (panic routing) or suspected
     hung."""

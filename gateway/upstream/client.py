@@ -25,7 +25,7 @@ from gateway.upstream.base import Upstream, UpstreamResponse, ssl_context
 from gateway.upstream.errors import ConnectFailed, PoolTimeout, TransportError, UpstreamTimeout
 
 __all__ = ["Upstream", "UpstreamResponse",
-           "ssl_context", "status_error", "translate_errors", "translated", "upstream_message"]
+           "leg_error", "ssl_context", "status_error", "translate_errors", "translated", "upstream_message"]
 
 RETRYABLE_STATUSES = frozenset({408, 429})
 REFUSED = "refused"  # UpstreamError.reason: nothing listens there (nothing was sent)
@@ -52,6 +52,17 @@ class translate_errors:  # lower case: used as a context manager
         if error is None:
             return False
         raise error from exc
+
+
+def leg_error(leg: str, url: str, exc: Exception) -> Exception:
+    """What a leg raises for `exc` (in an `except` clause, where a `with translate_errors`
+    would cost three calls per leg): the UpstreamError it stands for, caused by it, or `exc`
+    itself."""
+    error = translated(leg, url, exc)
+    if error is None:
+        return exc
+    error.__cause__ = exc  # as `raise error from exc`
+    return error
 
 
 def translated(leg: str, url: str, exc: Exception) -> UpstreamError | None:

@@ -196,7 +196,7 @@ def test_only_decode_marked_down_mid_request_still_answers_200():
 def _breaker_opens(gw, server: Server) -> None:
     """What ledger.Ledger.leg_done does when a failure opens the server's breaker."""
     open_breaker(server)
-    assert gw.dispatcher.rescue(server, "opened its circuit breaker") == 1
+    assert gw.dispatcher.ledger.rescue(server, "opened its circuit breaker") == 1
 
 
 @pytest.mark.parametrize("fault", [_health_marks_down, _breaker_opens],
