@@ -33,7 +33,7 @@ from gateway.health.queue_wait import DecodeQueue
 from gateway.request import MESSAGES
 from gateway.sse import DONE, EventSplitter, data_objects, event_data, frame, parsed
 from gateway.timers import Timers
-from gateway.upstream.client import UpstreamResponse, translated
+from gateway.upstream.client import UpstreamResponse, leg_error
 
 CAPTURE_LIMIT = 8 << 20  # bytes of one stream kept for a continuation
 
@@ -254,7 +254,7 @@ def _failure(exc: BaseException, watchdog: StreamWatchdog, url: str) -> BaseExce
     leg's UpstreamError, or the exception itself."""
     if isinstance(exc, asyncio.CancelledError):
         return watchdog.upstream.reason() or exc
-    return translated("decode", url, exc) or exc
+    return leg_error("decode", url, exc)
 
 
 # streams that end with a typed last event, not [DONE]: SGLang's /v1/responses

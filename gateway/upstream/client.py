@@ -25,40 +25,17 @@ from gateway.upstream.base import Upstream, UpstreamResponse, ssl_context
 from gateway.upstream.errors import ConnectFailed, PoolTimeout, TransportError, UpstreamTimeout
 
 __all__ = ["Upstream", "UpstreamResponse",
-           "leg_error", "ssl_context", "status_error", "translate_errors", "translated", "upstream_message"]
+           "leg_error", "ssl_context", "status_error", "translated", "upstream_message"]
 
 RETRYABLE_STATUSES = frozenset({408, 429})
 REFUSED = "refused"  # UpstreamError.reason: nothing listens there (nothing was sent)
 
 
-class translate_errors:  # lower case: used as a context manager
-    """Turn client and transport errors into an UpstreamError naming the leg and server.
-
-    A class, not a generator context manager: it wraps four awaits per request."""
-
-    __slots__ = ("leg", "server")
-
-    def __init__(self, leg: str, server: Server) -> None:
-        self.leg = leg
-        self.server = server
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, traceback) -> bool:
-        if exc is None or not isinstance(exc, Exception):
-            return False
-        error = translated(self.leg, self.server.url, exc)
-        if error is None:
-            return False
-        raise error from exc
-
-
-def leg_error(leg: str, url: str, exc: Exception) -> Exception:
-    """What a leg raises for `exc` (in an `except` clause, where a `with translate_errors`
-    would cost three calls per leg): the UpstreamError it stands for, caused by it, or `exc`
-    itself."""
-    error = translated(leg, url, exc)
+def leg_error(leg: str, url: str, exc: BaseException) -> BaseException:
+    """What a leg raises for `exc`, in an `except` clause around its upstream calls (a context
+    manager per leg cost three calls and an object per leg): the UpstreamError it stands
+    for, caused by it, or `exc` itself."""
+    error = translated(leg, url, exc) if isinstance(exc, Exception) else None
     if error is None:
         return exc
     error.__cause__ = exc  # as `raise error from exc`

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gateway.servers.pool import Server
 from gateway.upstream.aiohttp_client import AiohttpUpstream
-from gateway.upstream.client import translate_errors
+from gateway.upstream.client import leg_error
 from gateway.upstream.fast import FastUpstream
 
 CLIENTS = ("fast", "aiohttp")
@@ -153,6 +153,16 @@ def answering(*replies: bytes, close: bool = False):
 
 
 WORKER = Server("http://upstream", "decode")
+
+
+@contextlib.contextmanager
+def translate_errors(leg: str, server: Server):
+    """Errors raised inside named for the leg as the dispatcher's legs name them
+    (`upstream.client.leg_error`)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - named for the leg, or raised as it is
+        raise leg_error(leg, server.url, exc)  # noqa: B904
 
 
 async def call(up, url: str, body: bytes = b'{"text":"hi"}') -> tuple[int, bytes]:

@@ -8,8 +8,7 @@ import asyncio
 import pytest
 
 from gateway.errors import UpstreamError
-from gateway.upstream.client import translate_errors
-from tests.upstream.raw import WAIT, WORKER, call, open_client, response, run
+from tests.upstream.raw import WAIT, WORKER, call, open_client, response, run, translate_errors
 from tests.upstream.raw import RawServer as Server
 
 

@@ -8,8 +8,16 @@ import asyncio
 import pytest
 
 from gateway.errors import UpstreamError
-from gateway.upstream.client import translate_errors
-from tests.upstream.raw import WAIT, WORKER, answering, call, open_client, response, run
+from tests.upstream.raw import (
+    WAIT,
+    WORKER,
+    answering,
+    call,
+    open_client,
+    response,
+    run,
+    translate_errors,
+)
 from tests.upstream.raw import RawServer as Server
 
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
