@@ -15,7 +15,10 @@ moves less from run to run. Configurations, side by side in one run:
 * `fixed`: the scheduler's choice replaced by a fixed alternation and its dispatch and
   completion hooks by nothing: what the policies cost is `default` minus this;
 * `floor` (asked by name): the python-floor's app (loadtests/pd_floor.py), the least a PD
-  proxy does, on the same clients and upstream: what the harness and a bare proxy cost.
+  proxy does, on the same clients and upstream: what the harness and a bare proxy cost;
+* the stages (asked by name: `endpoint`, `picked`, `counted`, `decode-leg`, `no-deadline`;
+  loadtests/stages.py): the default request path cut short at a stage of its dispatch, for
+  whole answers (generate, chat): what each part of the dispatch costs.
 
 `--without NAME,...` (or `all`) runs every configuration with those per-request mechanisms
 replaced by nothing (loadtests/mechanisms.py): upper bounds of what each costs.
@@ -32,13 +35,14 @@ import asyncio
 import gc
 import statistics
 import time
+from contextlib import nullcontext
 
 import orjson
 
 from gateway.app import build_app
 from gateway.config.settings import load_config
 from gateway.routes.server_protocol import CHUNKS, DEPARTURE, WHOLE, Departure
-from loadtests import mechanisms, pd_floor
+from loadtests import mechanisms, pd_floor, stages
 
 SERVERS = ["--prefill", "http://127.0.0.1:1", "9", "--decode", "http://127.0.0.1:2",
            "--decode", "http://127.0.0.1:3", "--skip-probe", "--health-interval", "600",
@@ -174,6 +178,9 @@ async def _measure(config: str, endpoint: str, requests: int) -> float:
         app = pd_floor.build("http://127.0.0.1:1", 9, ["http://127.0.0.1:2",
                                                        "http://127.0.0.1:3"], client=upstream)
         return await _drive(config, app, endpoint, requests)
+    staged = config in stages.STAGES
+    if staged and streamed:
+        raise ValueError(f"the stage {config} answers whole: it is for generate and chat")
     flags = ["--policy", "round_robin"] if config == "round_robin" else []
     app = build_app(load_config([*SERVERS, *flags]))
     async with app.app.router.lifespan_context(app.app):
@@ -182,7 +189,8 @@ async def _measure(config: str, endpoint: str, requests: int) -> float:
         if config == "fixed":
             _fixed_choice(gateway)
         _stop_clocked_loops()
-        return await _drive(config, app, endpoint, requests)
+        with stages.cut(gateway, config, upstream.answer) if staged else nullcontext():
+            return await _drive(config, app, endpoint, requests)
 
 
 async def _drive(config: str, app, endpoint: str, requests: int) -> float:
@@ -237,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--endpoint", choices=sorted(BODIES), default="generate")
     p.add_argument("--configs", default="default,round_robin,fixed",
-                   help="of default, round_robin, fixed, floor")
+                   help="of default, round_robin, fixed, floor, or a stage "
+                   f"({', '.join(stages.STAGES)})")
     p.add_argument("--without", default="", help="mechanisms replaced by nothing for the "
                    "whole run, comma-separated, or all (loadtests/mechanisms.py): upper "
                    "bounds of what each costs")

@@ -41,3 +41,78 @@ def test_the_loops_that_work_per_second_are_stopped_before_measuring():
     assert logic_cost.CLOCKED <= states.keys()
     assert all(states[name] for name in logic_cost.CLOCKED)
     assert not any(done for name, done in states.items() if name not in logic_cost.CLOCKED)
+
+
+class _Recording(logic_cost._Upstream):
+    """The benchmark's in-memory upstream, noting which server each leg went to."""
+
+    def __init__(self, answer: bytes) -> None:
+        super().__init__(answer, None)
+        self.sent: list[str] = []
+
+    async def post(self, base_url, path, body, request_id, headers=()):
+        self.sent.append(base_url)
+        return await super().post(base_url, path, body, request_id, headers)
+
+
+def _staged(stage: str, requests: int = 64) -> tuple[list[str], object]:
+    """Run `requests` through the app cut at `stage`; the servers the legs went to, and the
+    gateway (its counters after the run)."""
+    import asyncio
+
+    import orjson
+
+    from gateway.app import build_app
+    from gateway.config.settings import load_config
+    from loadtests import stages
+
+    async def main():
+        upstream = _Recording(orjson.dumps(logic_cost.ANSWERS["generate"]))
+        app = build_app(load_config(logic_cost.SERVERS))
+        async with app.app.router.lifespan_context(app.app):
+            gateway = app.state.gateway
+            gateway.dispatcher.upstream = upstream
+            logic_cost._stop_clocked_loops()
+            with stages.cut(gateway, stage, upstream.answer):
+                await logic_cost._drive(stage, app, "generate", requests)  # raises unless 200
+            return upstream.sent, gateway
+
+    return asyncio.run(main())
+
+
+PREFILL = "http://127.0.0.1:1"
+
+
+@pytest.mark.parametrize("stage", ["endpoint", "picked", "counted"])
+def test_the_early_stages_send_no_leg(stage):
+    sent, gateway = _staged(stage)
+    assert sent == []
+    servers = gateway.scheduler.pool.role("prefill") + gateway.scheduler.pool.role("decode")
+    assert all(s.in_flight == 0 for s in servers)  # what `counted` took, it gave back
+    counted = sum(s.total_requests for s in servers)
+    assert (counted > 0) == (stage == "counted")
+
+
+def test_the_decode_leg_stage_sends_the_decode_leg_alone():
+    sent, _ = _staged("decode-leg")
+    assert sent and PREFILL not in sent
+
+
+def test_the_stage_without_the_deadline_sends_both_legs_and_puts_the_deadline_back():
+    from gateway.dispatch import pd
+
+    armed = pd.first_deadline
+    sent, _ = _staged("no-deadline")
+    assert sent.count(PREFILL) == len(sent) // 2 > 0
+    assert pd.first_deadline is armed
+
+
+def test_the_stages_are_configurations_of_the_benchmark(capsys):
+    assert logic_cost.main(["--requests", "128", "--rounds", "1", "--configs",
+                            "endpoint,picked,counted,decode-leg,no-deadline"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == [
+        "| endpoint", "| picked", "| counted", "| decode-leg", "| no-deadline"]
+    with pytest.raises(ValueError, match="answers whole"):
+        logic_cost.main(["--requests", "64", "--rounds", "1", "--configs", "endpoint",
+                         "--endpoint", "chat-stream"])
