@@ -19,7 +19,7 @@ from gateway.config.settings import (
     load_config,
 )
 from gateway.processes.fair_accept import ConnectionShare, FairListener
-from gateway.processes.supervisor import Supervisor, worker_count
+from gateway.processes.supervisor import Supervisor, listen_socket, worker_count
 from gateway.routes.server_protocol import ServerLimits, guarded_protocol
 
 KEY_FLAGS = ("--api-keys", "--api-key", "--admin-api-keys")
@@ -62,17 +62,18 @@ class GatewayServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         worker = self.gateway.worker
-        # a worker accepts one connection per wake-up, so that a burst of connections is
-        # spread over the workers (processes/fair_accept.py); a single process lets uvloop
-        # accept, as fast as it can
-        await super().startup([] if worker is not None and sockets else sockets)
+        # the gateway accepts itself, not uvloop's server (which takes about one connection
+        # per loop iteration while the loop is busy): a worker on the shared socket one per
+        # wake-up, so that a burst is spread over the workers; a process that owns its
+        # queue (a single gateway, a SO_REUSEPORT worker) in batches (processes/fair_accept.py)
+        await super().startup([] if sockets else sockets)
         if not self.started:
             return
-        if worker is not None and sockets:
-            # with SO_REUSEPORT each worker has its own queue: no sibling could take it
+        if sockets:
             share = ConnectionShare(worker.shared, worker.id,
                                     lambda: len(self.server_state.connections)) \
-                if self.gateway.config.workers_socket == "shared" else None
+                if worker is not None and self.gateway.config.workers_socket == "shared" \
+                else None
             self.servers = [FairListener(asyncio.get_running_loop(), sock, self._protocol,
                                          self.config.ssl, share) for sock in sockets]
         if worker is None:
@@ -136,6 +137,12 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
                           keep_alive=config.keep_alive_timeout)
     app.state.gateway.serving = {"connections": connections, "tls": bool(config.ssl_certfile),
                                  "mtls": bool(config.ssl_ca_certs)}
+    if sockets is None:  # a single gateway binds as the supervisor does, and accepts itself
+        try:
+            sockets = [listen_socket(config)]
+        except OSError as exc:  # the port is taken, or the host cannot be bound
+            print(f"gateway: startup failed: {exc}", file=sys.stderr)
+            return EXIT_STARTUP_FAILURE
     tune_gc()
     server = GatewayServer(uvicorn.Config(
         app, host=config.host.strip("[]"), port=config.port, loop="uvloop",

@@ -1,13 +1,19 @@
-"""The workers' accept: one connection per wake-up, left to a sibling that holds fewer, but
-never for longer than `MAX_DEFER` (a sibling that died with few connections must not stop
-the others). Real sockets on loopback, a real event loop."""
+"""The gateway's accept. Workers on a shared socket: one connection per wake-up, left to a
+sibling that holds fewer, but never for longer than `MAX_DEFER` (a sibling that died with few
+connections must not stop the others). A process that owns its queue: a burst in one
+wake-up, up to `ACCEPT_BATCH`. Real sockets on loopback, a real event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
-from gateway.processes.fair_accept import MAX_DEFER, ConnectionShare, FairListener
+from gateway.processes.fair_accept import (
+    ACCEPT_BATCH,
+    MAX_DEFER,
+    ConnectionShare,
+    FairListener,
+)
 
 
 class Column:
@@ -85,3 +91,48 @@ def test_closing_stops_accepting_and_leaves_the_socket_open():
         listening.close()
 
     asyncio.run(scenario())
+
+
+async def one_wake_up(waiting: int, share: ConnectionShare | None) -> tuple[int, int]:
+    """`waiting` connections in the queue, one readiness callback: how many it took, and how
+    many connections were made once the loop had run."""
+    loop = asyncio.get_running_loop()
+    listening = socket.create_server(("127.0.0.1", 0), backlog=256)
+    clients = [socket.create_connection(listening.getsockname(), timeout=5)
+               for _ in range(waiting)]  # the kernel completes them: they wait to be accepted
+    made: list[float] = []
+    listener = FairListener(loop, listening, lambda: Made(made), share=share)
+    try:
+        listener.accept_ready()  # the wake-up, before the loop gets to run it again
+        taken = len(listener.opening)
+        started = loop.time()
+        while len(made) < waiting and loop.time() - started < 5:
+            await asyncio.sleep(0.005)
+        return taken, len(made)
+    finally:
+        listener.close()
+        await listener.wait_closed()
+        for client in clients:
+            client.close()
+        listening.close()
+
+
+def test_a_process_that_owns_its_queue_takes_a_burst_in_one_wake_up():
+    """A busy loop wakes its listener once per iteration: one connection per wake-up left a
+    burst waiting seconds behind the requests already served (docs/BENCHMARKS.md)."""
+    taken, made = asyncio.run(one_wake_up(40, share=None))
+    assert taken == 40
+    assert made == 40
+
+
+def test_the_batch_is_bounded():
+    taken, made = asyncio.run(one_wake_up(ACCEPT_BATCH + 6, share=None))
+    assert taken == ACCEPT_BATCH  # the rest at the next wake-up
+    assert made == ACCEPT_BATCH + 6
+
+
+def test_a_worker_on_the_shared_socket_still_takes_one_per_wake_up():
+    taken, made = asyncio.run(one_wake_up(5, share=ConnectionShare(Column(other=9), 0,
+                                                                    lambda: 0)))
+    assert taken == 1  # the siblings may take the others
+    assert made == 5  # (here none runs: this worker takes them all, one wake-up each)
