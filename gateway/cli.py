@@ -60,22 +60,21 @@ class GatewayServer(uvicorn.Server):
         super().__init__(config)
         self.gateway = gateway
 
-    async def startup(self, sockets=None) -> None:
+    async def startup(self, sockets: list) -> None:
+        """`sockets`: bound by `serve` (or the supervisor) and accepted by the gateway itself,
+        not by uvloop's server, which takes about one connection per loop iteration while the
+        loop is busy: a worker on the shared socket one per wake-up, so that a burst is spread
+        over the workers; a process that owns its queue (a single gateway, a SO_REUSEPORT
+        worker) in batches (processes/fair_accept.py)."""
         worker = self.gateway.worker
-        # the gateway accepts itself, not uvloop's server (which takes about one connection
-        # per loop iteration while the loop is busy): a worker on the shared socket one per
-        # wake-up, so that a burst is spread over the workers; a process that owns its
-        # queue (a single gateway, a SO_REUSEPORT worker) in batches (processes/fair_accept.py)
-        await super().startup([] if sockets else sockets)
+        await super().startup([])  # uvicorn's lifespan and state, no server of its own
         if not self.started:
             return
-        if sockets:
-            share = ConnectionShare(worker.shared, worker.id,
-                                    lambda: len(self.server_state.connections)) \
-                if worker is not None and self.gateway.config.workers_socket == "shared" \
-                else None
-            self.servers = [FairListener(asyncio.get_running_loop(), sock, self._protocol,
-                                         self.config.ssl, share) for sock in sockets]
+        share = ConnectionShare(worker.shared, worker.id,
+                                lambda: len(self.server_state.connections)) \
+            if worker is not None and self.gateway.config.workers_socket == "shared" else None
+        self.servers = [FairListener(asyncio.get_running_loop(), sock, self._protocol,
+                                     self.config.ssl, share) for sock in sockets]
         if worker is None:
             print(f"gateway: {self.gateway.announcement()}", file=sys.stderr, flush=True)
         else:

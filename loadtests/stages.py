@@ -58,32 +58,32 @@ def cut(gateway, stage: str, body: bytes) -> Iterator[None]:
         await asyncio.sleep(0)  # one loop turn, as a leg's answer takes
         return Answer(200, b"application/json", body)
 
-    async def counted(attempt: Attempt, by_policy: bool = False) -> Answer:
-        ledger.opened(attempt, by_policy)
-        answered = await answer()
-        ledger.leg_done(attempt, "prefill", True)
-        ledger.leg_done(attempt, "decode", True)
-        return answered
-
-    async def decode_leg(attempt: Attempt, by_policy: bool = False) -> Answer:
-        ledger.opened(attempt, by_policy)
+    async def sent_alone(attempt: Attempt) -> Answer:
+        """The decode leg without the prefill's, its task or the first-progress deadline."""
         loop = dispatcher.timers.loop()
         attempt.interrupt = Interrupt(loop=loop)
         attempt.started_at = loop.time()
         _, answered = await dispatcher._decode_leg(attempt)
-        ledger.leg_done(attempt, "prefill", True)
-        ledger.leg_done(attempt, "decode", True)
         return answered
 
+    def counted(send):
+        """An attempt whose counters are taken, `send` awaited, and given back per leg."""
+
+        async def run(attempt: Attempt, by_policy: bool = False) -> Answer:
+            ledger.opened(attempt, by_policy)
+            answered = await send(attempt)
+            ledger.leg_done(attempt, "prefill", True)
+            ledger.leg_done(attempt, "decode", True)
+            return answered
+
+        return run
+
+    runs = {"picked": answer, "counted": counted(answer), "decode-leg": counted(sent_alone)}
     original = pd.first_deadline
     if stage == "endpoint":
         gateway.proxy.handle = answer
-    elif stage == "picked":
-        dispatcher.run = answer
-    elif stage == "counted":
-        dispatcher.run = counted
-    elif stage == "decode-leg":
-        dispatcher.run = decode_leg
+    elif stage in runs:
+        dispatcher.run = runs[stage]
     elif stage == "no-deadline":
         pd.first_deadline = lambda *_args, **_kwargs: _NoDeadline()
         dispatcher.model.first_progress_deadline = lambda *_args, **_kwargs: 30.0
