@@ -239,7 +239,7 @@ class Gateway:
         server = Server(url, role, bootstrap_port, model=model,
                         breaker=CircuitBreaker(c.breaker_failures, c.breaker_cooldown))
         if self.worker is not None:  # in-flight counts summed over the worker processes
-            server.shared = (self.shared, self.shared.slot(url), self.worker.id)
+            server.shared = self.shared.share(url, self.worker.id)
         return server
 
     async def start(self) -> None:

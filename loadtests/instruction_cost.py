@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", default="generate",
                    choices=["generate", "chat", "chat-stream"])
-    p.add_argument("--configs", default="default", help="of default, round_robin, fixed, floor, or a stage of loadtests/stages.py")
+    p.add_argument("--configs", default="default", help="of default, round_robin, fixed, floor, worker, or a stage of "
+                   "loadtests/stages.py")
     p.add_argument("--small", type=int, default=640, help="requests of the short run")
     p.add_argument("--large", type=int, default=2560, help="requests of the long run")
     p.add_argument("--base", type=Path, help="another checkout, measured the same way")

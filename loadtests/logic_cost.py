@@ -16,6 +16,8 @@ moves less from run to run. Configurations, side by side in one run:
   completion hooks by nothing: what the policies cost is `default` minus this;
 * `floor` (asked by name): the python-floor's app (loadtests/pd_floor.py), the least a PD
   proxy does, on the same clients and upstream: what the harness and a bare proxy cost;
+* `worker` (asked by name): the default as worker 0 of `--workers 8`, its shared block
+  attached (loadtests/worker_mode.py): what the workers' sharing adds to each request;
 * the stages (asked by name: `endpoint`, `picked`, `counted`, `decode-leg`, `no-deadline`;
   loadtests/stages.py): the default request path cut short at a stage of its dispatch, for
   whole answers (generate, chat): what each part of the dispatch costs.
@@ -42,7 +44,7 @@ import orjson
 from gateway.app import build_app
 from gateway.config.settings import load_config
 from gateway.routes.server_protocol import CHUNKS, DEPARTURE, WHOLE, Departure
-from loadtests import mechanisms, pd_floor, stages
+from loadtests import mechanisms, pd_floor, stages, worker_mode
 
 SERVERS = ["--prefill", "http://127.0.0.1:1", "9", "--decode", "http://127.0.0.1:2",
            "--decode", "http://127.0.0.1:3", "--skip-probe", "--health-interval", "600",
@@ -182,15 +184,16 @@ async def _measure(config: str, endpoint: str, requests: int) -> float:
     if staged and streamed:
         raise ValueError(f"the stage {config} answers whole: it is for generate and chat")
     flags = ["--policy", "round_robin"] if config == "round_robin" else []
-    app = build_app(load_config([*SERVERS, *flags]))
-    async with app.app.router.lifespan_context(app.app):
-        gateway = app.state.gateway
-        gateway.dispatcher.upstream = upstream
-        if config == "fixed":
-            _fixed_choice(gateway)
-        _stop_clocked_loops()
-        with stages.cut(gateway, config, upstream.answer) if staged else nullcontext():
-            return await _drive(config, app, endpoint, requests)
+    with worker_mode.as_worker() if config == "worker" else nullcontext() as worker:
+        app = build_app(load_config([*SERVERS, *flags]), worker=worker)
+        async with app.app.router.lifespan_context(app.app):
+            gateway = app.state.gateway
+            gateway.dispatcher.upstream = upstream
+            if config == "fixed":
+                _fixed_choice(gateway)
+            _stop_clocked_loops()
+            with stages.cut(gateway, config, upstream.answer) if staged else nullcontext():
+                return await _drive(config, app, endpoint, requests)
 
 
 async def _drive(config: str, app, endpoint: str, requests: int) -> float:
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--endpoint", choices=sorted(BODIES), default="generate")
     p.add_argument("--configs", default="default,round_robin,fixed",
-                   help="of default, round_robin, fixed, floor, or a stage "
+                   help="of default, round_robin, fixed, floor, worker, or a stage "
                    f"({', '.join(stages.STAGES)})")
     p.add_argument("--without", default="", help="mechanisms replaced by nothing for the "
                    "whole run, comma-separated, or all (loadtests/mechanisms.py): upper "

@@ -71,6 +71,7 @@ class SharedPrefixes:
         self.words = words
         self._mask = ENTRIES // _BUCKET - 1
         self._memo: tuple[object, bytes, int] = ("", b"", 0)
+        self._longest: int | None = None  # the CRC of the memo's longest block-aligned prefix
 
     def _bytes(self, key: Key) -> tuple[bytes, int]:
         """`key_bytes`, remembered for the last key (pick and dispatch pass the same one)."""
@@ -78,6 +79,7 @@ class SharedPrefixes:
         if source is not key:
             data, width = key_bytes(key)
             self._memo = (key, data, width)
+            self._longest = None
         return data, width
 
     def _bucket(self, tag: int) -> int:
@@ -89,19 +91,23 @@ class SharedPrefixes:
         length = len(data) - len(data) % BLOCK
         if not length:
             return
-        tag = _tag(zlib.crc32(memoryview(data)[:length]), length)
+        # the CRC of that prefix: the lookup of the same key (the pick) took it already
+        crc = self._longest if self._longest is not None else \
+            zlib.crc32(memoryview(data)[:length])
+        tag = _tag(crc, length)
         words = self.words
         base = self._bucket(tag)
-        slot, oldest, now_ds = base, None, int(now * 10)
-        for at in range(base, base + 2 * _BUCKET, 2):
-            held = words[at]
-            if held == tag or held == 0:
-                slot = at
-                break
-            age = (now_ds - (words[at + 1] & _TIME_MASK)) & _TIME_MASK
-            if oldest is None or age > oldest:
-                slot, oldest = at, age
-        words[slot + 1] = (target_hash(target) << _TIME_BITS) | (now_ds & _TIME_MASK)
+        held = words[base:base + 2 * _BUCKET].tolist()  # one read of the bucket's 4 entries
+        tags = held[0::2]
+        if tag in tags:
+            slot = base + 2 * tags.index(tag)
+        elif 0 in tags:
+            slot = base + 2 * tags.index(0)
+        else:  # the oldest entry gives way
+            now_ds = int(now * 10)
+            ages = [(now_ds - (value & _TIME_MASK)) & _TIME_MASK for value in held[1::2]]
+            slot = base + 2 * ages.index(max(ages))
+        words[slot + 1] = (target_hash(target) << _TIME_BITS) | (int(now * 10) & _TIME_MASK)
         words[slot] = tag
 
     def find(self, key: Key, targets: Sequence[str], now: float,
@@ -113,34 +119,37 @@ class SharedPrefixes:
         first = max(1, blocks - SCAN + 1)
         if blocks < first:
             return None
-        wanted = {target_hash(t): t for t in targets}
         view = memoryview(data)
         crc = zlib.crc32(view[:(first - 1) * BLOCK])
         crcs = []
         for block in range(first, blocks + 1):
             crc = zlib.crc32(view[(block - 1) * BLOCK:block * BLOCK], crc)
             crcs.append(crc)
-        words = self.words
-        now_ds = int(now * 10)
+        self._longest = crc  # the record of this key, after the pick, needs it again
+        words, mask, wanted = self.words, self._mask, None
         for block in range(blocks, first - 1, -1):
             length = block * BLOCK
             if (length // width if width else length) <= known:  # text: bytes >= characters
                 return None
             tag = _tag(crcs[block - first], length)
-            base = self._bucket(tag)
-            for at in range(base, base + 2 * _BUCKET, 2):
-                if words[at] != tag:
-                    continue
-                value = words[at + 1]
-                if words[at] != tag:  # overwritten while read
-                    break
-                target = wanted.get(value >> _TIME_BITS)
-                if target is not None:
-                    when = (now_ds - ((now_ds - (value & _TIME_MASK)) & _TIME_MASK)) / 10
-                    items = (length // width if width
-                             else len(data[:length].decode("utf-8", "ignore")))
-                    return target, items, when
-                break
+            base = 2 * _BUCKET * (((tag >> 31) ^ (tag * 0x9E3779B1)) & mask)  # `_bucket`
+            held = words[base:base + 2 * _BUCKET].tolist()
+            tags = held[0::2]
+            if tag not in tags:
+                continue
+            at = tags.index(tag)
+            if words[base + 2 * at] != tag:  # overwritten since it was read
+                continue
+            if wanted is None:
+                wanted = {target_hash(t): t for t in targets}
+            value = held[2 * at + 1]
+            target = wanted.get(value >> _TIME_BITS)
+            if target is not None:
+                now_ds = int(now * 10)
+                when = (now_ds - ((now_ds - (value & _TIME_MASK)) & _TIME_MASK)) / 10
+                items = (length // width if width
+                         else len(data[:length].decode("utf-8", "ignore")))
+                return target, items, when
         return None
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 import zlib
 from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
@@ -76,7 +77,6 @@ class SharedState:
             raise RuntimeError(f"shared block {name} is not a gateway's")
         self.prefixes = SharedPrefixes(self.words[self._prefixes:self._prefixes + PREFIX_WORDS])
         self._slots: dict[str, int] = {}
-        self._others: dict[int, tuple[float, int, int]] = {}  # slot -> (when, requests, tokens)
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
 
     @contextlib.contextmanager
@@ -106,35 +106,9 @@ class SharedState:
                     return index
         raise RuntimeError(f"no free server slot for {url} ({SERVER_SLOTS} in use)")
 
-    def publish(self, worker: int, slot: int, in_flight: int, tokens: int) -> None:
-        """This worker's own in-flight figures for the server in `slot`."""
-        base = slot * self.workers + worker
-        self.words[self._in_flight + base] = in_flight
-        self.words[self._tokens + base] = tokens
-
-    def totals(self, slot: int) -> tuple[int, int]:
-        """In-flight requests and prompt tokens of a server, summed over workers."""
-        start = slot * self.workers
-        words = self.words
-        flight = self._in_flight + start
-        tokens = self._tokens + start
-        return (sum(words[flight:flight + self.workers]),
-                sum(words[tokens:tokens + self.workers]))
-
-    def others(self, slot: int, worker: int, now: float) -> tuple[int, int]:
-        """`totals` less this worker's own column, at most `OTHERS_TTL` old: the policies
-        ask for every candidate on every request, and the other workers' share of a
-        server's load is not worth a fresh sum each time (the caller adds its own count,
-        which is exact)."""
-        cached = self._others.get(slot)
-        if cached is not None and now - cached[0] < OTHERS_TTL:
-            return cached[1], cached[2]
-        base = slot * self.workers + worker
-        requests, tokens = self.totals(slot)
-        requests -= self.words[self._in_flight + base]
-        tokens -= self.words[self._tokens + base]
-        self._others[slot] = (now, requests, tokens)
-        return requests, tokens
+    def share(self, url: str, worker: int) -> ServerShare:
+        """The server's column for `worker`: what its `Server` writes and reads per request."""
+        return ServerShare(self, self.slot(url), worker)
 
     def try_admit(self, worker: int, limit: int) -> bool:
         """Take one of the gateway-wide `limit` slots for this worker, if one is free."""
@@ -207,3 +181,41 @@ class SharedState:
             with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()
         os.close(self._lock_fd)
+
+
+class ServerShare:
+    """One server's figures in the shared block, as one worker sees them: its own in-flight
+    requests and prompt tokens written, the other workers' summed. `Server` calls it on every
+    request (four writes, a read per candidate), so the slot's word indices are worked out
+    once, here, and the other workers' sums are kept on the object for `OTHERS_TTL`: the
+    policies ask for every candidate on every request, and the others' share of a server's
+    load is not worth a fresh sum each time (the caller adds its own count, which is exact)."""
+
+    __slots__ = ("words", "flight", "tokens", "columns", "until", "cached")
+
+    def __init__(self, state: SharedState, slot: int, worker: int) -> None:
+        first = slot * state.workers
+        self.words = state.words
+        self.columns = (state._in_flight + first, state._tokens + first, state.workers)
+        self.flight = state._in_flight + first + worker  # this worker's own two words
+        self.tokens = state._tokens + first + worker
+        self.until = 0.0  # time.monotonic() until which `cached` holds
+        self.cached = (0, 0)
+
+    def publish(self, in_flight: int, tokens: int) -> None:
+        """This worker's own in-flight figures for the server."""
+        words = self.words
+        words[self.flight] = in_flight
+        words[self.tokens] = tokens
+
+    def others(self) -> tuple[int, int]:
+        """The other workers' in-flight requests and prompt tokens, at most `OTHERS_TTL` old."""
+        now = time.monotonic()
+        if now < self.until:
+            return self.cached
+        flight, tokens, workers = self.columns
+        words = self.words
+        cached = self.cached = (sum(words[flight:flight + workers]) - words[self.flight],
+                                sum(words[tokens:tokens + workers]) - words[self.tokens])
+        self.until = now + OTHERS_TTL
+        return cached

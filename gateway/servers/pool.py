@@ -123,7 +123,7 @@ class Server(Counted):
     trailing_tokens: int = 0
     attempts: set = field(default_factory=set)  # attempts waiting on this server now (rescue)
     suspect_until: float = 0.0  # a request here timed out without progress: avoid until then
-    shared: object = None  # (SharedState, slot, worker id) with --workers: counts summed
+    shared: object = None  # processes.shared_state.ServerShare with --workers: counts summed
     metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
     # as a scheduling target (like a Rank): the server it belongs to, its own; no DP rank.
     # Attributes, not properties: every pick reads them
@@ -231,10 +231,10 @@ class Server(Counted):
         """In-flight requests and prompt tokens over the whole gateway: this process's, or
         every worker process's with `--workers` (shared memory; the others' at most a few
         milliseconds old)."""
-        if self.shared is None:
+        share = self.shared
+        if share is None:
             return self.in_flight, self.in_flight_tokens
-        state, slot, me = self.shared
-        requests, tokens = state.others(slot, me, time.monotonic())
+        requests, tokens = share.others()
         return self.in_flight + requests, self.in_flight_tokens + tokens
 
     def working(self) -> tuple[int, int]:
@@ -252,15 +252,10 @@ class Server(Counted):
         self.trailing += sign
         self.trailing_tokens += sign * tokens
 
-    def _publish(self) -> None:
-        if self.shared is not None:
-            state, slot, worker = self.shared
-            state.publish(worker, slot, self.in_flight, self.in_flight_tokens)
-
     def start(self, tokens: int) -> None:
         Counted.start(self, tokens)
-        if self.shared is not None:  # (twice per request: no call when there is no need)
-            self._publish()
+        if self.shared is not None:
+            self.shared.publish(self.in_flight, self.in_flight_tokens)
         if self.breaker.state is not CLOSED:
             self.breaker.on_dispatch()
 
@@ -269,7 +264,7 @@ class Server(Counted):
         Returns True when this failure opened the breaker."""
         Counted.finish(self, tokens)
         if self.shared is not None:
-            self._publish()
+            self.shared.publish(self.in_flight, self.in_flight_tokens)
         if success is None:
             self.breaker.release_probe()
             return False

@@ -116,3 +116,37 @@ def test_the_stages_are_configurations_of_the_benchmark(capsys):
     with pytest.raises(ValueError, match="answers whole"):
         logic_cost.main(["--requests", "64", "--rounds", "1", "--configs", "endpoint",
                          "--endpoint", "chat-stream"])
+
+
+def test_the_worker_configuration_runs_the_path_of_one_of_eight_workers(monkeypatch, capsys):
+    """Its servers publish to a shared block of 8 columns while it runs, the prompt goes
+    through the shared prefix table, and the block and the environment are given back."""
+    import os
+
+    from gateway.processes.shared_state import ServerShare, SharedState
+    from loadtests import worker_mode
+
+    published: list[tuple[int, int]] = []
+    attached: list[SharedState] = []
+    real_publish, real_share = ServerShare.publish, SharedState.share
+
+    def publish(self, in_flight, tokens):
+        published.append((in_flight, tokens))
+        real_publish(self, in_flight, tokens)
+
+    def share(self, url, worker):
+        attached.append(self)
+        return real_share(self, url, worker)
+
+    monkeypatch.setattr(ServerShare, "publish", publish)
+    monkeypatch.setattr(SharedState, "share", share)
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    assert logic_cost.main(["--requests", "128", "--rounds", "1", "--configs", "worker"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| worker"]
+    assert attached and all(state.workers == worker_mode.WORKERS for state in attached)
+    assert len(published) >= 4 * 128  # both servers of each request, as it starts and ends
+    assert published[-1][0] == 0 and any(n > 0 for n, _ in published)
+    assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == before
+    with pytest.raises(FileNotFoundError):  # unlinked
+        SharedState(attached[0].shm.name, worker_mode.WORKERS, 0, "/dev/null")

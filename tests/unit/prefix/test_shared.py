@@ -99,9 +99,9 @@ def test_token_keys_count_tokens_and_text_counts_characters():
     assert (target, length) == (B, len(text))
 
 
-def test_a_full_bucket_gives_up_its_oldest_entry(monkeypatch):
+def test_a_full_bucket_gives_up_its_oldest_entry():
     prefixes = table()
-    monkeypatch.setattr(prefixes, "_bucket", lambda tag: 0)  # every tag in one bucket
+    prefixes._mask = 0  # every tag in one bucket
     keys = [chr(ord("a") + i) * BLOCK for i in range(5)]
     for when, key in enumerate(keys):
         prefixes.record(key, A, 10.0 + when)
