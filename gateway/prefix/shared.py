@@ -72,6 +72,7 @@ class SharedPrefixes:
         self._mask = ENTRIES // _BUCKET - 1
         self._memo: tuple[object, bytes, int] = ("", b"", 0)
         self._longest: int | None = None  # the CRC of the memo's longest block-aligned prefix
+        self._hashes: dict[str, int] = {}  # target URL -> target_hash (servers: a few)
 
     def _bytes(self, key: Key) -> tuple[bytes, int]:
         """`key_bytes`, remembered for the last key (pick and dispatch pass the same one)."""
@@ -107,7 +108,7 @@ class SharedPrefixes:
             now_ds = int(now * 10)
             ages = [(now_ds - (value & _TIME_MASK)) & _TIME_MASK for value in held[1::2]]
             slot = base + 2 * ages.index(max(ages))
-        words[slot + 1] = (target_hash(target) << _TIME_BITS) | (int(now * 10) & _TIME_MASK)
+        words[slot + 1] = (self._hash_of(target) << _TIME_BITS) | (int(now * 10) & _TIME_MASK)
         words[slot] = tag
 
     def find(self, key: Key, targets: Sequence[str], now: float,
@@ -126,7 +127,7 @@ class SharedPrefixes:
             crc = zlib.crc32(view[(block - 1) * BLOCK:block * BLOCK], crc)
             crcs.append(crc)
         self._longest = crc  # the record of this key, after the pick, needs it again
-        words, mask, wanted = self.words, self._mask, None
+        words, mask = self.words, self._mask
         for block in range(blocks, first - 1, -1):
             length = block * BLOCK
             if (length // width if width else length) <= known:  # text: bytes >= characters
@@ -140,17 +141,33 @@ class SharedPrefixes:
             at = tags.index(tag)
             if words[base + 2 * at] != tag:  # overwritten since it was read
                 continue
-            if wanted is None:
-                wanted = {target_hash(t): t for t in targets}
             value = held[2 * at + 1]
-            target = wanted.get(value >> _TIME_BITS)
+            target = self._target_of(value >> _TIME_BITS, targets)
             if target is not None:
                 now_ds = int(now * 10)
                 when = (now_ds - ((now_ds - (value & _TIME_MASK)) & _TIME_MASK)) / 10
-                items = (length // width if width
-                         else len(data[:length].decode("utf-8", "ignore")))
+                if width:
+                    items = length // width
+                elif len(data) == len(key):  # one byte per character
+                    items = length
+                else:
+                    items = len(data[:length].decode("utf-8", "ignore"))
                 return target, items, when
         return None
+
+    def _target_of(self, hashed: int, targets: Sequence[str]) -> str | None:
+        """The target among `targets` whose hash an entry holds."""
+        for target in targets:
+            if self._hash_of(target) == hashed:
+                return target
+        return None
+
+    def _hash_of(self, target: str) -> int:
+        """`target_hash`, kept per URL (the targets are the servers: a few)."""
+        hashed = self._hashes.get(target)
+        if hashed is None:
+            hashed = self._hashes[target] = target_hash(target)
+        return hashed
 
 
 def merged(matched: Match, found: tuple[str, int, float] | None) -> Match:
