@@ -10,20 +10,33 @@ from __future__ import annotations
 
 import logging
 
-from backends.launcher import Launcher, ServerHandle, ServerState, default_topology, load_topology
+from backends.launcher import (
+    Launcher,
+    ServerHandle,
+    ServerState,
+    Topology,
+    default_topology,
+    load_topology,
+)
+from backends.launcher.ports import reserve
 from gateway.config.settings import GatewayConfig
 from gateway.servers.pool import Server, ServerPool
 
 log = logging.getLogger("gateway.launch")
 
 
+def topology_of(config: GatewayConfig) -> Topology:
+    """The cluster `--launch` starts: `--launch-config`, else the default one. Its free ports
+    are picked now, before the gateway binds its own port, so that one is held back."""
+    reserve(config.port)
+    if config.launch_config:
+        return load_topology(config.launch_config)
+    return default_topology(config.backend, config.num_prefill, config.num_decode)
+
+
 class LocalCluster:
     def __init__(self, config: GatewayConfig, pool: ServerPool, new_server) -> None:
-        if config.launch_config:
-            self.topology = load_topology(config.launch_config)
-        else:
-            self.topology = default_topology(config.backend, config.num_prefill,
-                                             config.num_decode)
+        self.topology = topology_of(config)
         self.pool = pool
         self._new_server = new_server
         self.launcher = Launcher(self.topology, on_state=self._on_state, handle_signals=False)

@@ -30,6 +30,14 @@ EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 RECENT = 512  # ports handed out lately by this process, not handed out again
 
 _recent: deque[int] = deque(maxlen=RECENT)
+_reserved: set[int] = set()  # ports this process binds itself later: never handed out
+
+
+def reserve(port: int) -> None:
+    """`port` is this process's own, bound after its servers' ports are picked (the gateway
+    builds its launch topology before it binds its listening port): never hand it out."""
+    if port:
+        _reserved.add(port)
 
 
 @lru_cache(maxsize=1)
@@ -95,7 +103,7 @@ def free_ports(host: str, count: int, avoid: Iterable[int] = ()) -> list[int]:
     Picked from the quiet ranges (see the module docstring); only when those are all taken does
     it fall back to ports the kernel chooses.
     """
-    excluded = set(avoid) | set(_recent)
+    excluded = set(avoid) | set(_recent) | _reserved
     chosen: list[int] = []
     for port in quiet_ports():
         if len(chosen) == count:

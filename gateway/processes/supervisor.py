@@ -85,16 +85,10 @@ class Supervisor:
 
     async def _launch(self):
         """With --launch: start the cluster here, once; the workers serve its servers."""
-        from backends.launcher import (  # noqa: PLC0415 - only with --launch
-            Launcher,
-            default_topology,
-            load_topology,
-        )
+        from backends.launcher import Launcher  # noqa: PLC0415 - only with --launch
+        from gateway.launch import topology_of  # noqa: PLC0415
 
-        c = self.config
-        topology = (load_topology(c.launch_config) if c.launch_config
-                    else default_topology(c.backend, c.num_prefill, c.num_decode))
-        launcher = Launcher(topology, handle_signals=False)
+        launcher = Launcher(topology_of(self.config), handle_signals=False)
         await launcher.start()
         extra = ["--no-launch"]
         for server in launcher.servers:

@@ -21,6 +21,7 @@ HOST = "127.0.0.1"
 @pytest.fixture(autouse=True)
 def fresh_recent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "_recent", deque(maxlen=ports.RECENT))
+    monkeypatch.setattr(ports, "_reserved", set())
 
 
 @contextlib.contextmanager
@@ -71,6 +72,30 @@ def test_ports_handed_out_lately_are_not_handed_out_again(monkeypatch: pytest.Mo
     second = ports.free_ports(HOST, 2, avoid=())
     assert set(first).isdisjoint(second)
     assert sorted(first + second) == list(range(low, high + 1))
+
+
+def test_a_reserved_port_is_never_handed_out_though_nothing_holds_it_yet(monkeypatch):
+    """The CI failure this guards against: `--launch` picked the gateway's own port, free
+    until the gateway bound it, for its prefill's bootstrap port ("already in use")."""
+    low, high = free_range(3)
+    monkeypatch.setattr(ports, "QUIET_RANGES", ((low, high),))
+    ports.reserve(low)
+    ports.reserve(0)  # an ephemeral port of the gateway's: nothing to hold back
+    assert sorted(ports.free_ports(HOST, 2)) == [low + 1, high]
+    assert ports.is_port_free(HOST, low)  # held back, not bound
+    assert low not in ports.free_ports(HOST, 3)  # nor handed out by the kernel's fallback
+
+
+def test_the_launch_topology_holds_back_the_gateways_port(monkeypatch):
+    from gateway.config.settings import load_config
+    from gateway.launch import topology_of
+
+    low, high = free_range(8)
+    monkeypatch.setattr(ports, "QUIET_RANGES", ((low, high),))
+    monkeypatch.setattr(ports, "quiet_ports", lambda: list(range(low, high + 1)))  # in order
+    topology = topology_of(load_config(["--launch", "--port", str(low)]))
+    picked = {p for s in topology.servers for p in (s.port, s.bootstrap_port) if p}
+    assert picked and low not in picked
 
 
 def test_when_the_quiet_ranges_are_taken_the_kernel_chooses(monkeypatch: pytest.MonkeyPatch):
