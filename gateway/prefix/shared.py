@@ -127,13 +127,13 @@ class SharedPrefixes:
             crc = zlib.crc32(view[(block - 1) * BLOCK:block * BLOCK], crc)
             crcs.append(crc)
         self._longest = crc  # the record of this key, after the pick, needs it again
-        words, mask = self.words, self._mask
+        words = self.words
         for block in range(blocks, first - 1, -1):
             length = block * BLOCK
             if (length // width if width else length) <= known:  # text: bytes >= characters
                 return None
             tag = _tag(crcs[block - first], length)
-            base = 2 * _BUCKET * (((tag >> 31) ^ (tag * 0x9E3779B1)) & mask)  # `_bucket`
+            base = self._bucket(tag)
             held = words[base:base + 2 * _BUCKET].tolist()
             tags = held[0::2]
             if tag not in tags:

@@ -108,7 +108,9 @@ class SharedState:
 
     def share(self, url: str, worker: int) -> ServerShare:
         """The server's column for `worker`: what its `Server` writes and reads per request."""
-        return ServerShare(self, self.slot(url), worker)
+        first = self.slot(url) * self.workers
+        return ServerShare(self.words, self._in_flight + first, self._tokens + first,
+                           self.workers, worker)
 
     def try_admit(self, worker: int, limit: int) -> bool:
         """Take one of the gateway-wide `limit` slots for this worker, if one is free."""
@@ -193,12 +195,13 @@ class ServerShare:
 
     __slots__ = ("words", "flight", "tokens", "columns", "until", "cached")
 
-    def __init__(self, state: SharedState, slot: int, worker: int) -> None:
-        first = slot * state.workers
-        self.words = state.words
-        self.columns = (state._in_flight + first, state._tokens + first, state.workers)
-        self.flight = state._in_flight + first + worker  # this worker's own two words
-        self.tokens = state._tokens + first + worker
+    def __init__(self, words: memoryview, flight: int, tokens: int, workers: int,
+                 worker: int) -> None:
+        """`flight`, `tokens`: the first word of the server's two columns of `workers`."""
+        self.words = words
+        self.columns = (flight, tokens, workers)
+        self.flight = flight + worker  # this worker's own two words
+        self.tokens = tokens + worker
         self.until = 0.0  # time.monotonic() until which `cached` holds
         self.cached = (0, 0)
 
