@@ -4,11 +4,14 @@ proxy does in the same harness (`floor`: loadtests/pd_floor.py, its upstream in 
 
     python -m loadtests.mechanism_cost                    # /generate, about 10 minutes
     python -m loadtests.mechanism_cost --endpoint chat
+    python -m loadtests.mechanism_cost --config worker --only shared_prefixes,shared_loads
 
 Each row is `instruction_cost`'s figure (valgrind, runs of two lengths differenced) for
 `logic_cost` with that change; "saved" is the default's count less the row's. A stub's saving
 is an upper bound of what making its mechanism cheaper could give (it drops what the mechanism
-is for). Needs `valgrind` on PATH.
+is for). `--config worker` runs the rows as worker 0 of `--workers 8` (loadtests/worker_mode.py),
+where the workers' own mechanisms (`shared_prefixes`, `shared_loads`) run; in the default
+configuration they do nothing. Needs `valgrind` on PATH.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=640)
     p.add_argument("--large", type=int, default=2560)
     p.add_argument("--only", default="all", help="the mechanisms to stub, one row each")
+    p.add_argument("--config", default="default", choices=["default", "worker"],
+                   help="the configuration the rows run in (worker: as one of --workers 8)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("valgrind is not on PATH", file=sys.stderr)
@@ -38,17 +43,21 @@ def main(argv: list[str] | None = None) -> int:
         return instruction_cost.per_request(tree, config, args.endpoint, small, large, without)
 
     chosen = mechanisms.names(args.only)
-    rows = [(f"without {name}: {mechanisms.STUBS[name][0]}", count("default", name))
+    config = args.config
+    rows = [(f"without {name}: {mechanisms.STUBS[name][0]}", count(config, name))
             for name in chosen]
-    rows.append((f"without all {len(chosen)} at once", count("default", ",".join(chosen))))
-    rows.append(("policies replaced by a fixed alternation (`fixed`)", count("fixed")))
-    rows.append(("the floor: a PD proxy's least work, same harness (`floor`)", count("floor")))
-    default = count("default")
-    print(f"`python -m loadtests.mechanism_cost --endpoint {args.endpoint}` (instructions per "
-          f"request, default policies; runs of {large} and {small} requests, differenced)\n")
-    print("| the default less | instructions per request | saved | share of the default |")
+    rows.append((f"without all {len(chosen)} at once", count(config, ",".join(chosen))))
+    if config == "default":  # these two are single-process configurations
+        rows.append(("policies replaced by a fixed alternation (`fixed`)", count("fixed")))
+        rows.append(("the floor: a PD proxy's least work, same harness (`floor`)",
+                     count("floor")))
+    default = count(config)
+    print(f"`python -m loadtests.mechanism_cost --endpoint {args.endpoint} --config {config}` "
+          f"(instructions per request, default policies; runs of {large} and {small} "
+          "requests, differenced)\n")
+    print(f"| the {config} less | instructions per request | saved | share of the {config} |")
     print("|---|---|---|---|")
-    print(f"| nothing (the default) | {default:,.0f} | - | - |")
+    print(f"| nothing (the {config}) | {default:,.0f} | - | - |")
     for label, figure in rows:
         saved = default - figure
         print(f"| {label} | {figure:,.0f} | {saved:,.0f} | {saved / default:.1%} |")

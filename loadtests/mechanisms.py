@@ -62,6 +62,14 @@ STUBS: dict[str, tuple[str, list[tuple[str, str, Callable]]]] = {
     "inflight": ("the in-flight table (abort and lookup by request id)", [
         ("gateway.dispatch.inflight", "InFlight.add", _nothing),
         ("gateway.dispatch.inflight", "InFlight.remove", _nothing)]),
+    "shared_prefixes": ("with --workers: the shared prefix table (each prompt looked up and "
+                        "recorded for the other workers)", [
+        ("gateway.prefix.shared", "SharedPrefixes.find", _nothing),
+        ("gateway.prefix.shared", "SharedPrefixes.record", _nothing)]),
+    "shared_loads": ("with --workers: each server's in-flight figures published to and summed "
+                     "from the shared block", [
+        ("gateway.processes.shared_state", "ServerShare.publish", _nothing),
+        ("gateway.processes.shared_state", "ServerShare.others", lambda *_a, **_k: (0, 0))]),
 }
 ALL = "all"
 

@@ -65,3 +65,36 @@ def test_the_table_has_a_row_per_change_and_the_floor_below_the_default(capsys):
     floor = float(next(r for r in rows if r[0].startswith("the floor"))[1].replace(",", ""))
     assert 10_000 < default < 5_000_000
     assert floor < default / 2  # the floor is a fraction of the gateway's own work
+
+
+def test_the_workers_mechanisms_are_stubbed_in_the_worker_configuration(capsys):
+    """`shared_prefixes` and `shared_loads` are what a worker of `--workers` adds: stubbed, the
+    worker still answers every request, and nothing of its in-flight figures reaches the
+    shared block (the stub replaced the publishing)."""
+    from gateway.processes.shared_state import ServerShare
+
+    published = []
+    original = ServerShare.publish
+    try:
+        ServerShare.publish = lambda share, *figures: published.append(figures)
+        assert logic_cost.main(["--requests", "128", "--rounds", "1", "--configs", "worker"]) == 0
+        assert published  # the worker configuration publishes (else the stub measures 0)
+        published.clear()
+        assert logic_cost.main(["--requests", "128", "--rounds", "1", "--configs", "worker",
+                                "--without", "shared_prefixes,shared_loads"]) == 0
+        assert published == []
+    finally:
+        ServerShare.publish = original
+    assert "--without shared_prefixes,shared_loads" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+def test_the_worker_table_counts_its_own_mechanisms(capsys):
+    assert mechanism_cost.main(["--config", "worker", "--only", "shared_loads",
+                                "--small", "128", "--large", "448"]) == 0
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| the worker less")]
+    assert [row[0] for row in rows][0] == "nothing (the worker)"
+    assert rows[1][0].startswith("without shared_loads")
+    assert float(rows[1][2].replace(",", "")) > 0  # publishing and summing cost something
+    assert not any(row[0].startswith("the floor") for row in rows)  # one-process rows left out
