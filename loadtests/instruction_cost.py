@@ -31,13 +31,15 @@ HERE = Path(__file__).resolve().parent.parent
 
 
 def instructions(tree: Path, config: str, endpoint: str, requests: int,
-                 without: str = "") -> int:
+                 without: str = "", servers: str = "1,2") -> int:
     """Instructions of one `logic_cost` run of `requests` requests in checkout `tree`
     (`without`: mechanisms stubbed, `logic_cost --without`)."""
     command = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
                "--cachegrind-out-file=/dev/null", sys.executable, "-m", "loadtests.logic_cost",
                "--rounds", "1", "--configs", config, "--endpoint", endpoint,
-               "--requests", str(requests), *(["--without", without] if without else [])]
+               "--requests", str(requests),
+               *(["--servers", servers] if servers != "1,2" else []),  # a base may predate it
+               *(["--without", without] if without else [])]
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(tree)}
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
                           timeout=1800)
@@ -48,9 +50,9 @@ def instructions(tree: Path, config: str, endpoint: str, requests: int,
 
 
 def per_request(tree: Path, config: str, endpoint: str, small: int, large: int,
-                without: str = "") -> float:
-    return (instructions(tree, config, endpoint, large, without)
-            - instructions(tree, config, endpoint, small, without)) / (large - small)
+                without: str = "", servers: str = "1,2") -> float:
+    return (instructions(tree, config, endpoint, large, without, servers)
+            - instructions(tree, config, endpoint, small, without, servers)) / (large - small)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=640, help="requests of the short run")
     p.add_argument("--large", type=int, default=2560, help="requests of the long run")
     p.add_argument("--base", type=Path, help="another checkout, measured the same way")
+    p.add_argument("--servers", default="1,2", help="prefill and decode servers, P,D "
+                   "(logic_cost --servers; 5,5 is loadtests.scaling's cluster)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("valgrind is not on PATH", file=sys.stderr)
@@ -71,13 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     if large <= small:
         p.error("--large must exceed --small by at least 64 requests")
     trees = [("this checkout", HERE)] + ([("base", args.base.resolve())] if args.base else [])
-    print(f"`python -m loadtests.instruction_cost --endpoint {args.endpoint}` (instructions "
+    shape = f" --servers {args.servers}" if args.servers != "1,2" else ""
+    print(f"`python -m loadtests.instruction_cost --endpoint {args.endpoint}{shape}` (instructions "
           f"per request: runs of {large} and {small} requests, differenced)\n")
     print("| configuration | " + " | ".join(name for name, _ in trees)
           + (" | this / base |" if args.base else " |"))
     print("|---|" + "---|" * (len(trees) + (1 if args.base else 0)))
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
-        counts = [per_request(tree, config, args.endpoint, small, large) for _, tree in trees]
+        counts = [per_request(tree, config, args.endpoint, small, large,
+                              servers=args.servers) for _, tree in trees]
         ratio = f" {counts[0] / counts[1]:.3f}x |" if args.base else ""
         print(f"| {config} | " + " | ".join(f"{c:,.0f}" for c in counts) + " |" + ratio)
     return 0

@@ -46,9 +46,22 @@ from gateway.config.settings import load_config
 from gateway.routes.server_protocol import CHUNKS, DEPARTURE, WHOLE, Departure
 from loadtests import mechanisms, pd_floor, stages, worker_mode
 
-SERVERS = ["--prefill", "http://127.0.0.1:1", "9", "--decode", "http://127.0.0.1:2",
-           "--decode", "http://127.0.0.1:3", "--skip-probe", "--health-interval", "600",
-           "--loads-interval", "0"]
+QUIET = ["--skip-probe", "--health-interval", "600", "--loads-interval", "0"]
+
+
+def servers(prefills: int = 1, decodes: int = 2) -> list[str]:
+    """The gateway's flags for `prefills` prefill and `decodes` decode servers (the upstream
+    answers them all in memory). The default, 1 + 2, is `loadtests.overhead`'s cluster;
+    `loadtests.scaling` gives the proxy 5 + 5, where the policies weigh five candidates."""
+    flags: list[str] = []
+    for i in range(prefills):
+        flags += ["--prefill", f"http://127.0.0.1:{1 + i}", str(9 + i)]
+    for i in range(decodes):
+        flags += ["--decode", f"http://127.0.0.1:{101 + i}"]
+    return flags + QUIET
+
+
+SERVERS = servers()
 BODIES = {
     "generate": ("/generate", {"text": "Summarise the plot of a short story about a lighthouse "
                                        "keeper and a storm.",
@@ -168,7 +181,8 @@ def _stop_clocked_loops() -> None:
             task.cancel()
 
 
-async def _measure(config: str, endpoint: str, requests: int) -> float:
+async def _measure(config: str, endpoint: str, requests: int,
+                   topology: list[str] = SERVERS) -> float:
     """CPU microseconds per request for one configuration (after a warm-up)."""
     streamed = endpoint.endswith("-stream")
     upstream = _Upstream(orjson.dumps(ANSWERS[endpoint.removesuffix("-stream")]),
@@ -185,7 +199,7 @@ async def _measure(config: str, endpoint: str, requests: int) -> float:
         raise ValueError(f"the stage {config} answers whole: it is for generate and chat")
     flags = ["--policy", "round_robin"] if config == "round_robin" else []
     with worker_mode.as_worker() if config == "worker" else nullcontext() as worker:
-        app = build_app(load_config([*SERVERS, *flags]), worker=worker)
+        app = build_app(load_config([*topology, *flags]), worker=worker)
         async with app.app.router.lifespan_context(app.app):
             gateway = app.state.gateway
             gateway.dispatcher.upstream = upstream
@@ -253,11 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--without", default="", help="mechanisms replaced by nothing for the "
                    "whole run, comma-separated, or all (loadtests/mechanisms.py): upper "
                    "bounds of what each costs")
+    p.add_argument("--servers", default="1,2", help="prefill and decode servers, P,D "
+                   "(default 1,2 as loadtests.overhead; 5,5 as loadtests.scaling)")
     args = p.parse_args(argv)
     try:
         stubs = mechanisms.names(args.without)
+        prefills, decodes = (int(n) for n in args.servers.split(","))
+        if prefills < 1 or decodes < 1:
+            raise ValueError(f"--servers {args.servers}: at least one of each")
     except ValueError as exc:
         p.error(str(exc))
+    topology = servers(prefills, decodes)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     try:
         import uvloop
@@ -274,14 +294,15 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for config in configs:
                     results[config].append(runner.run(_measure(config, args.endpoint,
-                                                               args.requests)))
+                                                               args.requests, topology)))
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
     base = statistics.median(results[configs[0]])
     per_event = STREAM_EVENTS + 1 if args.endpoint.endswith("-stream") else 0
     without = f" --without {','.join(stubs)}" if stubs else ""
-    print(f"`python -m loadtests.logic_cost --endpoint {args.endpoint}{without}` "
+    shape = f" --servers {args.servers}" if args.servers != "1,2" else ""
+    print(f"`python -m loadtests.logic_cost --endpoint {args.endpoint}{shape}{without}` "
           f"({args.requests} requests x {args.rounds} rounds, {CONCURRENCY} at a time)\n")
     extra = f" CPU us / event ({per_event} a stream, median) |" if per_event else ""
     print("| configuration | CPU us / request (min) | median | vs " + configs[0] + " |" + extra)

@@ -23,6 +23,7 @@ from gateway.prefix.tree import CHARS_PER_TOKEN
 
 ANCHOR = 512  # tokens of a prompt that identify it (text: 4 characters a token)
 VNODES = 64  # ring points per server: an even share for each
+WALKS = 4096  # walks kept per ring, by their starting point (VNODES x 64 targets)
 
 
 def _hash(data: bytes) -> int:
@@ -55,24 +56,37 @@ class Ring:
     def __init__(self) -> None:
         self._points: list[int] = []
         self._owners: list[str] = []
+        # a walk depends only on the ring and its starting point: each pick asks for its
+        # prompt's walk two or three times, and prompts on one anchor start at one point
+        self._walks: dict[int, tuple[str, ...]] = {}
 
     def rebuild(self, keys: Sequence[str]) -> None:
         pairs = sorted((_hash(f"{key}#{v}".encode()), key) for key in keys for v in range(VNODES))
         self._points = [p for p, _ in pairs]
         self._owners = [k for _, k in pairs]
+        self._walks = {}
 
-    def walk(self, anchor: bytes) -> list[str]:
+    def walk(self, anchor: bytes) -> tuple[str, ...]:
         """Every target once, clockwise from the anchor's point."""
-        if not self._points:
-            return []
-        start = bisect.bisect(self._points, _hash(anchor)) % len(self._points)
+        points = self._points
+        if not points:
+            return ()
+        start = bisect.bisect(points, _hash(anchor)) % len(points)
+        walk = self._walks.get(start)
+        if walk is None:
+            walk = self._walk_from(start)
+            if len(self._walks) < WALKS:
+                self._walks[start] = walk
+        return walk
+
+    def _walk_from(self, start: int) -> tuple[str, ...]:
         seen: dict[str, None] = {}
         owners = self._owners
         for i in range(len(owners)):
             seen.setdefault(owners[(start + i) % len(owners)])
             if len(seen) * VNODES >= len(owners):
                 break
-        return list(seen)
+        return tuple(seen)
 
     def first(self, anchor: bytes, candidates: Sequence, loads: Sequence[float],
               epsilon: float, among: Sequence[bool]) -> int | None:

@@ -150,3 +150,19 @@ def test_the_worker_configuration_runs_the_path_of_one_of_eight_workers(monkeypa
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == before
     with pytest.raises(FileNotFoundError):  # unlinked
         SharedState(attached[0].shm.name, worker_mode.WORKERS, 0, "/dev/null")
+
+
+def test_the_scaling_benchmarks_cluster_can_be_measured(capsys):
+    """`--servers 5,5` builds the gateway over five prefills and five decodes, as
+    `loadtests.scaling` gives it, so the policies weigh five candidates per role."""
+    from gateway.app import build_app
+    from gateway.config.settings import load_config
+
+    pool = build_app(load_config(logic_cost.servers(5, 5))).state.gateway.pool
+    assert [len(pool.role(r)) for r in ("prefill", "decode")] == [5, 5]
+    assert len({s.bootstrap_port for s in pool.role("prefill")}) == 5
+    assert logic_cost.main(["--requests", "256", "--rounds", "1", "--configs", "default",
+                            "--servers", "5,5"]) == 0
+    assert "--servers 5,5" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        logic_cost.main(["--servers", "0,2"])

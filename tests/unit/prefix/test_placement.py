@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.prefix.placement import Ring, anchor_of
+from gateway.prefix.placement import VNODES, Ring, _hash, anchor_of
 from tests.unit.builders import chat, server
 
 URLS = [f"http://10.0.2.{i}:30000" for i in range(1, 6)]
@@ -51,3 +51,43 @@ def test_anchors_are_shared_by_a_long_system_prompt_and_kept_over_turns() -> Non
             assert len(keys) == 1  # the conversation keeps its anchor
             anchors |= keys
         assert (len(anchors) == 1) is shared  # a long prompt anchors all its conversations
+
+
+def _walk_by_hand(keys: list[str], anchor: bytes) -> tuple[str, ...]:
+    """The ring walked afresh from its definition: VNODES points per target, every target
+    once, clockwise from the first point after the anchor's."""
+    ring_points = sorted((_hash(f"{key}#{v}".encode()), key) for key in keys
+                         for v in range(VNODES))
+    start = sum(point <= _hash(anchor) for point, _ in ring_points) % len(ring_points)
+    order: list[str] = []
+    for i in range(len(ring_points)):
+        owner = ring_points[(start + i) % len(ring_points)][1]
+        if owner not in order:
+            order.append(owner)
+    return tuple(order)
+
+
+def test_kept_walks_are_the_walks_and_a_rebuild_forgets_them() -> None:
+    """A walk is kept by its starting point: asked again (the pick asks two or three times),
+    or for another anchor starting at the same point, it is the same order as a fresh walk;
+    after the servers change, no walk of the old ring is given out."""
+    r = ring()
+    anchors = [f"prompt {n}".encode() for n in range(300)]
+    for _ in range(2):  # the second pass is served from what the first kept
+        for anchor in anchors:
+            assert r.walk(anchor) == _walk_by_hand(URLS, anchor)
+    fewer = URLS[:3] + ["http://10.0.2.9:30000"]
+    r.rebuild(fewer)
+    for anchor in anchors:
+        assert r.walk(anchor) == _walk_by_hand(fewer, anchor)
+        assert set(r.walk(anchor)) == set(fewer)
+
+
+def test_kept_walks_are_bounded(monkeypatch) -> None:
+    from gateway.prefix import placement
+
+    monkeypatch.setattr(placement, "WALKS", 8)
+    r = ring()
+    for n in range(200):
+        assert len(r.walk(f"prompt {n}".encode())) == len(URLS)
+    assert len(r._walks) == 8
