@@ -26,19 +26,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+from loadtests.logic_cost import DEFAULT_SERVERS
+
 _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 HERE = Path(__file__).resolve().parent.parent
 
 
 def instructions(tree: Path, config: str, endpoint: str, requests: int,
-                 without: str = "", servers: str = "1,2") -> int:
+                 without: str = "", servers: str = DEFAULT_SERVERS) -> int:
     """Instructions of one `logic_cost` run of `requests` requests in checkout `tree`
     (`without`: mechanisms stubbed, `logic_cost --without`)."""
     command = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
                "--cachegrind-out-file=/dev/null", sys.executable, "-m", "loadtests.logic_cost",
                "--rounds", "1", "--configs", config, "--endpoint", endpoint,
                "--requests", str(requests),
-               *(["--servers", servers] if servers != "1,2" else []),  # a base may predate it
+               *(["--servers", servers] if servers != DEFAULT_SERVERS else []),  # a base may predate it
                *(["--without", without] if without else [])]
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(tree)}
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
@@ -50,7 +52,7 @@ def instructions(tree: Path, config: str, endpoint: str, requests: int,
 
 
 def per_request(tree: Path, config: str, endpoint: str, small: int, large: int,
-                without: str = "", servers: str = "1,2") -> float:
+                without: str = "", servers: str = DEFAULT_SERVERS) -> float:
     return (instructions(tree, config, endpoint, large, without, servers)
             - instructions(tree, config, endpoint, small, without, servers)) / (large - small)
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=640, help="requests of the short run")
     p.add_argument("--large", type=int, default=2560, help="requests of the long run")
     p.add_argument("--base", type=Path, help="another checkout, measured the same way")
-    p.add_argument("--servers", default="1,2", help="prefill and decode servers, P,D "
+    p.add_argument("--servers", default=DEFAULT_SERVERS, help="prefill and decode servers, P,D "
                    "(logic_cost --servers; 5,5 is loadtests.scaling's cluster)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if large <= small:
         p.error("--large must exceed --small by at least 64 requests")
     trees = [("this checkout", HERE)] + ([("base", args.base.resolve())] if args.base else [])
-    shape = f" --servers {args.servers}" if args.servers != "1,2" else ""
+    shape = f" --servers {args.servers}" if args.servers != DEFAULT_SERVERS else ""
     print(f"`python -m loadtests.instruction_cost --endpoint {args.endpoint}{shape}` (instructions "
           f"per request: runs of {large} and {small} requests, differenced)\n")
     print("| configuration | " + " | ".join(name for name, _ in trees)

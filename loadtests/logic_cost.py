@@ -47,6 +47,7 @@ from gateway.routes.server_protocol import CHUNKS, DEPARTURE, WHOLE, Departure
 from loadtests import mechanisms, pd_floor, stages, worker_mode
 
 QUIET = ["--skip-probe", "--health-interval", "600", "--loads-interval", "0"]
+DEFAULT_SERVERS = "1,2"  # `--servers`: loadtests.overhead's cluster
 
 
 def servers(prefills: int = 1, decodes: int = 2) -> list[str]:
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--without", default="", help="mechanisms replaced by nothing for the "
                    "whole run, comma-separated, or all (loadtests/mechanisms.py): upper "
                    "bounds of what each costs")
-    p.add_argument("--servers", default="1,2", help="prefill and decode servers, P,D "
+    p.add_argument("--servers", default=DEFAULT_SERVERS, help="prefill and decode servers, P,D "
                    "(default 1,2 as loadtests.overhead; 5,5 as loadtests.scaling)")
     args = p.parse_args(argv)
     try:
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(results[configs[0]])
     per_event = STREAM_EVENTS + 1 if args.endpoint.endswith("-stream") else 0
     without = f" --without {','.join(stubs)}" if stubs else ""
-    shape = f" --servers {args.servers}" if args.servers != "1,2" else ""
+    shape = f" --servers {args.servers}" if args.servers != DEFAULT_SERVERS else ""
     print(f"`python -m loadtests.logic_cost --endpoint {args.endpoint}{shape}{without}` "
           f"({args.requests} requests x {args.rounds} rounds, {CONCURRENCY} at a time)\n")
     extra = f" CPU us / event ({per_event} a stream, median) |" if per_event else ""

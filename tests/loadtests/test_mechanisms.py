@@ -67,24 +67,21 @@ def test_the_table_has_a_row_per_change_and_the_floor_below_the_default(capsys):
     assert floor < default / 2  # the floor is a fraction of the gateway's own work
 
 
-def test_the_workers_mechanisms_are_stubbed_in_the_worker_configuration(capsys):
+def test_the_workers_mechanisms_are_stubbed_in_the_worker_configuration(capsys, monkeypatch):
     """`shared_prefixes` and `shared_loads` are what a worker of `--workers` adds: stubbed, the
     worker still answers every request, and nothing of its in-flight figures reaches the
     shared block (the stub replaced the publishing)."""
     from gateway.processes.shared_state import ServerShare
 
     published = []
-    original = ServerShare.publish
-    try:
-        ServerShare.publish = lambda share, *figures: published.append(figures)
-        assert logic_cost.main(["--requests", "128", "--rounds", "1", "--configs", "worker"]) == 0
-        assert published  # the worker configuration publishes (else the stub measures 0)
-        published.clear()
-        assert logic_cost.main(["--requests", "128", "--rounds", "1", "--configs", "worker",
-                                "--without", "shared_prefixes,shared_loads"]) == 0
-        assert published == []
-    finally:
-        ServerShare.publish = original
+    monkeypatch.setattr(ServerShare, "publish",
+                        lambda share, *figures: published.append(figures))
+    assert logic_cost.main(["--requests", "128", "--rounds", "1", "--configs", "worker"]) == 0
+    assert published  # the worker configuration publishes (else the stub measures 0)
+    published.clear()
+    assert logic_cost.main(["--requests", "128", "--rounds", "1", "--configs", "worker",
+                            "--without", "shared_prefixes,shared_loads"]) == 0
+    assert published == []
     assert "--without shared_prefixes,shared_loads" in capsys.readouterr().out
 
 
