@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import zmq
 
+from backends.launcher.ports import is_port_free, quiet_ports
 from backends.sim.config import config_from_args
 from backends.sim.dp import CONTROLLER_CRASH_EXIT_CODE
 from tests.sim.conftest import PD_FLAGS
@@ -46,25 +47,18 @@ def rank_requests(sim: Sim) -> list[int]:
 
 
 def free_port_run(count: int) -> int:
-    """A base port with `count` free consecutive ports (KV events bind base + rank)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            socks = []
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind((HOST, port))
+    """A base port with `count` free consecutive ports (KV events bind base + rank).
+
+    Taken from the launcher's quiet ranges, below the kernel's ephemeral range: a run found
+    by bind(0) lies in that range, where the suite's own outgoing connections can take one of
+    its ports before the simulator binds it (CI, 2026-12-05: "Address already in use").
+    """
+    candidates = quiet_ports()  # shuffled
+    quiet = set(candidates)
+    for base in candidates:
+        run = range(base, base + count)
+        if quiet.issuperset(run) and all(is_port_free(HOST, port) for port in run):
             return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
     raise RuntimeError("no free port run")
 
 
