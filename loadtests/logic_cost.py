@@ -22,6 +22,11 @@ moves less from run to run. Configurations, side by side in one run:
   loadtests/stages.py): the default request path cut short at a stage of its dispatch, for
   whole answers (generate, chat): what each part of the dispatch costs.
 
+`--loads` keeps a fresh `/v1/loads` snapshot on every server (what `loadtests.pdstub` answers,
+stamped each second as the gateway's poll would): the path a deployment runs, where the load
+scores and the capacity test read the servers' figures. Without it (and in the figures before
+2026-12-06) no snapshot is ever taken: the scores count the gateway's own requests alone.
+
 `--without NAME,...` (or `all`) runs every configuration with those per-request mechanisms
 replaced by nothing (loadtests/mechanisms.py): upper bounds of what each costs.
 
@@ -85,6 +90,10 @@ ANSWERS = {
              "usage": {"prompt_tokens": 17, "completion_tokens": 2, "total_tokens": 19}},
 }
 CONCURRENCY = 64
+# a `/v1/loads` answer of an idle server with a 400,000-token KV pool (as loadtests.pdstub's)
+LOADS = {"loads": [{"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0,
+                    "num_used_tokens": 0, "max_total_num_tokens": 400000,
+                    "max_running_requests": 4096, "token_usage": 0.0}]}
 
 
 def _events() -> list[bytes]:
@@ -182,9 +191,18 @@ def _stop_clocked_loops() -> None:
             task.cancel()
 
 
+async def _polled(pool) -> None:
+    """Every server's `/v1/loads` snapshot kept fresh, as the gateway's poll keeps it."""
+    while True:
+        for server in pool:
+            server.apply_loads(LOADS, server.ask_loads())
+        await asyncio.sleep(1.0)
+
+
 async def _measure(config: str, endpoint: str, requests: int,
-                   topology: list[str] = SERVERS) -> float:
-    """CPU microseconds per request for one configuration (after a warm-up)."""
+                   topology: list[str] = SERVERS, loads: bool = False) -> float:
+    """CPU microseconds per request for one configuration (after a warm-up); `loads`: with
+    fresh `/v1/loads` snapshots (`_polled`)."""
     streamed = endpoint.endswith("-stream")
     upstream = _Upstream(orjson.dumps(ANSWERS[endpoint.removesuffix("-stream")]),
                          _events() if streamed else None)
@@ -207,8 +225,13 @@ async def _measure(config: str, endpoint: str, requests: int,
             if config == "fixed":
                 _fixed_choice(gateway)
             _stop_clocked_loops()
-            with stages.cut(gateway, config, upstream.answer) if staged else nullcontext():
-                return await _drive(config, app, endpoint, requests)
+            poll = asyncio.create_task(_polled(gateway.pool)) if loads else None
+            try:
+                with stages.cut(gateway, config, upstream.answer) if staged else nullcontext():
+                    return await _drive(config, app, endpoint, requests)
+            finally:
+                if poll is not None:
+                    poll.cancel()
 
 
 async def _drive(config: str, app, endpoint: str, requests: int) -> float:
@@ -270,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                    "bounds of what each costs")
     p.add_argument("--servers", default=DEFAULT_SERVERS, help="prefill and decode servers, P,D "
                    "(default 1,2 as loadtests.overhead; 5,5 as loadtests.scaling)")
+    p.add_argument("--loads", action="store_true", help="fresh /v1/loads snapshots on every "
+                   "server, as a deployment polls them")
     args = p.parse_args(argv)
     try:
         stubs = mechanisms.names(args.without)
@@ -295,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for config in configs:
                     results[config].append(runner.run(_measure(config, args.endpoint,
-                                                               args.requests, topology)))
+                                                               args.requests, topology,
+                                                               args.loads)))
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
@@ -303,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     per_event = STREAM_EVENTS + 1 if args.endpoint.endswith("-stream") else 0
     without = f" --without {','.join(stubs)}" if stubs else ""
     shape = f" --servers {args.servers}" if args.servers != DEFAULT_SERVERS else ""
+    shape += " --loads" if args.loads else ""
     print(f"`python -m loadtests.logic_cost --endpoint {args.endpoint}{shape}{without}` "
           f"({args.requests} requests x {args.rounds} rounds, {CONCURRENCY} at a time)\n")
     extra = f" CPU us / event ({per_event} a stream, median) |" if per_event else ""

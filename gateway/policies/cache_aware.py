@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from gateway.policies.base import Policy
 from gateway.prefix.capacity import Capacity
-from gateway.prefix.placement import Ring, anchor_of
+from gateway.prefix.placement import Ring, anchor_of, first, place
 from gateway.prefix.shared import SharedPrefixes, merged
 from gateway.prefix.tree import CHARS_PER_TOKEN, Key, Match, PrefixTree
 from gateway.request import RequestView
@@ -185,13 +185,15 @@ class CacheAwarePolicy(Policy):
             floor = best - best * TIE_BAND
             allowed, reason = self.capacity.allowed(self.tree, candidates, matched, lengths,
                                                     floor, unit, key_len, now)
-            chosen = self.ring.first(anchor, candidates, scores, options.placement_epsilon,
-                                     allowed)
+            order = self.ring.order(anchor, candidates)
+            chosen = first(order, scores, options.placement_epsilon, allowed)
             if chosen is None:  # every holder over the bound: the cheapest of them
                 chosen = rotating_argmin([c if ok else INF for c, ok in
                                           zip(costs, allowed, strict=True)], turn)
-            copy = spread(self.ring.walk(anchor), candidates, costs,
-                          [n < floor for n in lengths], chosen, options.move_factor)
+            fresh = [n < floor for n in lengths]
+            copy = None
+            if True in fresh:  # a candidate without the prefix: a new copy there may pay
+                copy = spread(order, costs, fresh, chosen, options.move_factor)
             if copy is not None:
                 reason, chosen = "spread", copy
                 self._moved(reason, candidates, scores, costs, lengths)
@@ -199,7 +201,8 @@ class CacheAwarePolicy(Policy):
             return candidates[chosen]
         if key is not None and key_len >= options.placement_min:
             room = self.capacity.placeable(self.tree, candidates, key_len * unit, now)
-            placed = self.ring.place(anchor, candidates, scores, options.placement_epsilon, room)
+            placed = place(self.ring.order(anchor, candidates), scores,
+                           options.placement_epsilon, room)
             if placed is not None:
                 self._decisions["placement"] += 1
                 return candidates[placed]

@@ -76,12 +76,16 @@ class Capacity:
         the best match, as without capacities) or "capacity". `lengths` are the candidates'
         matches, `floor` the best's band, `unit` the size of a key item."""
         ends = matched.ends
-        if ends and matched.end >= floor:
-            keep = [n >= floor and w.url in ends for w, n in zip(candidates, lengths, strict=True)]
-            if True in keep:
-                last = max((w for w, k in zip(candidates, keep, strict=True) if k),
-                           key=lambda w: ends[w.url])
-                self._continued(tree, last, ends[last.url], (key_len - matched.end) * unit, now)
+        if ends and matched.end >= floor:  # a continuation: the holders of its earlier key
+            keep: list[bool] = []
+            last, used = None, 0.0  # the holder that used it last, and when
+            for w, n in zip(candidates, lengths, strict=True):
+                at = ends.get(w.url) if n >= floor else None
+                keep.append(at is not None)
+                if at is not None and (last is None or at > used):
+                    last, used = w, at
+            if last is not None:
+                self._continued(tree, last, used, (key_len - matched.end) * unit, now)
                 return keep, "cache"
         holders = [n >= floor for n in lengths]
         self._branch()

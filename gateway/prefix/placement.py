@@ -88,38 +88,40 @@ class Ring:
                 break
         return tuple(seen)
 
-    def first(self, anchor: bytes, candidates: Sequence, loads: Sequence[float],
-              epsilon: float, among: Sequence[bool]) -> int | None:
-        """Index of the first candidate of `among` on the ring from the anchor whose load is
-        within the bound of `place`; None if every one of them is over it."""
-        bound = _bound(loads, epsilon)
-        index = {c.url: i for i, c in enumerate(candidates)}
-        for url in self.walk(anchor):
-            i = index.get(url)
-            if i is not None and among[i] and loads[i] <= bound:
-                return i
-        return None
+    def order(self, anchor: bytes, candidates: Sequence) -> list[int]:
+        """Indices of `candidates` in ring order from the anchor, those not on the ring left
+        out: computed once per pick, then walked by `first`, `place` and `load.spread`."""
+        get = {c.url: i for i, c in enumerate(candidates)}.get
+        return [i for url in self.walk(anchor) if (i := get(url)) is not None]
 
-    def place(self, anchor: bytes, candidates: Sequence, loads: Sequence[float],
-              epsilon: float, room: Sequence[bool] | None = None) -> int | None:
-        """Index of the candidate to take: the first on the ring from the anchor whose load
-        is at most (1 + epsilon) x the average (+1, so an idle fleet is never full), among
-        those with `room` in their cache first, when given."""
-        index = {c.url: i for i, c in enumerate(candidates)}
-        bound = _bound(loads, epsilon)
-        first = fallback = None
-        for url in self.walk(anchor):
-            i = index.get(url)
-            if i is None:
-                continue
-            if first is None:
-                first = i
-            if loads[i] <= bound:
-                if room is None or room[i]:
-                    return i
-                if fallback is None:
-                    fallback = i
-        return first if fallback is None else fallback
+
+def first(order: Sequence[int], loads: Sequence[float], epsilon: float,
+          among: Sequence[bool]) -> int | None:
+    """Index of the first candidate of `among` in `order` (`Ring.order`) whose load is within
+    the bound of `place`; None if every one of them is over it."""
+    bound = _bound(loads, epsilon)
+    for i in order:
+        if among[i] and loads[i] <= bound:
+            return i
+    return None
+
+
+def place(order: Sequence[int], loads: Sequence[float], epsilon: float,
+          room: Sequence[bool] | None = None) -> int | None:
+    """Index of the candidate to take: the first in `order` (`Ring.order`) whose load is at
+    most (1 + epsilon) x the average (+1, so an idle fleet is never full), among those with
+    `room` in their cache first, when given; None when `order` is empty."""
+    bound = _bound(loads, epsilon)
+    fallback = None
+    for i in order:
+        if loads[i] <= bound:
+            if room is None or room[i]:
+                return i
+            if fallback is None:
+                fallback = i
+    if fallback is not None:
+        return fallback
+    return order[0] if order else None
 
 
 def _bound(loads: Sequence[float], epsilon: float) -> float:

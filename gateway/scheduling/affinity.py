@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from gateway.policies.cache_aware import CacheAwareOptions
-from gateway.prefix.placement import Ring
+from gateway.prefix.placement import Ring, place
 from gateway.scheduling.load import imbalanced, load_scores
 
 OUTCOMES = ("kept", "placed", "moved")
@@ -103,8 +103,8 @@ class SessionAffinity:
                         scores = [*scores[:index], *scores[index + 1:]]
                     break
             outcome = "moved"
-        index = self.ring.place(session, candidates, scores,
-                                self._options.placement_epsilon)
+        index = place(self.ring.order(session, candidates), scores,
+                      self._options.placement_epsilon)
         if index is None:  # not on the ring yet (a target just added): the least loaded
             index = min(range(len(scores)), key=scores.__getitem__)
         chosen = candidates[index]

@@ -71,10 +71,13 @@ def load_score(server: Server, options: LoadOptions, use_server: bool) -> float:
     """The server's load in load units; `use_server` only when every compared server is fresh."""
     requests, tokens = server.working()
     usage = 0.0
-    if use_server:
+    if use_server:  # the larger of each figure (comparisons, not max(): every pick, per server)
         reported = server.load
-        requests = max(requests, reported.running + reported.waiting - reported.settled)
-        tokens = max(tokens, reported.waiting_uncached_tokens)
+        running = reported.running + reported.waiting - reported.settled
+        if running > requests:
+            requests = running
+        if reported.waiting_uncached_tokens > tokens:
+            tokens = reported.waiting_uncached_tokens
         usage = reported.token_usage
         if reported.settled_tokens and reported.max_total_tokens:  # ours that ended since
             usage = max(0.0, usage - reported.settled_tokens / reported.max_total_tokens)
@@ -148,18 +151,17 @@ def cheapest(costs: Sequence[float], lengths: Sequence[int], factor: float,
                             for c, n, ok in zip(costs, lengths, near, strict=True)], start)
 
 
-def spread(order: Sequence[str], candidates: Sequence, costs: Sequence[float],
-           fresh: Sequence[bool], chosen: int, factor: float) -> int | None:
+def spread(order: Sequence[int], costs: Sequence[float], fresh: Sequence[bool], chosen: int,
+           factor: float) -> int | None:
     """A `fresh` target (one not holding the prompt's prefix) whose cost is clearly below
-    that of the `chosen` holder, the lowest first, then the first in `order` (ring order of
-    the prompt's anchor, so processes agree); None: stay. Its cost includes computing the
-    prefix, so a new copy of a hot prefix is made only once the holders' queues outweigh
-    that; a holder the capacity test left out is no fresh target."""
-    index = {c.url: i for i, c in enumerate(candidates)}
+    that of the `chosen` holder, the lowest first, then the first in `order` (candidate
+    indices in ring order of the prompt's anchor, `Ring.order`, so processes agree); None:
+    stay. Its cost includes computing the prefix, so a new copy of a hot prefix is made only
+    once the holders' queues outweigh that; a holder the capacity test left out is no fresh
+    target."""
     best = None
-    for url in order:
-        i = index.get(url)
-        if i is not None and fresh[i] and (best is None or costs[i] < costs[best]):
+    for i in order:
+        if fresh[i] and (best is None or costs[i] < costs[best]):
             best = i
     if best is None or not _clearly_lower(costs[best], costs[chosen], factor):
         return None

@@ -166,3 +166,32 @@ def test_the_scaling_benchmarks_cluster_can_be_measured(capsys):
     assert "--servers 5,5" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         logic_cost.main(["--servers", "0,2"])
+
+
+def test_loads_keep_every_servers_snapshot_fresh_so_the_scores_read_them():
+    """`--loads`: the scores take the path a deployment runs (every snapshot fresh,
+    `load.all_fresh`), and the capacity test knows each server's KV pool; without it, no
+    snapshot is ever taken."""
+    import asyncio
+    import time
+
+    from gateway.app import build_app
+    from gateway.config.settings import load_config
+    from gateway.scheduling.load import all_fresh
+
+    async def main(loads: bool) -> tuple[bool, list[int]]:
+        app = build_app(load_config(logic_cost.servers(5, 5)))
+        async with app.app.router.lifespan_context(app.app):
+            pool = app.state.gateway.pool
+            poll = asyncio.create_task(logic_cost._polled(pool)) if loads else None
+            await asyncio.sleep(0)
+            servers = list(pool)
+            fresh = all_fresh(servers, time.monotonic(), 6.0)
+            if poll is not None:
+                poll.cancel()
+            return fresh, [w.load.max_total_tokens for w in servers]
+
+    assert asyncio.run(main(True)) == (True, [400000] * 10)
+    assert asyncio.run(main(False)) == (False, [0] * 10)
+    assert logic_cost.main(["--requests", "128", "--rounds", "1", "--configs", "default",
+                            "--servers", "5,5", "--loads"]) == 0

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.prefix.placement import VNODES, Ring, _hash, anchor_of
+from gateway.prefix.placement import VNODES, Ring, _hash, anchor_of, first, place
 from tests.unit.builders import chat, server
 
 URLS = [f"http://10.0.2.{i}:30000" for i in range(1, 6)]
@@ -35,7 +35,29 @@ def test_first_follows_the_ring_within_the_bound(among, loaded, expect) -> None:
     loads = [0.0] * 5
     if loaded is not None:
         loads[loaded] = 50.0  # far over (1 + 0.25) x the average + 1
-    assert r.first(anchor, candidates, loads, 0.25, among) == expect
+    assert first(r.order(anchor, candidates), loads, 0.25, among) == expect
+
+
+def test_order_is_the_walk_as_candidate_indices() -> None:
+    """Candidates come in any order, some may be missing from the ring (just added): the
+    order lists the ring's members among them, by their index, clockwise from the anchor."""
+    r = ring()
+    anchor = b"another prompt"
+    walk = r.walk(anchor)
+    candidates = [server(url) for url in [URLS[3], "http://10.0.9.9:1", URLS[0], URLS[4]]]
+    order = r.order(anchor, candidates)
+    assert [candidates[i].url for i in order] == [url for url in walk
+                                                  if url in {URLS[0], URLS[3], URLS[4]}]
+    assert place(order, [0.0] * 4, 0.25) == order[0]
+    assert place([], [0.0], 0.25) is None
+
+
+def test_place_prefers_room_then_the_first_within_the_bound_then_the_first() -> None:
+    order = [2, 0, 1]
+    assert place(order, [0.0, 0.0, 0.0], 0.25, [True, True, False]) == 0  # 2 has no room
+    assert place(order, [0.0, 9.0, 9.0], 0.25, [False, True, True]) == 0  # in bound, no room
+    assert place(order, [9.0, 9.0, 90.0], 0.25) == 0  # 2 over the bound
+    assert place([2], [9.0, 9.0, 90.0], 0.25) == 2  # nobody in bound: the first
 
 
 def test_anchors_are_shared_by_a_long_system_prompt_and_kept_over_turns() -> None:

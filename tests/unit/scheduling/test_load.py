@@ -119,8 +119,7 @@ def test_cheapest(costs, lengths, expected) -> None:
     ],
 )
 def test_spread(costs, fresh, expected) -> None:
-    candidates = [server(name) for name in "abc"]
-    assert spread(["a", "b", "c"], candidates, costs, fresh, 0, 1.2) == expected
+    assert spread([0, 1, 2], costs, fresh, 0, 1.2) == expected
 
 
 def test_a_snapshot_forgets_our_requests_that_ended_after_it() -> None:
