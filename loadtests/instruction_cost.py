@@ -33,15 +33,17 @@ HERE = Path(__file__).resolve().parent.parent
 
 
 def instructions(tree: Path, config: str, endpoint: str, requests: int,
-                 without: str = "", servers: str = DEFAULT_SERVERS) -> int:
+                 without: str = "", servers: str = DEFAULT_SERVERS, loads: bool = False) -> int:
     """Instructions of one `logic_cost` run of `requests` requests in checkout `tree`
-    (`without`: mechanisms stubbed, `logic_cost --without`)."""
+    (`without`: mechanisms stubbed, `logic_cost --without`; `loads`: `logic_cost --loads`,
+    whose polls, once a second, add about 0.1% to a run that valgrind slows 40x)."""
     command = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
                "--cachegrind-out-file=/dev/null", sys.executable, "-m", "loadtests.logic_cost",
                "--rounds", "1", "--configs", config, "--endpoint", endpoint,
                "--requests", str(requests),
                *(["--servers", servers] if servers != DEFAULT_SERVERS else []),  # a base may predate it
-               *(["--without", without] if without else [])]
+               *(["--without", without] if without else []),
+               *(["--loads"] if loads else [])]
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(tree)}
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
                           timeout=1800)
@@ -52,9 +54,10 @@ def instructions(tree: Path, config: str, endpoint: str, requests: int,
 
 
 def per_request(tree: Path, config: str, endpoint: str, small: int, large: int,
-                without: str = "", servers: str = DEFAULT_SERVERS) -> float:
-    return (instructions(tree, config, endpoint, large, without, servers)
-            - instructions(tree, config, endpoint, small, without, servers)) / (large - small)
+                without: str = "", servers: str = DEFAULT_SERVERS, loads: bool = False) -> float:
+    return (instructions(tree, config, endpoint, large, without, servers, loads)
+            - instructions(tree, config, endpoint, small, without, servers, loads)
+            ) / (large - small)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", type=Path, help="another checkout, measured the same way")
     p.add_argument("--servers", default=DEFAULT_SERVERS, help="prefill and decode servers, P,D "
                    "(logic_cost --servers; 5,5 is loadtests.scaling's cluster)")
+    p.add_argument("--loads", action="store_true", help="logic_cost --loads: fresh /v1/loads "
+                   "snapshots, the path a deployment runs")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("valgrind is not on PATH", file=sys.stderr)
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--large must exceed --small by at least 64 requests")
     trees = [("this checkout", HERE)] + ([("base", args.base.resolve())] if args.base else [])
     shape = f" --servers {args.servers}" if args.servers != DEFAULT_SERVERS else ""
+    shape += " --loads" if args.loads else ""
     print(f"`python -m loadtests.instruction_cost --endpoint {args.endpoint}{shape}` (instructions "
           f"per request: runs of {large} and {small} requests, differenced)\n")
     print("| configuration | " + " | ".join(name for name, _ in trees)
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---|" * (len(trees) + (1 if args.base else 0)))
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
         counts = [per_request(tree, config, args.endpoint, small, large,
-                              servers=args.servers) for _, tree in trees]
+                              servers=args.servers, loads=args.loads) for _, tree in trees]
         ratio = f" {counts[0] / counts[1]:.3f}x |" if args.base else ""
         print(f"| {config} | " + " | ".join(f"{c:,.0f}" for c in counts) + " |" + ratio)
     return 0
