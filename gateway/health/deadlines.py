@@ -73,7 +73,8 @@ class _Ring:
 
 def bucket_of(tokens: int) -> int:
     """Prompt-size bucket: 0 for up to 256 tokens, then one per doubling."""
-    return max(0, (max(tokens, 1) - 1).bit_length() - 8)
+    bits = (tokens - 1).bit_length() if tokens > 1 else 0  # comparisons: 4 calls a request
+    return bits - 8 if bits > 8 else 0
 
 
 def bucket_tokens(bucket: int) -> int:

@@ -80,7 +80,9 @@ def load_score(server: Server, options: LoadOptions, use_server: bool) -> float:
             tokens = reported.waiting_uncached_tokens
         usage = reported.token_usage
         if reported.settled_tokens and reported.max_total_tokens:  # ours that ended since
-            usage = max(0.0, usage - reported.settled_tokens / reported.max_total_tokens)
+            usage -= reported.settled_tokens / reported.max_total_tokens
+            if usage < 0.0:
+                usage = 0.0
     return requests + tokens / options.token_unit + options.usage_weight * usage
 
 
