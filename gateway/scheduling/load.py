@@ -67,12 +67,22 @@ def all_fresh(servers: Sequence[Server], now: float, max_age: float) -> bool:
     return True
 
 
-def load_score(server: Server, options: LoadOptions, use_server: bool) -> float:
-    """The server's load in load units; `use_server` only when every compared server is fresh."""
-    requests, tokens = server.working()
-    usage = 0.0
-    if use_server:  # the larger of each figure (comparisons, not max(): every pick, per server)
-        reported = server.load
+def load_scores(servers: Sequence[Server], options: LoadOptions, now: float) -> list[float]:
+    """Each server's load in load units, all on one consistent basis: the servers' reported
+    figures count only when every compared snapshot is fresh, else the gateway's counters
+    alone. One loop per basis, no call per server: every request's decode pick and prefill
+    pick come here (comparisons, not max(), for the same reason)."""
+    unit = options.token_unit
+    scores = []
+    if not all_fresh(servers, now, options.load_max_age):
+        for server in servers:
+            requests, tokens = server.working()
+            scores.append(requests + tokens / unit)
+        return scores
+    weight = options.usage_weight
+    for server in servers:
+        requests, tokens = server.working()
+        reported = server.load  # the larger of ours and the snapshot's
         running = reported.running + reported.waiting - reported.settled
         if running > requests:
             requests = running
@@ -83,20 +93,7 @@ def load_score(server: Server, options: LoadOptions, use_server: bool) -> float:
             usage -= reported.settled_tokens / reported.max_total_tokens
             if usage < 0.0:
                 usage = 0.0
-    return requests + tokens / options.token_unit + options.usage_weight * usage
-
-
-def load_scores(servers: Sequence[Server], options: LoadOptions, now: float) -> list[float]:
-    """Scores of all `servers` on one consistent basis (`load_score` of each; computed in
-    one loop here when the gateway's counters alone count: every request's decode pick and
-    most prefill picks come here)."""
-    if all_fresh(servers, now, options.load_max_age):
-        return [load_score(w, options, True) for w in servers]
-    unit = options.token_unit
-    scores = []
-    for server in servers:
-        requests, tokens = server.working()
-        scores.append(requests + tokens / unit)
+        scores.append(requests + tokens / unit + weight * usage)
     return scores
 
 
