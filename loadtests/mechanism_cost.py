@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     config = args.config
     rows = [(f"without {name}: {mechanisms.STUBS[name][0]}", count(config, name))
             for name in chosen]
-    rows.append((f"without all {len(chosen)} at once", count(config, ",".join(chosen))))
+    if len(chosen) > 1:  # with one, the same run as its own row
+        rows.append((f"without all {len(chosen)} at once", count(config, ",".join(chosen))))
     if config == "default":  # these two are single-process configurations
         rows.append(("policies replaced by a fixed alternation (`fixed`)", count("fixed")))
         rows.append(("the floor: a PD proxy's least work, same harness (`floor`)",

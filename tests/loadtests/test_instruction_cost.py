@@ -10,7 +10,8 @@ import pytest
 
 from loadtests import instruction_cost
 
-pytestmark = pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+pytestmark = [pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind"),
+              pytest.mark.timeout(900)]  # four runs under valgrind, 40x slower each
 ROOT = Path(__file__).resolve().parents[2]
 
 

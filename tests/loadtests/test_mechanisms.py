@@ -10,6 +10,11 @@ import pytest
 
 from loadtests import logic_cost, mechanism_cost, mechanisms
 
+# Each row is two runs under valgrind (about 40x slower, 25-30 s each here with imports): eight
+# to ten runs took over the suite's 300 s on the CI machine while the session's SGLang
+# servers idled beside them (2026-12-06).
+VALGRIND_TIMEOUT = 900
+
 
 def _current(module: str, path: str) -> object:
     return getattr(*mechanisms.resolve(module, path))
@@ -53,6 +58,7 @@ def test_the_floor_runs_in_the_same_harness_and_costs_less(capsys):
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+@pytest.mark.timeout(VALGRIND_TIMEOUT)
 def test_the_table_has_a_row_per_change_and_the_floor_below_the_default(capsys):
     assert mechanism_cost.main(["--only", "inflight", "--small", "128", "--large", "448"]) == 0
     rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()
@@ -86,6 +92,7 @@ def test_the_workers_mechanisms_are_stubbed_in_the_worker_configuration(capsys, 
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+@pytest.mark.timeout(VALGRIND_TIMEOUT)
 def test_the_worker_table_counts_its_own_mechanisms(capsys):
     assert mechanism_cost.main(["--config", "worker", "--only", "shared_loads",
                                 "--small", "128", "--large", "448"]) == 0
