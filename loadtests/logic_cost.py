@@ -49,7 +49,7 @@ import orjson
 from gateway.app import build_app
 from gateway.config.settings import load_config
 from gateway.routes.server_protocol import CHUNKS, DEPARTURE, WHOLE, Departure
-from loadtests import mechanisms, pd_floor, stages, worker_mode
+from loadtests import mechanisms, pd_floor, pdstub, stages, worker_mode
 
 QUIET = ["--skip-probe", "--health-interval", "600", "--loads-interval", "0"]
 DEFAULT_SERVERS = "1,2"  # `--servers`: loadtests.overhead's cluster
@@ -90,10 +90,7 @@ ANSWERS = {
              "usage": {"prompt_tokens": 17, "completion_tokens": 2, "total_tokens": 19}},
 }
 CONCURRENCY = 64
-# a `/v1/loads` answer of an idle server with a 400,000-token KV pool (as loadtests.pdstub's)
-LOADS = {"loads": [{"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0,
-                    "num_used_tokens": 0, "max_total_num_tokens": 400000,
-                    "max_running_requests": 4096, "token_usage": 0.0}]}
+LOADS = pdstub.loads_answer(0)  # an idle server's `/v1/loads`, as the scaling stubs answer
 
 
 def _events() -> list[bytes]:

@@ -106,10 +106,7 @@ class Server:
                                         "is_generation": True})
 
     def loads(self) -> bytes:
-        return orjson.dumps({"loads": [{
-            "dp_rank": 0, "num_running_reqs": self.running, "num_waiting_reqs": 0,
-            "num_used_tokens": 0, "max_total_num_tokens": 400000, "max_running_requests": 4096,
-            "token_usage": 0.0}]})
+        return orjson.dumps(loads_answer(self.running))
 
     def get(self, path: str) -> tuple[int, bytes]:
         if path in ("/health", "/health_generate", "/ready"):
@@ -158,6 +155,14 @@ class Server:
     def tokens(self, body: dict) -> int:
         """Output tokens: a prefill always answers one, as SGLang's does."""
         return 1 if self.role == "prefill" else _max_tokens(body)
+
+
+def loads_answer(running: int) -> dict:
+    """The stub's `/v1/loads` answer: one rank, a 400,000-token KV pool, `running` requests
+    (loadtests.logic_cost --loads applies the same to the in-process gateway's servers)."""
+    return {"loads": [{
+        "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0, "num_used_tokens": 0,
+        "max_total_num_tokens": 400000, "max_running_requests": 4096, "token_usage": 0.0}]}
 
 
 def _max_tokens(body: dict) -> int:
