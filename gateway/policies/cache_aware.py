@@ -229,7 +229,11 @@ class CacheAwarePolicy(Policy):
         if self.prefixes is None:
             return load_scores(candidates, self.options, now)
         unit = self.options.token_unit
-        return [requests + tokens / unit for requests, tokens in (w.working() for w in candidates)]
+        scores = []
+        for server in candidates:
+            requests, tokens = server.working()
+            scores.append(requests + tokens / unit)
+        return scores
 
     def predicted_hit(self, server: Server, view: RequestView) -> float | None:
         matched, key_len = self._last_match

@@ -230,12 +230,9 @@ class Server(Counted):
     def totals(self) -> tuple[int, int]:
         """In-flight requests and prompt tokens over the whole gateway: this process's, or
         every worker process's with `--workers` (shared memory; the others' at most a few
-        milliseconds old)."""
-        share = self.shared
-        if share is None:
-            return self.in_flight, self.in_flight_tokens
-        requests, tokens = share.others()
-        return self.in_flight + requests, self.in_flight_tokens + tokens
+        milliseconds old): `working` with the trailing legs added back."""
+        requests, tokens = self.working()
+        return requests + self.trailing, tokens + self.trailing_tokens
 
     def working(self) -> tuple[int, int]:
         """`totals` less the trailing prefill legs: the load the policies compare. Such a
@@ -243,9 +240,15 @@ class Server(Counted):
         decode), and counting it made a conversation's next turn find the server holding it
         busy with its own previous turns, and move off its cache. It stays in `totals`,
         which drains wait on, until it ends. (With `--workers`, the other processes'
-        trailing legs still count: shared memory holds their legs only.)"""
-        requests, tokens = self.totals()
-        return requests - self.trailing, tokens - self.trailing_tokens
+        trailing legs still count: shared memory holds their legs only.) Computed here, not
+        from `totals`: the policies ask it of every candidate of every pick."""
+        requests = self.in_flight - self.trailing
+        tokens = self.in_flight_tokens - self.trailing_tokens
+        share = self.shared
+        if share is None:
+            return requests, tokens
+        others, other_tokens = share.others()
+        return requests + others, tokens + other_tokens
 
     def trail(self, tokens: int, sign: int = 1) -> None:
         """A prefill leg here starts trailing its decode (sign 1), or ends (-1)."""
