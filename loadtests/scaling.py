@@ -14,6 +14,9 @@ shows that they were not. Targets (each started afresh for each N):
 
   gateway            --workers N (one listening socket shared by the workers)
   gateway-reuseport  --workers N --workers-socket reuseport (N >= 2; N = 1 is `gateway`)
+  gateway-rr         --workers N --policy round_robin (asked by name): no choice among the
+                     servers, a pick as cheap as the router's random: what the default
+                     policies cost at N cores
   sglang-router      0.3.2 (Rust), --policy random, pinned to the same N cores, with
                      TOKIO_WORKER_THREADS=N (it has no flag for its worker threads; tokio
                      would also size its pool from the affinity mask)
@@ -76,9 +79,12 @@ TARGETS: dict[str, Scaled] = {t.name: t for t in [
     Scaled("gateway-reuseport", "gateway",
            flags=lambda n: ["--workers", str(n), "--workers-socket", "reuseport"],
            only=lambda n: n > 1, all_ready=ALL_READY),
+    Scaled("gateway-rr", "gateway-rr", flags=lambda n: ["--workers", str(n)],
+           all_ready=ALL_READY),
     Scaled("sglang-router", "sglang-router", env=lambda n: {"TOKIO_WORKER_THREADS": str(n)}),
     Scaled("mini-lb", "mini-lb", only=lambda n: n == 1),
 ]}
+DEFAULT_TARGETS = [name for name in TARGETS if name != "gateway-rr"]  # asked by name
 
 
 @dataclass(frozen=True)
@@ -160,8 +166,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtests.scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="1,2,4,8", help="the N measured (default: 1,2,4,8)")
-    p.add_argument("--targets", default=",".join(TARGETS),
-                   help=f"comma-separated, from {', '.join(TARGETS)} (default: all)")
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                   help=f"comma-separated, from {', '.join(TARGETS)} (default: "
+                        f"{', '.join(DEFAULT_TARGETS)})")
     p.add_argument("--duration", type=float,
                    help="measured seconds per phase (default: 4; --quick: 1.5)")
     p.add_argument("--warmup", type=float,

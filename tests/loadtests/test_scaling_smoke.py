@@ -44,3 +44,20 @@ def test_gateway_at_one_and_two_workers_serves_without_errors(tmp_path):
     tables = markdown.read_text()
     for target, workers in measured:
         assert f"| {target} | {workers} |" in tables, tables
+
+
+def test_round_robin_target_runs_n_workers_without_a_choice_and_is_asked_by_name():
+    """`gateway-rr` is the gateway at N workers with the cheapest pick (what the default
+    policies cost at N cores); the default run keeps its four targets."""
+    from loadtests import scaling
+    from loadtests.cluster import Cluster
+    from loadtests.targets import TARGETS as PROXIES
+
+    target = scaling.TARGETS["gateway-rr"]
+    farm = Cluster("pdstub", [31001, 31002], 31009, [31003, 31004])
+    argv = PROXIES[target.proxy].argv(farm, 31000, None) + target.flags(4)
+    assert argv[argv.index("--policy") + 1] == "round_robin"
+    assert argv[argv.index("--workers") + 1] == "4"
+    assert argv.count("--prefill") == 2 and argv.count("--decode") == 2
+    assert "gateway-rr" not in scaling.parse_args([]).targets
+    assert scaling.parse_args(["--targets", "gateway-rr"]).targets == ["gateway-rr"]
