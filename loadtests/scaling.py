@@ -72,19 +72,23 @@ class Scaled:
     env: Callable[[int], dict[str, str]] = lambda n: {}
     only: Callable[[int], bool] = lambda n: True  # the N it is measured at
     all_ready: str | None = None  # output that says all N processes serve (N > 1)
+    by_name: bool = False  # measured only when `--targets` names it
+
+
+def _workers(n: int) -> list[str]:
+    return ["--workers", str(n)]
 
 
 TARGETS: dict[str, Scaled] = {t.name: t for t in [
-    Scaled("gateway", "gateway", flags=lambda n: ["--workers", str(n)], all_ready=ALL_READY),
+    Scaled("gateway", "gateway", flags=_workers, all_ready=ALL_READY),
     Scaled("gateway-reuseport", "gateway",
-           flags=lambda n: ["--workers", str(n), "--workers-socket", "reuseport"],
+           flags=lambda n: [*_workers(n), "--workers-socket", "reuseport"],
            only=lambda n: n > 1, all_ready=ALL_READY),
-    Scaled("gateway-rr", "gateway-rr", flags=lambda n: ["--workers", str(n)],
-           all_ready=ALL_READY),
+    Scaled("gateway-rr", "gateway-rr", flags=_workers, all_ready=ALL_READY, by_name=True),
     Scaled("sglang-router", "sglang-router", env=lambda n: {"TOKIO_WORKER_THREADS": str(n)}),
     Scaled("mini-lb", "mini-lb", only=lambda n: n == 1),
 ]}
-DEFAULT_TARGETS = [name for name in TARGETS if name != "gateway-rr"]  # asked by name
+DEFAULT_TARGETS = [t.name for t in TARGETS.values() if not t.by_name]
 
 
 @dataclass(frozen=True)

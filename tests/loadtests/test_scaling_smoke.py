@@ -12,7 +12,9 @@ import json
 import subprocess
 import sys
 
-from loadtests import peers
+from loadtests import peers, scaling
+from loadtests.cluster import Cluster
+from loadtests.targets import TARGETS as PROXIES
 from tests.procs import ROOT
 
 
@@ -49,10 +51,6 @@ def test_gateway_at_one_and_two_workers_serves_without_errors(tmp_path):
 def test_round_robin_target_runs_n_workers_without_a_choice_and_is_asked_by_name():
     """`gateway-rr` is the gateway at N workers with the cheapest pick (what the default
     policies cost at N cores); the default run keeps its four targets."""
-    from loadtests import scaling
-    from loadtests.cluster import Cluster
-    from loadtests.targets import TARGETS as PROXIES
-
     target = scaling.TARGETS["gateway-rr"]
     farm = Cluster("pdstub", [31001, 31002], 31009, [31003, 31004])
     argv = PROXIES[target.proxy].argv(farm, 31000, None) + target.flags(4)
