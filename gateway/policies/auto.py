@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
+from gateway.policies.cache_aware import CacheAwarePolicy
 from gateway.policies.least_load import LeastLoadOptions, LeastLoadPolicy
 from gateway.policies.slo import SloOptions, SloPolicy
 from gateway.request import RequestView
@@ -74,6 +75,8 @@ class AutoPolicy(SloPolicy):
         return super().pick_pair(prefills, decodes, view, blocked)
 
     def pick(self, candidates: Sequence[Server], view: RequestView) -> Server:
-        if self.role != "decode" or has_objectives(view):
-            return super().pick(candidates, view)  # prefill: cache_aware's choice
+        if self.role != "decode":  # cache_aware's choice (slo's `pick` would pass it on)
+            return CacheAwarePolicy.pick(self, candidates, view)
+        if has_objectives(view):
+            return super().pick(candidates, view)  # slo's decode choice
         return self._least.pick(candidates, view)

@@ -144,10 +144,11 @@ class CacheAwarePolicy(Policy):
     def match(self, key: Key, candidates: Sequence[Server]) -> Match:
         """What the tree knows of `key`, plus what the other worker processes recorded."""
         matched = self.tree.match(key)
-        if self.prefixes is None or not key:
+        prefixes = self.prefixes
+        if prefixes is None or not key or not prefixes.blocks(key):
             return matched
-        found = self.prefixes.find(key, [w.url for w in candidates], time.monotonic(),
-                                   known=matched.end)
+        found = prefixes.find(key, [w.url for w in candidates], time.monotonic(),
+                              known=matched.end)
         return merged(matched, found)
 
     def learn(self, key: Key, server: Server) -> None:
@@ -173,9 +174,8 @@ class CacheAwarePolicy(Policy):
         scores = self.scores(candidates, now)
         lengths = [matched.get(w.url, 0) for w in candidates]
         unit = 1 if isinstance(key, str) else CHARS_PER_TOKEN
-        costs = with_uncached(scores, lengths, key_len, key_len * unit / CHARS_PER_TOKEN,
-                              options.token_unit)
         if imbalanced(scores, options.balance_abs_threshold, options.balance_rel_threshold):
+            costs = self._costs(scores, lengths, key_len, unit)
             self._decisions["balance"] += 1
             self._moved("balance", candidates, scores, costs, lengths)
             return candidates[cheapest(costs, lengths, options.move_factor, turn)]
@@ -187,16 +187,19 @@ class CacheAwarePolicy(Policy):
                                                     floor, unit, key_len, now)
             order = self.ring.order(anchor, candidates)
             chosen = first(order, scores, options.placement_epsilon, allowed)
+            costs = None  # what each target would cost, asked only when a choice needs it
             if chosen is None:  # every holder over the bound: the cheapest of them
+                costs = self._costs(scores, lengths, key_len, unit)
                 chosen = rotating_argmin([c if ok else INF for c, ok in
                                           zip(costs, allowed, strict=True)], turn)
-            fresh = [n < floor for n in lengths]
-            copy = None
-            if True in fresh:  # a candidate without the prefix: a new copy there may pay
-                copy = spread(order, costs, fresh, chosen, options.move_factor)
-            if copy is not None:
-                reason, chosen = "spread", copy
-                self._moved(reason, candidates, scores, costs, lengths)
+            if min(lengths) < floor:  # a candidate without the prefix: a new copy may pay
+                if costs is None:
+                    costs = self._costs(scores, lengths, key_len, unit)
+                copy = spread(order, costs, [n < floor for n in lengths], chosen,
+                              options.move_factor)
+                if copy is not None:
+                    reason, chosen = "spread", copy
+                    self._moved(reason, candidates, scores, costs, lengths)
             self._decisions[reason] += 1
             return candidates[chosen]
         if key is not None and key_len >= options.placement_min:
@@ -210,6 +213,13 @@ class CacheAwarePolicy(Policy):
                 scores = [s if ok else INF for s, ok in zip(scores, room, strict=True)]
         self._decisions["load"] += 1
         return candidates[rotating_argmin(scores, turn)]
+
+    def _costs(self, scores: list[float], lengths: list[int], key_len: int,
+               unit: int) -> list[float]:
+        """Each target's cost of this request: its load plus the request's uncached part
+        there (`load.with_uncached`)."""
+        return with_uncached(scores, lengths, key_len, key_len * unit / CHARS_PER_TOKEN,
+                             self.options.token_unit)
 
     def _moved(self, reason: str, candidates: Sequence[Server], scores: list[float],
                costs: list[float], lengths: list[int]) -> None:

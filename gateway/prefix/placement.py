@@ -59,19 +59,25 @@ class Ring:
         # a walk depends only on the ring and its starting point: each pick asks for its
         # prompt's walk two or three times, and prompts on one anchor start at one point
         self._walks: dict[int, tuple[str, ...]] = {}
+        # the last candidates ordered from each starting point, and their order: a pick's
+        # candidates are nearly always the same servers as the last pick's from that point
+        self._orders: dict[int, tuple[list, list[int]]] = {}
 
     def rebuild(self, keys: Sequence[str]) -> None:
         pairs = sorted((_hash(f"{key}#{v}".encode()), key) for key in keys for v in range(VNODES))
         self._points = [p for p, _ in pairs]
         self._owners = [k for _, k in pairs]
         self._walks = {}
+        self._orders = {}
 
     def walk(self, anchor: bytes) -> tuple[str, ...]:
         """Every target once, clockwise from the anchor's point."""
         points = self._points
         if not points:
             return ()
-        start = bisect.bisect(points, _hash(anchor)) % len(points)
+        return self._walk_at(bisect.bisect(points, _hash(anchor)) % len(points))
+
+    def _walk_at(self, start: int) -> tuple[str, ...]:
         walk = self._walks.get(start)
         if walk is None:
             walk = self._walk_from(start)
@@ -90,9 +96,21 @@ class Ring:
 
     def order(self, anchor: bytes, candidates: Sequence) -> list[int]:
         """Indices of `candidates` in ring order from the anchor, those not on the ring left
-        out: computed once per pick, then walked by `first`, `place` and `load.spread`."""
+        out: computed once per pick, then walked by `first`, `place` and `load.spread`
+        (read only: the same list answers the next pick from that point over the same
+        candidates, told by identity, a comparison in C)."""
+        points = self._points
+        if not points:
+            return []
+        start = bisect.bisect(points, _hash(anchor)) % len(points)
+        known = self._orders.get(start)
+        if known is not None and known[0] == candidates:
+            return known[1]
         get = {c.url: i for i, c in enumerate(candidates)}.get
-        return [i for url in self.walk(anchor) if (i := get(url)) is not None]
+        order = [i for url in self._walk_at(start) if (i := get(url)) is not None]
+        if known is not None or len(self._orders) < WALKS:
+            self._orders[start] = (list(candidates), order)
+        return order
 
 
 def first(order: Sequence[int], loads: Sequence[float], epsilon: float,

@@ -83,6 +83,11 @@ class SharedPrefixes:
             self._longest = None
         return data, width
 
+    def blocks(self, key: Key) -> int:
+        """Whole blocks in `key`'s bytes: none, and nothing of it can be in the table (asked
+        before a lookup, whose candidates' list and clock a short prompt never needs)."""
+        return len(self._bytes(key)[0]) // BLOCK
+
     def _bucket(self, tag: int) -> int:
         return 2 * _BUCKET * (((tag >> 31) ^ (tag * 0x9E3779B1)) & self._mask)
 

@@ -43,6 +43,7 @@ from gateway.policies import Policy
 from gateway.request import RequestView
 from gateway.scheduling.affinity import SessionAffinity
 from gateway.scheduling.models import Model, Models, Target, targets
+from gateway.servers.breaker import OPEN
 from gateway.servers.pool import Server, ServerPool
 
 
@@ -91,12 +92,16 @@ class Scheduler:
         pass but whose breaker is still open from earlier failures (recovering): the request
         is its probe, and a success closes the breaker; else the suspects themselves."""
         now = time.monotonic()
-        self.pool.refresh_breakers(role, now)
         members = (model or self.models.of(view)).servers[role]
-        if not avoid:  # the usual pick: usable and not suspected, in one pass
-            trusted = [w for w in members if w.usable and w.suspect_until <= now]
-            if trusted:
-                return trusted
+        trusted = []  # usable and not suspected: the usual pick's answer, in one pass
+        for w in members:
+            breaker = w.breaker
+            if breaker.state is OPEN:  # cooldown over: half-open (the one place this happens)
+                breaker.refresh(now)
+            if w.usable and w.suspect_until <= now:
+                trusted.append(w)
+        if trusted and not avoid:
+            return trusted
         servers = [w for w in members if w.usable]
         if not servers:
             servers = [w for w in members if w.serving] or [w for w in members if w.in_pool]

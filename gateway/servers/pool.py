@@ -344,14 +344,6 @@ class ServerPool:
     def role(self, role: str) -> list[Server]:
         return self._by_role[role]
 
-    def refresh_breakers(self, role: str, now: float) -> None:
-        """Move breakers whose cooldown elapsed to half-open (the one place this happens);
-        `now` is time.monotonic()."""
-        for server in self._by_role[role]:
-            breaker = server.breaker
-            if breaker.state is OPEN:  # (runs on every pick: no call otherwise)
-                breaker.refresh(now)
-
     def usable(self, role: str) -> list[Server]:
         return [w for w in self._by_role[role] if w.usable]
 

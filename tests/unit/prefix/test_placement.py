@@ -52,6 +52,25 @@ def test_order_is_the_walk_as_candidate_indices() -> None:
     assert place([], [0.0], 0.25) is None
 
 
+def test_a_kept_order_answers_only_the_same_candidates() -> None:
+    """An order is kept per starting point for the candidates it was computed for: the same
+    servers again (a new list) get it; fewer, others, or the same in another order get
+    their own, and a rebuild forgets every kept order."""
+    r = ring()
+    fleet = [server(url) for url in URLS]
+    for n in range(50):
+        anchor = f"prompt {n}".encode()
+        walk = r.walk(anchor)
+        for candidates in (fleet, list(fleet), fleet[1:], fleet[::-1], fleet[:2], list(fleet)):
+            order = r.order(anchor, candidates)
+            assert [candidates[i].url for i in order] == \
+                [url for url in walk if url in {c.url for c in candidates}]
+    others = [server(url) for url in URLS]  # the same URLs, other servers (after a rebuild)
+    r.rebuild(URLS[:2])
+    order = r.order(b"prompt 0", others)
+    assert [others[i].url for i in order] == list(r.walk(b"prompt 0"))
+
+
 def test_place_prefers_room_then_the_first_within_the_bound_then_the_first() -> None:
     order = [2, 0, 1]
     assert place(order, [0.0, 0.0, 0.0], 0.25, [True, True, False]) == 0  # 2 has no room

@@ -190,3 +190,11 @@ def test_two_processes_policies_keep_a_conversation_on_one_server(shared):
         elif chosen is not home:
             moved.append(n)
     assert shared or moved  # without the table the conversation leaves its server
+
+
+def test_blocks_counts_whole_blocks_of_the_keys_bytes():
+    prefixes = table()
+    assert prefixes.blocks("a" * (BLOCK - 1)) == 0
+    assert prefixes.blocks("a" * BLOCK) == 1
+    assert prefixes.blocks("é" * BLOCK) == 2  # two bytes a character
+    assert prefixes.blocks(tuple(range(BLOCK // 4))) == 1  # four bytes a token id
