@@ -241,7 +241,7 @@ class CacheAwarePolicy(Policy):
         unit = self.options.token_unit
         scores = []
         for server in candidates:
-            requests, tokens = server.working()
+            requests, tokens = server.working(now)
             scores.append(requests + tokens / unit)
         return scores
 

@@ -65,6 +65,7 @@ class Match(dict):
 
 
 _NO_ENDS: dict[str, float] = {}
+_NO_WALK: tuple = (None, [], 0)
 
 
 def _common_length(label: _Stored, key: _Stored, pos: int) -> int:
@@ -99,6 +100,11 @@ class PrefixTree:
         self._size = 0
         self._per_server: dict[str, int] = {}
         self._memo: tuple[object, _Stored] = ("", "")
+        # the last match's walk: (stored key, nodes matched whole, items they cover); the
+        # next insert, if of that key, resumes from its end (the pick matches a prompt and
+        # the dispatch inserts it: a conversation's path is walked once, not twice). Only
+        # `insert` and `remove_server` change the tree, and each drops it.
+        self._walked: tuple = _NO_WALK
 
     def _stored(self, key: Key) -> _Stored:
         """The stored form of `key`; remembers the last one (pick and dispatch pass the same)."""
@@ -150,20 +156,23 @@ class PrefixTree:
         key = self._stored(key)
         result = Match()
         end_at, end_node = 0, None
+        path: list[_Node] = []
         node, pos, end = self._root, 0, len(key)
         while pos < end:
             child = node.children.get(key[pos])
             if child is None:
                 break
             matched = _common_length(child.label, key, pos)
-            pos += matched
             for url in child.servers:
-                result[url] = pos
+                result[url] = pos + matched
             if matched < len(child.label):
                 break
+            pos += matched
+            path.append(child)
             if child.end:
                 end_at, end_node = pos, child
             node = child
+        self._walked = (key, path, pos)
         result.end = end_at
         result.ends = _NO_ENDS if end_node is None else end_node.servers
         return result
@@ -178,8 +187,13 @@ class PrefixTree:
         limit = min(self.max_size, budget) if budget > 0 else self.max_size
         if len(key) * unit > limit:
             key = key[:limit // unit]  # a cache cannot hold more than its size: keep the head
-        path: list[_Node] = []
-        node, pos, end = self._root, 0, len(key)
+        walked, self._walked = self._walked, _NO_WALK
+        if walked[0] is key:  # resume the match's walk
+            path: list[_Node] = walked[1]
+            node, pos = (path[-1] if path else self._root), walked[2]
+        else:
+            path, node, pos = [], self._root, 0
+        end = len(key)
         while pos < end:
             child = node.children.get(key[pos])
             if child is None:
@@ -221,6 +235,7 @@ class PrefixTree:
 
     def remove_server(self, url: str) -> None:
         """Forget everything sent to `url` (a removed server)."""
+        self._walked = _NO_WALK
         if url not in self._lrus:
             return
         stack = [self._root]

@@ -211,9 +211,11 @@ class ServerShare:
         words[self.flight] = in_flight
         words[self.tokens] = tokens
 
-    def others(self) -> tuple[int, int]:
-        """The other workers' in-flight requests and prompt tokens, at most `OTHERS_TTL` old."""
-        now = time.monotonic()
+    def others(self, now: float | None = None) -> tuple[int, int]:
+        """The other workers' in-flight requests and prompt tokens, at most `OTHERS_TTL` old
+        (`now`: time.monotonic(), when the caller has it)."""
+        if now is None:
+            now = time.monotonic()
         if now < self.until:
             return self.cached
         flight, tokens, workers = self.columns

@@ -76,12 +76,12 @@ def load_scores(servers: Sequence[Server], options: LoadOptions, now: float) -> 
     scores = []
     if not all_fresh(servers, now, options.load_max_age):
         for server in servers:
-            requests, tokens = server.working()
+            requests, tokens = server.working(now)
             scores.append(requests + tokens / unit)
         return scores
     weight = options.usage_weight
     for server in servers:
-        requests, tokens = server.working()
+        requests, tokens = server.working(now)
         reported = server.load  # the larger of ours and the snapshot's
         running = reported.running + reported.waiting - reported.settled
         if running > requests:

@@ -84,8 +84,9 @@ class Rank(Counted):
         """In-flight requests and prompt tokens (this process's view of the rank)."""
         return self.in_flight, self.in_flight_tokens
 
-    # a trailing leg left its rank already (dispatch.attempt.Attempt.release_rank)
-    working = totals
+    def working(self, now: float | None = None) -> tuple[int, int]:
+        """`totals`: a trailing leg left its rank already (`Attempt.release_rank`)."""
+        return self.in_flight, self.in_flight_tokens
 
 
 # slots: a Server holds 31 fields, past the 30 keys up to which CPython 3.11 shares an
@@ -234,20 +235,21 @@ class Server(Counted):
         requests, tokens = self.working()
         return requests + self.trailing, tokens + self.trailing_tokens
 
-    def working(self) -> tuple[int, int]:
+    def working(self, now: float | None = None) -> tuple[int, int]:
         """`totals` less the trailing prefill legs: the load the policies compare. Such a
         leg has computed (its decode has the KV; SGLang's prefill often answers after the
         decode), and counting it made a conversation's next turn find the server holding it
         busy with its own previous turns, and move off its cache. It stays in `totals`,
         which drains wait on, until it ends. (With `--workers`, the other processes'
         trailing legs still count: shared memory holds their legs only.) Computed here, not
-        from `totals`: the policies ask it of every candidate of every pick."""
+        from `totals`: the policies ask it of every candidate of every pick, passing their
+        `now` (time.monotonic()) for the age of the other workers' figures."""
         requests = self.in_flight - self.trailing
         tokens = self.in_flight_tokens - self.trailing_tokens
         share = self.shared
         if share is None:
             return requests, tokens
-        others, other_tokens = share.others()
+        others, other_tokens = share.others(now)
         return requests + others, tokens + other_tokens
 
     def trail(self, tokens: int, sign: int = 1) -> None:

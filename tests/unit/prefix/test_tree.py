@@ -253,3 +253,56 @@ def test_invariants_hold_under_random_operations(kind: str, max_size: int) -> No
             tree.remove_server(url)
             assert url not in tree.server_sizes()
         check_invariants(tree)
+
+
+def _dump(tree: PrefixTree) -> tuple:
+    """The tree as plain values, nodes named by the key that reaches them: its structure,
+    holders, ends, accounting and both kinds of LRU order."""
+    names: dict = {}
+    rows, stack = [], [(tree._root, ())]
+    while stack:
+        node, name = stack.pop()
+        for _, child in sorted(node.children.items(), key=lambda item: item[0]):
+            full = name + tuple(child.label)
+            names[child] = full
+            rows.append((full, dict(child.servers), child.last, child.end, child.size))
+            stack.append((child, full))
+    return (sorted(rows), tree.size, tree.server_sizes(), [names[n] for n in tree._lru],
+            {url: [names[n] for n in lru] for url, lru in tree._lrus.items()})
+
+
+@pytest.mark.parametrize("kind", ["text", "tokens"])
+def test_an_insert_resuming_its_match_builds_the_same_tree(kind: str) -> None:
+    """The dispatch's insert resumes the walk of the pick's match of the same key while the
+    tree keeps its shape. Twin trees take the same random steps; in one each insert follows a
+    match of that very key (sometimes with a removal, eviction or other insert in between,
+    which must stop the resume), in the other the key is an equal copy that nothing matched.
+    They stay the same, and the first tree's invariants hold."""
+    rng = random.Random(kind)
+    resumed, walked = PrefixTree(4_000, ttl=30.0), PrefixTree(4_000, ttl=30.0)
+    urls = [f"w{i}" for i in range(4)]
+    stems = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 20))) for _ in range(8)]
+
+    def key_of(text: str):
+        return text if kind == "text" else tuple(ord(c) for c in text)
+
+    def copy(key):
+        return (key + "!")[:-1] if kind == "text" else tuple(list(key))
+
+    for step in range(2000):
+        text = rng.choice(stems) + "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        key, url, budget = key_of(text), rng.choice(urls), rng.choice([0, 300, 900])
+        assert resumed.match(key) == walked.match(copy(key))
+        between = rng.random()
+        if between < 0.1:  # a removal between the pick and the dispatch
+            gone = rng.choice(urls)
+            resumed.remove_server(gone)
+            walked.remove_server(gone)
+        elif between < 0.2:  # another request's insert in between
+            other, to = key_of(rng.choice(stems) + rng.choice("abc")), rng.choice(urls)
+            resumed.insert(other, to, now=float(step), budget=budget)
+            walked.insert(copy(other), to, now=float(step), budget=budget)
+        resumed.insert(key, url, now=float(step) + 0.5, budget=budget)
+        walked.insert(copy(key), url, now=float(step) + 0.5, budget=budget)
+        assert _dump(resumed) == _dump(walked)
+        check_invariants(resumed)
