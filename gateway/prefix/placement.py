@@ -72,10 +72,11 @@ class Ring:
 
     def walk(self, anchor: bytes) -> tuple[str, ...]:
         """Every target once, clockwise from the anchor's point."""
-        points = self._points
-        if not points:
-            return ()
-        return self._walk_at(bisect.bisect(points, _hash(anchor)) % len(points))
+        return self._walk_at(self._start(anchor)) if self._points else ()
+
+    def _start(self, anchor: bytes) -> int:
+        """The anchor's point: the first ring point clockwise from its hash."""
+        return bisect.bisect(self._points, _hash(anchor)) % len(self._points)
 
     def _walk_at(self, start: int) -> tuple[str, ...]:
         walk = self._walks.get(start)
@@ -99,10 +100,9 @@ class Ring:
         out: computed once per pick, then walked by `first`, `place` and `load.spread`
         (read only: the same list answers the next pick from that point over the same
         candidates, told by identity, a comparison in C)."""
-        points = self._points
-        if not points:
+        if not self._points:
             return []
-        start = bisect.bisect(points, _hash(anchor)) % len(points)
+        start = self._start(anchor)
         known = self._orders.get(start)
         if known is not None and known[0] == candidates:
             return known[1]

@@ -65,7 +65,7 @@ class Match(dict):
 
 
 _NO_ENDS: dict[str, float] = {}
-_NO_WALK: tuple = (None, [], 0)
+_NO_WALK: tuple = (None, (), 0)  # no walk to resume (its path is never taken)
 
 
 def _common_length(label: _Stored, key: _Stored, pos: int) -> int:
