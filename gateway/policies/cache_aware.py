@@ -66,6 +66,7 @@ from gateway.request import RequestView
 from gateway.scheduling.load import (
     LoadOptions,
     cheapest,
+    counted_scores,
     imbalanced,
     load_scores,
     rotating_argmin,
@@ -238,12 +239,7 @@ class CacheAwarePolicy(Policy):
         off its cache (0.821 against 0.873 with one worker; docs/WORKERS.md)."""
         if self.prefixes is None:
             return load_scores(candidates, self.options, now)
-        unit = self.options.token_unit
-        scores = []
-        for server in candidates:
-            requests, tokens = server.working(now)
-            scores.append(requests + tokens / unit)
-        return scores
+        return counted_scores(candidates, self.options.token_unit, now)
 
     def predicted_hit(self, server: Server, view: RequestView) -> float | None:
         matched, key_len = self._last_match

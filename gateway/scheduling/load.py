@@ -67,18 +67,25 @@ def all_fresh(servers: Sequence[Server], now: float, max_age: float) -> bool:
     return True
 
 
+def counted_scores(servers: Sequence[Server], token_unit: int, now: float) -> list[float]:
+    """Each server's load on the gateway's own counters alone (every worker's, with
+    `--workers`): requests plus prompt tokens in `token_unit`s."""
+    scores = []
+    for server in servers:
+        requests, tokens = server.working(now)
+        scores.append(requests + tokens / token_unit)
+    return scores
+
+
 def load_scores(servers: Sequence[Server], options: LoadOptions, now: float) -> list[float]:
     """Each server's load in load units, all on one consistent basis: the servers' reported
     figures count only when every compared snapshot is fresh, else the gateway's counters
     alone. One loop per basis, no call per server: every request's decode pick and prefill
     pick come here (comparisons, not max(), for the same reason)."""
     unit = options.token_unit
-    scores = []
     if not all_fresh(servers, now, options.load_max_age):
-        for server in servers:
-            requests, tokens = server.working(now)
-            scores.append(requests + tokens / unit)
-        return scores
+        return counted_scores(servers, unit, now)
+    scores = []
     weight = options.usage_weight
     for server in servers:
         requests, tokens = server.working(now)

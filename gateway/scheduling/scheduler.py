@@ -93,15 +93,15 @@ class Scheduler:
         is its probe, and a success closes the breaker; else the suspects themselves."""
         now = time.monotonic()
         members = (model or self.models.of(view)).servers[role]
-        trusted = []  # usable and not suspected: the usual pick's answer, in one pass
+        ready = []  # usable and not suspected: the usual pick's answer, in one pass
         for w in members:
             breaker = w.breaker
             if breaker.state is OPEN:  # cooldown over: half-open (the one place this happens)
                 breaker.refresh(now)
             if w.usable and w.suspect_until <= now:
-                trusted.append(w)
-        if trusted and not avoid:
-            return trusted
+                ready.append(w)
+        if ready and not avoid:
+            return ready
         servers = [w for w in members if w.usable]
         if not servers:
             servers = [w for w in members if w.serving] or [w for w in members if w.in_pool]

@@ -86,7 +86,7 @@ class Rank(Counted):
 
     def working(self, now: float | None = None) -> tuple[int, int]:
         """`totals`: a trailing leg left its rank already (`Attempt.release_rank`)."""
-        return self.in_flight, self.in_flight_tokens
+        return self.totals()
 
 
 # slots: a Server holds 31 fields, past the 30 keys up to which CPython 3.11 shares an
