@@ -17,6 +17,9 @@ shows that they were not. Targets (each started afresh for each N):
   gateway-rr         --workers N --policy round_robin (asked by name): no choice among the
                      servers, a pick as cheap as the router's random: what the default
                      policies cost at N cores
+  gateway-prefill-rr, gateway-decode-rr
+                     (asked by name) round robin for one role, the default for the other:
+                     which role's choice the cost at N cores is
   sglang-router      0.3.2 (Rust), --policy random, pinned to the same N cores, with
                      TOKIO_WORKER_THREADS=N (it has no flag for its worker threads; tokio
                      would also size its pool from the affinity mask)
@@ -85,6 +88,12 @@ TARGETS: dict[str, Scaled] = {t.name: t for t in [
            flags=lambda n: [*_workers(n), "--workers-socket", "reuseport"],
            only=lambda n: n > 1, all_ready=ALL_READY),
     Scaled("gateway-rr", "gateway-rr", flags=_workers, all_ready=ALL_READY, by_name=True),
+    Scaled("gateway-prefill-rr", "gateway",
+           flags=lambda n: [*_workers(n), "--prefill-policy", "round_robin"],
+           all_ready=ALL_READY, by_name=True),
+    Scaled("gateway-decode-rr", "gateway",
+           flags=lambda n: [*_workers(n), "--decode-policy", "round_robin"],
+           all_ready=ALL_READY, by_name=True),
     Scaled("sglang-router", "sglang-router", env=lambda n: {"TOKIO_WORKER_THREADS": str(n)}),
     Scaled("mini-lb", "mini-lb", only=lambda n: n == 1),
 ]}

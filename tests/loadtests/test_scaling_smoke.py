@@ -59,3 +59,17 @@ def test_round_robin_target_runs_n_workers_without_a_choice_and_is_asked_by_name
     assert argv.count("--prefill") == 2 and argv.count("--decode") == 2
     assert "gateway-rr" not in scaling.parse_args([]).targets
     assert scaling.parse_args(["--targets", "gateway-rr"]).targets == ["gateway-rr"]
+
+
+def test_one_role_round_robin_targets_keep_the_default_for_the_other_role():
+    """`gateway-prefill-rr` and `gateway-decode-rr` tell which role's choice costs what:
+    round robin for the named role only, asked by name."""
+    farm = Cluster("pdstub", [31001, 31002], 31009, [31003, 31004])
+    for name, flag, other in (("gateway-prefill-rr", "--prefill-policy", "--decode-policy"),
+                              ("gateway-decode-rr", "--decode-policy", "--prefill-policy")):
+        target = scaling.TARGETS[name]
+        argv = PROXIES[target.proxy].argv(farm, 31000, None) + target.flags(8)
+        assert argv[argv.index(flag) + 1] == "round_robin"
+        assert other not in argv and "--policy" not in argv
+        assert argv[argv.index("--workers") + 1] == "8"
+        assert name not in scaling.parse_args([]).targets
