@@ -82,18 +82,19 @@ def _workers(n: int) -> list[str]:
     return ["--workers", str(n)]
 
 
+def _round_robin_for(role: str) -> Callable[[int], list[str]]:
+    """N workers, round robin for `role`'s choice alone, the default for the other's."""
+    return lambda n: [*_workers(n), f"--{role}-policy", "round_robin"]
+
+
 TARGETS: dict[str, Scaled] = {t.name: t for t in [
     Scaled("gateway", "gateway", flags=_workers, all_ready=ALL_READY),
     Scaled("gateway-reuseport", "gateway",
            flags=lambda n: [*_workers(n), "--workers-socket", "reuseport"],
            only=lambda n: n > 1, all_ready=ALL_READY),
     Scaled("gateway-rr", "gateway-rr", flags=_workers, all_ready=ALL_READY, by_name=True),
-    Scaled("gateway-prefill-rr", "gateway",
-           flags=lambda n: [*_workers(n), "--prefill-policy", "round_robin"],
-           all_ready=ALL_READY, by_name=True),
-    Scaled("gateway-decode-rr", "gateway",
-           flags=lambda n: [*_workers(n), "--decode-policy", "round_robin"],
-           all_ready=ALL_READY, by_name=True),
+    *(Scaled(f"gateway-{role}-rr", "gateway", flags=_round_robin_for(role),
+             all_ready=ALL_READY, by_name=True) for role in ("prefill", "decode")),
     Scaled("sglang-router", "sglang-router", env=lambda n: {"TOKIO_WORKER_THREADS": str(n)}),
     Scaled("mini-lb", "mini-lb", only=lambda n: n == 1),
 ]}
