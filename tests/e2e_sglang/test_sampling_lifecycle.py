@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -112,11 +114,6 @@ def wait_idle(cluster: SglangCluster, timeout: float = IDLE_WAIT) -> float:
         time.sleep(0.25)
 
 
-def decodes_running(cluster: SglangCluster) -> int:
-    return sum(load["num_running_reqs"] for url in cluster.decode_urls
-               for load in server_loads(url))
-
-
 def test_concurrent_n2_requests_leave_every_server_idle(sglang_cluster: SglangCluster) -> None:
     gw = sglang_cluster.gateway
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": N,
@@ -143,25 +140,91 @@ def test_concurrent_n2_requests_leave_every_server_idle(sglang_cluster: SglangCl
     print(f"idle {wait_idle(sglang_cluster):.2f}s after the burst")
 
 
-def test_client_leaving_an_n2_stream_stops_every_sample(sglang_cluster: SglangCluster) -> None:
-    """The client reads a long n=2 stream until both samples run on the decodes, then hangs
-    up: each sample's legs are stopped, so no decode keeps generating the ~1500 tokens nobody
-    reads (the whole stream takes ~90 s here)."""
-    body = {"text": TEXTS[0], "stream": True,
-            "sampling_params": {"n": N, "max_new_tokens": 1500, "ignore_eos": True}}
-    running, deadline = 0, time.monotonic() + 20
+def retries(cluster: SglangCluster) -> list[str]:
+    """The gateway's retries so far, by leg and reason: what a failed stream met upstream."""
+    text = httpx.get(cluster.gateway + "/metrics", timeout=10, trust_env=False).text
+    return [line for line in text.splitlines()
+            if line.startswith("gateway_retries_total{") and not line.endswith(" 0.0")]
+
+
+DECODE_BATCH = re.compile(r"Decode batch(?: \[\d+\])?, #running-req: \d+, #token: (\d+)")
+
+
+def decode_logs(cluster: SglangCluster) -> dict[Path, int]:
+    """Each decode's log and its size now: where this test's lines begin."""
+    logs = sorted(cluster.log_dir.glob("decode-*.log"))
+    assert len(logs) == len(cluster.decode), logs
+    return {log: log.stat().st_size for log in logs}
+
+
+def most_decode_tokens(since: dict[Path, int]) -> int:
+    """The most tokens a decode held in its running batch in the lines logged since `since`:
+    SGLang's scheduler logs its batch every 40 steps (`--decode-log-interval`, default 40;
+    `MetricsReporter.report_decode_stats`
+    in 0.5.23), prompts included."""
+    most = 0
+    for log, offset in since.items():
+        with log.open("rb") as file:
+            file.seek(offset)
+            text = file.read().decode(errors="replace")
+        most = max([most, *map(int, DECODE_BATCH.findall(text))])
+    return most
+
+
+LONG_N2_STREAM = {"text": TEXTS[0], "stream": True,
+                  "sampling_params": {"n": N, "max_new_tokens": 1500, "ignore_eos": True}}
+
+
+def read_long_n2_stream(cluster: SglangCluster, leave: bool) -> dict[int, int]:
+    """Tokens streamed per sample of `LONG_N2_STREAM`: read to its end, or (`leave`) until
+    both samples stream (each past its prefill, generating on a decode), then hang up. The
+    samples' own events say when both run: the servers' `/v1/loads` are up to seconds late."""
+    tokens: dict[int, int] = {}
+    deadline = time.monotonic() + 60
     with httpx.Client(timeout=60, trust_env=False) as client, \
-            client.stream("POST", sglang_cluster.gateway + "/generate", json=body) as response:
+            client.stream("POST", cluster.gateway + "/generate", json=LONG_N2_STREAM) as response:
         assert response.status_code == 200
-        checked = 0.0
         for line in response.iter_lines():  # keep reading: a stalled client is cut off
-            assert "[DONE]" not in line and time.monotonic() < deadline, running
-            if time.monotonic() - checked > 0.3:
-                running, checked = decodes_running(sglang_cluster), time.monotonic()
-                if running == N:
+            assert time.monotonic() < deadline, (tokens, retries(cluster))
+            if line == "data: [DONE]":
+                assert not leave, ("the stream ended before both samples ran", tokens,
+                                   retries(cluster))
+                break
+            if line.startswith("data: {"):
+                event = json.loads(line[len("data: "):])
+                assert "error" not in event, (event, retries(cluster))
+                tokens[event["index"]] = len(event["output_ids"])
+                if leave and len(tokens) == N:
                     break
-    assert running == N
-    print(f"idle {wait_idle(sglang_cluster):.2f}s after the client hung up")
+    assert sorted(tokens) == list(range(N)), tokens
+    return tokens
+
+
+def test_client_leaving_an_n2_stream_stops_every_sample(sglang_cluster: SglangCluster) -> None:
+    """A client hangs up on a long n=2 stream once both samples run: each sample's legs are
+    stopped, so no decode keeps generating the rest of the 1500 tokens nobody reads.
+
+    Judged on the decodes' own logs of their running batch: at this rig's 100-600 tokens/s a
+    sample left running is done within seconds, so the servers turning idle would not tell a
+    stopped sample from a finished one. The same stream read to its end first shows the logs
+    telling them apart on this SGLang."""
+    wait_idle(sglang_cluster)
+    since = decode_logs(sglang_cluster)
+    assert read_long_n2_stream(sglang_cluster, leave=False) == {i: 1500 for i in range(N)}
+    wait_idle(sglang_cluster)
+    whole = most_decode_tokens(since)
+    assert whole > 1000, f"the decodes' logs show {whole} tokens for two 1500-token samples"
+
+    since = decode_logs(sglang_cluster)
+    tokens = read_long_n2_stream(sglang_cluster, leave=True)
+    assert max(tokens.values()) < 500, f"a sample ran long before the other began: {tokens}"
+    idle = wait_idle(sglang_cluster)
+    most = most_decode_tokens(since)
+    print(f"read to the end: a decode's batch held at most {whole} tokens; left after {tokens} "
+          f"tokens: idle {idle:.2f}s later, a batch held at most {most} tokens")
+    # both samples kept on would fill a batch past 1500 tokens again; stopped, a few log
+    # intervals past what the client read
+    assert most < 1000, f"a decode kept generating after the client left: {most} tokens"
 
 
 def test_the_old_naive_n2_pd_body_fails_on_real_sglang(sglang_cluster: SglangCluster) -> None:
