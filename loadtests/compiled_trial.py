@@ -6,6 +6,8 @@ or the whole package by Cython, to count what a compiled build saves per request
     python -m loadtests.compiled_trial /tmp/compiled   # copy of HEAD, built in place there
     cd /tmp/compiled && python -m loadtests.instruction_cost --base /path/to/pure/checkout
     pip install cython && python -m loadtests.compiled_trial --compiler cython /tmp/cy
+    python -m loadtests.compiled_trial --compiler cython --only policies /tmp/cyp
+                                                       # the pick's modules alone (POLICIES)
 
 The build goes into the copy, never into this checkout: an extension module beside its `.py`
 is what Python imports, so a build here would keep running old code after an edit. The
@@ -56,14 +58,22 @@ _CYTHON_SETUP = """
 import glob, os
 from setuptools import Extension, setup
 from Cython.Build import cythonize
-files = sorted(p for p in glob.glob("gateway/**/*.py", recursive=True)
-               if os.path.basename(p) not in ("__init__.py", "__main__.py")
-               and p not in {pure!r})
+files = {only!r} or sorted(p for p in glob.glob("gateway/**/*.py", recursive=True)
+                          if os.path.basename(p) not in ("__init__.py", "__main__.py")
+                          and p not in {pure!r})
 setup(name="gateway-cython-trial", script_args=["build_ext", "--inplace", "-j", "2"],
       ext_modules=cythonize([Extension(p[:-3].replace("/", "."), [p],
                                        extra_compile_args=["-O2", "-g0"]) for p in files],
                             compiler_directives={directives!r}, nthreads=2, quiet=True))
 """
+# The pick's own modules: synchronous code (no coroutine for Cython to make slower on 3.12), what
+# the cache-aware choice among several servers runs (docs/BENCHMARKS.md, "The pick compiled
+# alone").
+POLICIES = (
+    "gateway/prefix/tree.py", "gateway/prefix/capacity.py", "gateway/prefix/placement.py",
+    "gateway/prefix/shared.py", "gateway/policies/cache_aware.py",
+    "gateway/policies/least_load.py", "gateway/scheduling/load.py", "gateway/servers/load.py",
+)
 # Findings of mypy's checker that are about annotations looser than the code (methods called
 # on an `object` attribute, an Optional set by then); mypyc compiles them as generic access.
 _RELAXED = ("attr-defined", "union-attr", "arg-type", "assignment", "return-value",
@@ -76,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dest", type=Path, help="an empty or missing folder for the copy")
     p.add_argument("--compiler", choices=("mypyc", "cython"), default="mypyc")
+    p.add_argument("--only", choices=("policies",),
+                   help="with --compiler cython: the pick's modules alone (POLICIES), not all")
     args = p.parse_args(argv)
     dest = args.dest.resolve()
     dest.mkdir(parents=True, exist_ok=True)
@@ -85,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                              check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     if args.compiler == "cython":
-        script = _CYTHON_SETUP.format(pure=CYTHON_PURE, directives=CYTHON_DIRECTIVES)
+        only = list(POLICIES) if args.only == "policies" else []
+        script = _CYTHON_SETUP.format(pure=CYTHON_PURE, directives=CYTHON_DIRECTIVES, only=only)
         return subprocess.run([sys.executable, "-c", script], cwd=dest).returncode
     for name, old, new in _RETYPED:
         path = dest / name
