@@ -3,7 +3,12 @@
 Each server joins the pool with the model name the topology starts it with (several models:
 `models:` in the topology, docs/LAUNCHER.md), else the one its probe reports.
 The launcher reports each server's state; only READY servers are healthy in the pool, so a
-crashed server leaves rotation at once and returns when its restart is ready again.
+crashed server leaves rotation at once and returns when its restart is ready again: with its
+breaker closed and its pairs' health forgotten, as a pod that Kubernetes discovery sees leave
+and come back is (`Gateway.unregister`). A pair quarantined for the old process's failures
+(its Mooncake sessions died with it) would otherwise keep the new process from that partner
+for the rest of the cooldown, doubled by each probe that meets the restart's first slow
+moments, up to two minutes.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from backends.launcher import (
 )
 from backends.launcher.ports import reserve
 from gateway.config.settings import GatewayConfig
+from gateway.health.pairs import PairHealth
 from gateway.servers.pool import Server, ServerPool
 
 log = logging.getLogger("gateway.launch")
@@ -35,9 +41,11 @@ def topology_of(config: GatewayConfig) -> Topology:
 
 
 class LocalCluster:
-    def __init__(self, config: GatewayConfig, pool: ServerPool, new_server) -> None:
+    def __init__(self, config: GatewayConfig, pool: ServerPool, new_server,
+                 pairs: PairHealth) -> None:
         self.topology = topology_of(config)
         self.pool = pool
+        self.pairs = pairs
         self._new_server = new_server
         self.launcher = Launcher(self.topology, on_state=self._on_state, handle_signals=False)
 
@@ -56,6 +64,7 @@ class LocalCluster:
         if state is ServerState.READY:
             server.healthy = True
             server.breaker.reset()
+            self.pairs.forget(launched.url)  # new sessions with every partner
             log.warning("%s server %s is ready again", launched.role, launched.url)
         else:
             server.healthy = False

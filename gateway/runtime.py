@@ -92,7 +92,7 @@ class Gateway:
         if config.launch:
             from gateway.launch import LocalCluster  # noqa: PLC0415 - only with --launch
 
-            self.cluster = LocalCluster(config, self.pool, self._new_server)
+            self.cluster = LocalCluster(config, self.pool, self._new_server, self.scheduler.pairs)
 
     def _tls(self):
         """TLS of every upstream client (https servers); a bad CA bundle is a config error."""
