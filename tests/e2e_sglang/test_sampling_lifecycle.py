@@ -225,12 +225,13 @@ def test_client_leaving_an_n2_stream_stops_every_sample(sglang_cluster: SglangCl
     assert tokens and max(tokens.values()) < 1500, f"a sample ended before the client left: {tokens}"
     idle = wait_idle(sglang_cluster)
     most = most_decode_tokens(since)
-    servers = httpx.get(sglang_cluster.gateway + "/admin/servers", timeout=10,
-                        trust_env=False).json()["servers"]
-    loads = {s["url"]: s["load"] for s in servers if s["role"] == "decode"}
+    listed = httpx.get(sglang_cluster.gateway + "/admin/servers", timeout=10,
+                       trust_env=False).json()
+    loads = {s["url"]: s["load"] for s in listed["servers"] if s["role"] == "decode"}
+    loads["pairs"] = listed["pairs"]  # a quarantined pair keeps its decode from the prefill
     print(f"read to the end: the decodes' batches held at most {whole} tokens; left after "
           f"{tokens} tokens: idle {idle:.2f}s later, the batches held at most {most} tokens; "
-          f"the decodes' loads as the gateway sees them: {loads}")
+          f"the decodes' loads and the pairs' health as the gateway sees them: {loads}")
     # a sample kept on, or started after the client left, fills a batch past 1500 tokens
     # again; stopped, a few log intervals past what the client read
     assert max(most.values()) < 1000, \
