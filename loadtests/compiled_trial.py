@@ -1,6 +1,6 @@
 """The compiled-hot-path trial: a copy of this checkout with the request path built by mypyc,
-or the whole package by Cython, to count what a compiled build saves per request
-(docs/BENCHMARKS.md, "Compiled hot path").
+or the whole package (`--only policies`: the pick's modules alone) by Cython, to count what a
+compiled build saves per request (docs/BENCHMARKS.md, "Compiled hot path").
 
     pip install mypy                                   # mypyc comes with it; needs a C compiler
     python -m loadtests.compiled_trial /tmp/compiled   # copy of HEAD, built in place there
