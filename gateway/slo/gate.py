@@ -8,6 +8,9 @@ dispatch, so the forecast is of the servers as they are when it would be sent:
 * the best pair's forecast meets the objective and, while other requests wait in the gate,
   puts no more queueing ahead of it than the tightest recent requests of its class or a more
   urgent one bear (slo/tolerance.py): sent (the joint policy picks that pair);
+* nothing let through for `QUIET` seconds, the best pair idle (nothing queued at its
+  prefill, room at its decode) and its forecast meeting the objective without the margin:
+  sent, one such request at a time (`idle_fit`);
 * else `shed` (batch by default): 429 with Retry-After (the predicted excess, at least 1 s),
   code `slo_unattainable`, nothing sent to any server;
 * else `queue` (interactive, standard): it waits for a pair that can serve it in what is
@@ -40,6 +43,7 @@ from gateway.slo.tolerance import Tolerance
 
 POLL = 0.05  # seconds between looks of a queued request when nothing ends meanwhile
 LOOK = 4  # queued requests that ask for forecasts (the most urgent)
+QUIET = 1.0  # seconds of nothing let through before an idle pair's bare forecast may be
 MAX_OPEN = 1 << 17  # tickets awaiting their request's end (a bound, should ends go unseen)
 CLASSES = Objectives.CLASSES
 
@@ -71,6 +75,8 @@ class SloGate:
         self._outcomes: dict[tuple[int, str], object] = {}
         self.margin = Margin()  # forecasts run late by this much (slo/margin.py)
         self.tolerance = Tolerance(len(CLASSES))  # the queueing the tightest bear
+        self._passed = -math.inf  # perf_counter() when a forecast last fitted
+        self._idle_next = 0.0  # perf_counter() before which no request goes by `idle_fit`
         self._errors = {kind: metrics.buffered_histogram(
             metrics.slo_prediction_error.labels(kind)) for kind in ("ttft", "itl")}
         metrics.watch_slo(self)
@@ -100,14 +106,15 @@ class SloGate:
         if objective is None or objective.ttft is None or objective.on_miss == "best_effort":
             return
         forecast = self.forecast(view)
-        left = objective.ttft - (time.perf_counter() - ticket.since)  # queued before: spent
+        now = time.perf_counter()
+        left = objective.ttft - (now - ticket.since)  # queued before: spent
         if forecast is None:
             return
         klass = objective.klass
         late, queued = self._late(forecast)
         self.tolerance.observe(klass, objective.ttft - (late - queued))
         excess = self._excess(late, queued, left, klass)
-        if excess <= 0:
+        if self._passes(excess, forecast, left, now):
             return
         if objective.on_miss == "shed":
             ticket.shed = True
@@ -120,6 +127,22 @@ class SloGate:
                 code="slo_unattainable", headers={"retry-after": _seconds(excess)})
         self._count(klass, "queued")
         await self._wait(view, left, klass, forecast.compute + forecast.transfer)
+
+    def _passes(self, excess: float, forecast: Prediction, left: float, now: float) -> bool:
+        """Whether a request goes: its forecast fits (`excess` <= 0); or, once the gate let
+        nothing go for `QUIET` seconds, an idle pair's bare forecast fits (`idle_fit`), one
+        such request at a time. The pair the forecast calls idle need not be where the pick
+        sends the request (`auto` keeps the cache-aware prefill, and a prefill dead but not
+        yet known as such looks idle), so the next waits until this one's forecast first
+        token and none draws a flood; under load requests pass anyway and teach the margin."""
+        if excess <= 0:
+            self._passed = now
+            return True
+        if now - self._passed < QUIET or now < self._idle_next or \
+                not idle_fit(forecast, left):
+            return False
+        self._idle_next = now + forecast.ttft
+        return True
 
     def _late(self, forecast: Prediction) -> tuple[float, float]:
         """The forecast TTFT as late as the margin assumes, and the queued part of it (the
@@ -151,14 +174,15 @@ class SloGate:
                 waiter.future = loop.create_future()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiter.future, POLL)
-                left = budget - (time.perf_counter() - started)
+                now = time.perf_counter()
+                left = budget - (now - started)
                 if self._waiting.index(waiter) < LOOK:
                     forecast = self.forecast(view)
                     if forecast is None:
                         return
                     late, queued = self._late(forecast)
                     excess = self._excess(late, queued, left, klass)
-                    if excess <= 0:
+                    if self._passes(excess, forecast, left, now):
                         return
                     floor = forecast.compute + forecast.transfer
                 else:
@@ -236,6 +260,17 @@ class SloGate:
             counter = self._outcomes[key] = m.buffered_counter(
                 m.slo_outcomes.labels(CLASSES[klass], outcome))
         counter.inc()
+
+
+def idle_fit(forecast: Prediction, left: float) -> bool:
+    """Whether the forecast's pair is idle (nothing queued at its prefill, room at its
+    decode) and meets `left` seconds without the margin. The margin is how late forecasts
+    ran, and that lateness is the queues' and the running batch's (docs/SCHEDULING.md, "The
+    margin"), which an idle pair has neither of; and only what the gate admits teaches the
+    margin. Without this, a margin left high by a burst refused an idle cluster everything
+    for up to `MAX_AGE` (CI: a restarted prefill got no batch request in 20 s)."""
+    return forecast.wait <= 0.0 and forecast.admit <= forecast.raw_itl and \
+        forecast.ttft <= left
 
 
 def _seconds(excess: float) -> str:

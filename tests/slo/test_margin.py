@@ -10,6 +10,7 @@ import pytest
 
 from gateway.errors import TooManyRequests
 from gateway.slo.margin import HIGH, LOW, MAX_AGE, QUANTILE, WARM, Margin
+from gateway.slo.model import Prediction
 from tests.slo.test_gate import BATCH, Forecasts, gate, request
 
 
@@ -111,6 +112,69 @@ def test_a_margin_nothing_measures_again_lapses_and_the_gate_admits() -> None:
         slo.margin.observe(4.0, 1.0, now=then)
     assert slo.margin.value == pytest.approx(4.0)
     asyncio.run(slo.admit(request(slo, BATCH)))  # admitted: the margin lapsed to 1
+
+
+def test_a_margin_left_high_refuses_nothing_an_idle_pair_can_serve() -> None:
+    """The margin is how late forecasts ran under queues and running batches; an idle pair
+    (nothing queued at its prefill, a decode step's admission) has neither, and what it
+    admits teaches the margin again. CI's paired-fault flood: a prefill back from a restart,
+    idle, got no batch request for 20 s while a margin left high by the survivor's late
+    answers refused them all."""
+    from dataclasses import replace
+
+    from tests.slo.test_gate import prediction
+
+    idle = Prediction(0.4, 0.01, 0.0, 0.35, 0.04, 0.01, 0.4, 0.01)  # wait 0, admit = a step
+    forecasts = Forecasts(0.4)
+    slo, _ = gate(forecasts)
+    for _ in range(WARM):
+        slo.margin.observe(4.0, 1.0)
+    with pytest.raises(TooManyRequests):  # 0.05 s of it queued at the prefill: not idle
+        asyncio.run(slo.admit(request(slo, BATCH)))
+    forecasts.next = replace(idle, admit=0.2)  # the decode full: a queue there
+    with pytest.raises(TooManyRequests):
+        asyncio.run(slo.admit(request(slo, BATCH, rid="r2")))
+    forecasts.next = replace(idle, ttft=1.2)  # an idle pair that misses even so
+    with pytest.raises(TooManyRequests):
+        asyncio.run(slo.admit(request(slo, BATCH, rid="r3")))
+    forecasts.next = idle
+    asyncio.run(slo.admit(request(slo, BATCH, rid="r4")))  # admitted on the bare forecast
+    assert prediction(0.4).wait > 0  # (the other tests' forecasts all have a queue)
+
+
+def test_idle_pairs_admit_one_request_at_a_time() -> None:
+    """The pair a forecast calls idle need not be where the pick sends the request (`auto`
+    keeps the cache-aware prefill; a prefill just killed looks idle until it is known dead):
+    the next request admitted for an idle pair waits for the last one's forecast first
+    token, so such admissions never draw a flood (docs/RELIABILITY.md: 22 batch requests
+    admitted on a dead prefill's empty queue in 0.6 s)."""
+    from tests.slo.test_gate import INTERACTIVE
+
+    forecasts = Forecasts(0.4)
+    forecasts.next = Prediction(0.3, 0.01, 0.0, 0.29, 0.0, 0.01, 0.3, 0.01)
+    slo, _ = gate(forecasts)
+    for _ in range(WARM):  # the margin at its ceiling: 4 x 0.3 s misses the 1 s objective
+        slo.margin.observe(4.0, 1.0)
+    asyncio.run(slo.admit(request(slo, BATCH, rid="r1")))  # on the idle pair
+    with pytest.raises(TooManyRequests):  # the one before has not had its first token
+        asyncio.run(slo.admit(request(slo, BATCH, rid="r2")))
+    time.sleep(0.31)  # its forecast first token (0.3 s) has passed: the next may go
+    asyncio.run(slo.admit(request(slo, INTERACTIVE, rid="r3")))
+
+
+def test_an_idle_pair_counts_only_once_the_gate_let_nothing_through_for_a_while() -> None:
+    """While requests pass the gate they teach the margin, and under load the pair a
+    forecast calls idle is often not where the pick sends (the 2-core goodput runs admitted
+    more onto the busy cache holders): an idle pair's bare forecast counts only after
+    `QUIET` seconds in which no forecast fitted."""
+    forecasts = Forecasts(0.4)
+    forecasts.next = Prediction(0.3, 0.01, 0.0, 0.29, 0.0, 0.01, 0.3, 0.01)
+    slo, _ = gate(forecasts)
+    asyncio.run(slo.admit(request(slo, BATCH, rid="r1")))  # 0.3 s fits the 1 s: it passes
+    for _ in range(WARM):
+        slo.margin.observe(4.0, 1.0)
+    with pytest.raises(TooManyRequests):  # 1.2 s with the margin; one passed just now
+        asyncio.run(slo.admit(request(slo, BATCH, rid="r2")))
 
 
 def _streamed(slo, rid: str, forecast: float, ttft: float) -> None:
