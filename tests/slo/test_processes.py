@@ -178,7 +178,8 @@ def test_batch_flood_while_a_prefill_dies_and_comes_back(tmp_path) -> None:
             # the restarted prefill is usable again and takes its share of the flood
             wait_until(lambda: rig.stats(victim)["received"] > 0, 20,
                        "the restarted prefill to receive work",
-                       detail=lambda: rig.snapshot(victim))
+                       detail=lambda: (rig.snapshot(victim), "margin",
+                                       rig.metrics().value("gateway_slo_margin")))
         finally:
             stop.set()
         answers = [a for job in batches for a in job.result()]
