@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import h11
 import httpx
 import pytest
 
@@ -177,37 +180,65 @@ LONG_N2_STREAM = {"text": TEXTS[0], "stream": True,
 LEAVE_AFTER = 200  # tokens of one sample after which the client leaves in any case
 
 
-def read_long_n2_stream(cluster: SglangCluster, leave: bool) -> dict[int, int]:
-    """Tokens streamed per sample of `LONG_N2_STREAM`: read to its end, or (`leave`) hang up
-    once both samples stream or one has streamed `LEAVE_AFTER` tokens. By then the other
-    sample, sent as the first one's prefill ends, is on a decode too: generating, or waiting
-    there for admission behind the first when both share a decode (seen on this rig, with
-    the other decode looking busier to the gateway). The samples' own events say when they
-    stream: the servers' `/v1/loads` are up to seconds late."""
+def read_long_n2_stream(cluster: SglangCluster, since: dict[Path, int] | None = None
+                        ) -> dict[int, int]:
+    """Tokens streamed per sample of `LONG_N2_STREAM`: read to its end, or (`since`, the
+    decodes' logs' offsets) hang up, closing the socket, once both samples stream, one has
+    streamed `LEAVE_AFTER` tokens, or a decode's log shows a batch of `LEAVE_AFTER` tokens
+    while the client has seen nothing. That last case: both samples on one decode (the other
+    looking busier to the gateway), where SGLang admits the second only when the first ends,
+    and the gateway starts the merged stream once every sample has its first token (CI,
+    2026-12-06: the first sample ran to 1,487 tokens before the client saw an event). The
+    samples' own events say when they stream: the servers' `/v1/loads` are seconds late.
+
+    A plain socket (h11 for the HTTP framing) so the client can look at the logs while no
+    byte comes, as a blocking HTTP client cannot."""
+    parts = urlsplit(cluster.gateway)
+    body = json.dumps(LONG_N2_STREAM).encode()
+    http = h11.Connection(h11.CLIENT)
     tokens: dict[int, int] = {}
+    pending = b""
     deadline = time.monotonic() + 60
-    with httpx.Client(timeout=60, trust_env=False) as client, \
-            client.stream("POST", cluster.gateway + "/generate", json=LONG_N2_STREAM) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():  # keep reading: a stalled client is cut off
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(http.send(h11.Request(method="POST", target="/generate", headers=[
+            ("host", parts.netloc), ("content-type", "application/json"),
+            ("content-length", str(len(body)))])) + http.send(h11.Data(data=body))
+            + http.send(h11.EndOfMessage()))
+        sock.settimeout(0.1)
+        while True:
             assert time.monotonic() < deadline, (tokens, retries(cluster))
-            if line == "data: [DONE]":
-                assert not leave, ("the stream ended before the client left", tokens,
-                                   retries(cluster))
-                break
-            if line.startswith("data: {"):
-                event = json.loads(line[len("data: "):])
-                assert "error" not in event, (event, retries(cluster))
-                tokens[event["index"]] = len(event["output_ids"])
-                if leave and (len(tokens) == N or max(tokens.values()) >= LEAVE_AFTER):
-                    break
-    return tokens
+            event = http.next_event()
+            if event is h11.NEED_DATA:
+                try:
+                    http.receive_data(sock.recv(65536))
+                except TimeoutError:
+                    if since is not None and not tokens and \
+                            max(most_decode_tokens(since).values()) >= LEAVE_AFTER:
+                        return tokens  # nothing seen while a sample generates: leave
+                continue
+            if isinstance(event, h11.Response):
+                assert event.status_code == 200, event
+            elif isinstance(event, h11.EndOfMessage):
+                assert since is None, ("the stream ended before the client left", tokens)
+                return tokens
+            elif isinstance(event, h11.Data):
+                *lines, pending = (pending + bytes(event.data)).split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    item = json.loads(line[len(b"data: "):])
+                    assert "error" not in item, (item, retries(cluster))
+                    tokens[item["index"]] = len(item["output_ids"])
+                    if since is not None and (len(tokens) == N or
+                                              max(tokens.values()) >= LEAVE_AFTER):
+                        return tokens
 
 
 def test_client_leaving_an_n2_stream_stops_every_sample(sglang_cluster: SglangCluster) -> None:
-    """A client hangs up on a long n=2 stream once both samples are on the decodes: each
-    sample's legs are stopped, so no decode keeps generating the rest of the 1500 tokens
-    nobody reads, nor starts a sample that was waiting for its turn.
+    """A client hangs up on a long n=2 stream once both samples stream, or one generates
+    while the client has seen nothing yet (`read_long_n2_stream`): each sample's legs are
+    stopped, so no decode keeps generating the rest of the 1500 tokens nobody reads, nor
+    starts a sample that was waiting for its turn.
 
     Judged on the decodes' own logs of their running batch: at this rig's 100-900 tokens/s a
     sample left running is done within seconds, so the servers turning idle would not tell a
@@ -215,14 +246,14 @@ def test_client_leaving_an_n2_stream_stops_every_sample(sglang_cluster: SglangCl
     telling them apart on this SGLang."""
     wait_idle(sglang_cluster)
     since = decode_logs(sglang_cluster)
-    assert read_long_n2_stream(sglang_cluster, leave=False) == {i: 1500 for i in range(N)}
+    assert read_long_n2_stream(sglang_cluster) == {i: 1500 for i in range(N)}
     wait_idle(sglang_cluster)
     whole = most_decode_tokens(since)
     assert max(whole.values()) > 1000, f"the decodes' logs for two 1500-token samples: {whole}"
 
     since = decode_logs(sglang_cluster)
-    tokens = read_long_n2_stream(sglang_cluster, leave=True)
-    assert tokens and max(tokens.values()) < 1500, f"a sample ended before the client left: {tokens}"
+    tokens = read_long_n2_stream(sglang_cluster, since)
+    assert max(tokens.values(), default=0) < 1500, f"a sample ended before the client left: {tokens}"
     idle = wait_idle(sglang_cluster)
     most = most_decode_tokens(since)
     listed = httpx.get(sglang_cluster.gateway + "/admin/servers", timeout=10,
