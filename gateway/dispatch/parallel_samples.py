@@ -18,9 +18,10 @@ for n > 1 (docs/FIDELITY.md):
 
 Failures: each sample retries on another pair (before anything streamed), avoiding the
 servers any sample was failed by (`proxy.Shared`); a sample that still fails fails the whole
-request and stops the others. Streams start when every sample has its first chunk, so a
-failure before that is a clean error answer; later, an error event and one `[DONE]` end the
-merged stream.
+request and stops the others. A stream starts at the first sample's first chunk, as one
+server's n > 1 stream does (its first token is not held back for the slowest sample's, which
+follows sample 0's prefill); a failure before that is a clean error answer; later, an error
+event and one `[DONE]` end the merged stream.
 """
 
 from __future__ import annotations
@@ -28,16 +29,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 
 import orjson
 
 from gateway.dispatch.pd import Answer
 from gateway.dispatch.proxy import Shared
-from gateway.errors import UpstreamError
+from gateway.errors import GatewayError, UpstreamError
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
 from gateway.sse import DONE, NOT_JSON, EventSplitter, frame, parsed
 
+log = logging.getLogger("gateway.dispatch.parallel_samples")
 IDENTITY = ("id", "created", "model")  # an OpenAI chunk's fields naming its stream
 QUEUE_DEPTH = 8  # chunks a sample may be ahead of the client (backpressure beyond that)
 
@@ -72,7 +75,10 @@ class Samples:
             await placement.wait_first(tasks[0])
             tasks += [asyncio.get_running_loop().create_task(
                 self.proxy.handle(sample, tracked, placement=placement)) for _ in range(n - 1)]
-            answers = await _all_or_nothing(tasks)
+            if view.stream:
+                first = await _first_answer(tasks)
+            else:
+                answers = await _all_or_nothing(tasks)
         except BaseException:
             for task in tasks:
                 task.cancel()
@@ -81,8 +87,8 @@ class Samples:
         if not view.stream:
             merged = merge_bodies(view, sample_bodies(view, answers))
             return Answer(answers[0].status, answers[0].content_type, orjson.dumps(merged))
-        stream = MergedStream(view, answers, tracked)
-        return Answer(200, answers[0].content_type, stream=stream.events(), close=stream.close)
+        stream = MergedStream(view, tasks)
+        return Answer(200, first.content_type, stream=stream.events(), close=stream.close)
 
 
 FOLLOW_WAIT = 0.5  # seconds the other samples wait for sample 0's prefill to answer
@@ -129,6 +135,16 @@ async def _all_or_nothing(tasks: list[asyncio.Task]) -> list[Answer]:
         if task.exception() is not None:
             raise task.exception()
     return [task.result() for task in tasks]
+
+
+async def _first_answer(tasks: list[asyncio.Task]) -> Answer:
+    """The first sample's answer (a stream: it has its first chunk); a sample that failed
+    by then fails the request, while nothing was sent."""
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        if task.exception() is not None:
+            raise task.exception()
+    return next(iter(done)).result()
 
 
 async def _close_all(tasks: list[asyncio.Task]) -> None:
@@ -208,13 +224,14 @@ def error_event(obj: dict) -> dict:
 class MergedStream:
     """The n sample streams interleaved as their chunks arrive, re-indexed, one [DONE].
 
-    One pump task per sample reads its relay (the relay's deadlines belong to the task that
-    reads it) into a small queue; the client's sender drains the queue, so a slow client
-    holds the pumps back and their send deadline applies."""
+    One pump task per sample waits for that sample's answer and reads its relay (the relay's
+    deadlines belong to the task that reads it) into a small queue; the client's sender
+    drains the queue, so a slow client holds the pumps back and their send deadline applies.
+    A sample that fails before its first chunk, once the stream runs, is an error event."""
 
-    def __init__(self, view: RequestView, answers: list[Answer], tracked) -> None:
+    def __init__(self, view: RequestView, samples: list[asyncio.Task]) -> None:
         self.view = view
-        self.answers = answers
+        self.samples = samples  # each sample's `proxy.handle`: its answer, or its failure
         self.queue: asyncio.Queue = asyncio.Queue(QUEUE_DEPTH)
         self.pumps: list[asyncio.Task] = []
         self.usages: dict[int, dict] = {}
@@ -223,7 +240,8 @@ class MergedStream:
 
     async def events(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
-        self.pumps = [loop.create_task(self._pump(j, a.stream)) for j, a in enumerate(self.answers)]
+        self.pumps = [loop.create_task(self._pump(j, task))
+                      for j, task in enumerate(self.samples)]
         running = len(self.pumps)
         while running:
             j, data = await self.queue.get()
@@ -240,9 +258,17 @@ class MergedStream:
             yield frame(self._usage_chunk())
         yield DONE
 
-    async def _pump(self, j: int, stream: AsyncIterator[bytes]) -> None:
+    async def _pump(self, j: int, sample: asyncio.Task) -> None:
         try:
-            async for chunk in stream:
+            try:
+                answer = await sample
+            except Exception as exc:  # noqa: BLE001 - its retries spent: the stream's end
+                if not isinstance(exc, GatewayError):
+                    log.exception("sample %d of a merged stream failed", j)
+                    exc = GatewayError("internal gateway error; see the gateway log")
+                await self.queue.put((j, frame(exc.body())))
+                return
+            async for chunk in answer.stream:
                 await self.queue.put((j, chunk))
         finally:
             await self.queue.put((j, None))
@@ -296,13 +322,13 @@ class MergedStream:
 
     def _usage_chunk(self) -> dict:
         first = self.usages.get(0) or next(iter(self.usages.values()))
-        usages = [self.usages.get(j, {}).get("usage") for j in range(len(self.answers))]
+        usages = [self.usages.get(j, {}).get("usage") for j in range(len(self.samples))]
         return self._one_stream({**first, "usage": merge_usage(usages) or first.get("usage")})
 
     async def close(self) -> None:
-        for pump in self.pumps:
-            pump.cancel()
+        """Every pump stopped, every sample still without an answer cancelled, every
+        answer's legs closed."""
+        for task in (*self.pumps, *self.samples):
+            task.cancel()
         await asyncio.gather(*self.pumps, return_exceptions=True)
-        for answer in self.answers:
-            if answer.close is not None:
-                await answer.close()
+        await _close_all(self.samples)

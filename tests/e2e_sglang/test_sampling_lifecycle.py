@@ -185,11 +185,12 @@ def read_long_n2_stream(cluster: SglangCluster, since: dict[Path, int] | None = 
     """Tokens streamed per sample of `LONG_N2_STREAM`: read to its end, or (`since`, the
     decodes' logs' offsets) hang up, closing the socket, once both samples stream, one has
     streamed `LEAVE_AFTER` tokens, or a decode's log shows a batch of `LEAVE_AFTER` tokens
-    while the client has seen nothing. That last case: both samples on one decode (the other
-    looking busier to the gateway), where SGLang admits the second only when the first ends,
-    and the gateway starts the merged stream once every sample has its first token (CI,
-    2026-12-06: the first sample ran to 1,487 tokens before the client saw an event). The
-    samples' own events say when they stream: the servers' `/v1/loads` are seconds late.
+    while the client has seen nothing. That last case is a guard: both samples on one decode
+    (the other looking busier to the gateway), where SGLang admits the second only when the
+    first ends, while the gateway started a merged stream only once every sample had its
+    first token (CI, 2026-12-06: the first sample ran to 1,487 tokens before the client saw
+    an event); it now starts at the first sample's first token. The samples' own events say
+    when they stream: the servers' `/v1/loads` are seconds late.
 
     A plain socket (h11 for the HTTP framing) so the client can look at the logs while no
     byte comes, as a blocking HTTP client cannot."""

@@ -300,3 +300,130 @@ def test_a_samples_error_event_is_written_in_the_gateways_shape():
               if e.startswith("data: {") and '"error"' in e]
     assert errors == [{"message": "decode failed", "type": "InternalServerError",
                        "code": "500", "param": None}], r.text
+
+
+class ScriptedSamples:
+    """A proxy whose k-th `handle` call (sample k) runs `script[k]`, and which records
+    which samples' answers were closed and which calls were cancelled."""
+
+    def __init__(self, *script) -> None:
+        self.script = script
+        self.calls = 0
+        self.closed: list[int] = []
+        self.cancelled: list[int] = []
+
+    async def handle(self, view, tracked, placement=None):
+        from gateway.dispatch.pd import Answer
+
+        k = self.calls
+        self.calls += 1
+        try:
+            chunks = await self.script[k]()
+        except asyncio.CancelledError:
+            self.cancelled.append(k)
+            raise
+
+        async def stream():
+            for chunk in chunks:
+                yield chunk
+
+        async def close() -> None:
+            self.closed.append(k)
+
+        return Answer(200, b"text/event-stream", stream=stream(), close=close)
+
+
+def stream_view(n: int = 2):
+    from gateway.request import parse_request
+
+    return parse_request("chat", orjson.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "n": n,
+        "stream": True}))
+
+
+def test_a_merged_stream_starts_at_the_first_samples_first_chunk():
+    """The client gets sample 0's events while sample 1 has no answer yet (its decode still
+    queued): one server's n > 1 stream is not held back for its slowest sample."""
+    from gateway.dispatch.parallel_samples import Samples
+
+    release = asyncio.Event()
+
+    async def fast():
+        return chat_chunks()
+
+    async def slow():
+        await release.wait()
+        return chat_chunks()
+
+    proxy = ScriptedSamples(fast, slow)
+
+    async def go():
+        answer = await Samples(proxy).handle(stream_view(), None)
+        events = answer.stream.__aiter__()
+        first = orjson.loads((await events.__anext__())[6:])
+        release.set()
+        rest = b"".join([chunk async for chunk in events])
+        await answer.close()
+        return first, rest
+
+    first, rest = run(go(), timeout=5)
+    assert first["choices"][0]["index"] == 0 and first["choices"][0]["delta"]["role"]
+    assert b'"index":1' in rest and rest.endswith(b"data: [DONE]\n\n")
+    assert rest.count(b"[DONE]") == 1
+    assert sorted(proxy.closed) == [0, 1]
+
+
+def test_a_sample_failing_after_the_stream_started_ends_it_with_an_error_event():
+    """Sample 1 spends its retries after sample 0 began streaming: an error event in the
+    gateway's shape, one [DONE], and sample 0's legs closed."""
+    from gateway.dispatch.parallel_samples import Samples
+    from gateway.errors import UpstreamError
+
+    started = asyncio.Event()
+
+    async def streaming():
+        return [chat_chunks()[0]]
+
+    async def failing():
+        await started.wait()
+        raise UpstreamError("decode server failed", leg="decode", server_url=D1,
+                            retryable=False, reason="status")
+
+    proxy = ScriptedSamples(streaming, failing)
+
+    async def go():
+        answer = await Samples(proxy).handle(stream_view(), None)
+        events = answer.stream.__aiter__()
+        first = await events.__anext__()
+        started.set()
+        rest = b"".join([chunk async for chunk in events])
+        await answer.close()
+        return first, rest
+
+    first, rest = run(go(), timeout=5)
+    assert b'"index":0' in first
+    errors = [orjson.loads(e[6:])["error"] for e in rest.split(b"\n\n")
+              if e.startswith(b"data: {")]
+    assert len(errors) == 1 and "decode server failed" in errors[0]["message"], rest
+    assert isinstance(errors[0]["code"], str)
+    assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"[DONE]") == 1
+    assert proxy.closed == [0]
+
+
+def test_a_sample_failing_before_any_answer_fails_the_stream_cleanly():
+    """Nothing was sent yet: the failure is the request's error answer, and the sample
+    still waiting is cancelled."""
+    from gateway.dispatch.parallel_samples import Samples
+    from gateway.errors import UpstreamError
+
+    async def waiting():
+        await asyncio.Event().wait()
+
+    async def failing():
+        raise UpstreamError("decode server failed", leg="decode", server_url=D1,
+                            retryable=False, reason="status")
+
+    proxy = ScriptedSamples(waiting, failing)
+    with pytest.raises(UpstreamError):
+        run(Samples(proxy).handle(stream_view(), None), timeout=5)
+    assert proxy.cancelled == [0]
