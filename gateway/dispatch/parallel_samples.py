@@ -259,19 +259,19 @@ class MergedStream:
         yield DONE
 
     async def _pump(self, j: int, sample: asyncio.Task) -> None:
+        """Sample `j`'s chunks into the queue, then its end (None). Cancelled (by `close`),
+        it stops at once: nobody reads the queue then, and a put into a full one (a client
+        that stopped reading) would wait for good, and `close` with it."""
         try:
-            try:
-                answer = await sample
-            except Exception as exc:  # noqa: BLE001 - its retries spent: the stream's end
-                if not isinstance(exc, GatewayError):
-                    log.exception("sample %d of a merged stream failed", j)
-                    exc = GatewayError("internal gateway error; see the gateway log")
-                await self.queue.put((j, frame(exc.body())))
-                return
+            answer = await sample
             async for chunk in answer.stream:
                 await self.queue.put((j, chunk))
-        finally:
-            await self.queue.put((j, None))
+        except Exception as exc:  # noqa: BLE001 - its retries spent, or its relay broke
+            if not isinstance(exc, GatewayError):
+                log.exception("sample %d of a merged stream failed", j)
+                exc = GatewayError("internal gateway error; see the gateway log")
+            await self.queue.put((j, frame(exc.body())))
+        await self.queue.put((j, None))
 
     def _rewrite(self, j: int, data: bytes) -> tuple[bytes, bool]:
         """Re-index the complete events of one sample's chunk; (bytes, an error was seen)."""

@@ -84,3 +84,32 @@ def test_the_relay_watchdog_honours_a_send_timeout_shorter_than_the_idle_one():
         return client.fired
 
     assert asyncio.run(main()), "the send deadline passed unnoticed"
+
+
+def test_a_client_that_stops_reading_an_n2_stream_loses_it_and_every_leg(fast, fast_sims):
+    """The same with n = 2: two sample streams merged through a small queue. Once the client
+    stops reading, the queue fills and the samples' pumps wait on it; ending the stream must
+    still stop them, close both samples' legs and free the request's place (a pump left
+    waiting on the full queue kept the request in flight for good)."""
+    request_id = f"stalled-n2-{os.urandom(4).hex()}"
+    body = orjson.loads(stalled_request(request_id).split(b"\r\n\r\n", 1)[1])
+    body["sampling_params"]["n"] = 2
+    raw = orjson.dumps(body)
+    head = stalled_request(request_id).split(b"\r\n\r\n", 1)[0].rsplit(b"\r\n", 1)[0]
+    with Honest(fast, loops=2, minimum=10):
+        sock = connect(fast.port, rcvbuf=4096)
+        sock.sendall(head + b"\r\ncontent-length: %d\r\n\r\n" % len(raw) + raw)
+        wait_for(lambda: sum(s.header("x-request-id") == request_id
+                             for s in fast_sims.decode.tap.seen("/generate")) == 2,
+                 10, "both samples reached the decode")
+        seen = [orjson.loads(s.body)["rid"] for s in fast_sims.decode.tap.seen("/generate")
+                if s.header("x-request-id") == request_id]
+        for rid in seen:
+            wait_for(lambda rid=rid: fast_sims.decode.rooms(rid), 20,
+                     f"the decode ended sample {rid}")
+    wait_for(lambda: fast.in_flight() == 0, 10, "the gateway's in-flight count is 0 again")
+    sock.close()
+    for rid in seen:
+        assert fast_sims.decode.rooms(rid)[0]["outcome"] in ("aborted", "cancelled")
+    assert fast_sims.decode.stats()["in_flight"] == 0
+    assert fast_sims.prefill.stats()["in_flight"] == 0

@@ -427,3 +427,26 @@ def test_a_sample_failing_before_any_answer_fails_the_stream_cleanly():
     with pytest.raises(UpstreamError):
         run(Samples(proxy).handle(stream_view(), None), timeout=5)
     assert proxy.cancelled == [0]
+
+
+def test_closing_a_merged_stream_nobody_reads_returns_and_closes_every_answer():
+    """The client stopped reading: the queue is full and both pumps wait to put. `close`
+    must stop them and close both samples' legs (a pump that put its end marker on the way
+    out waited for good, and the request with it)."""
+    from gateway.dispatch.parallel_samples import QUEUE_DEPTH, Samples
+
+    async def endless():
+        return chat_chunks()[:1] * 1000
+
+    proxy = ScriptedSamples(endless, endless)
+
+    async def go():
+        answer = await Samples(proxy).handle(stream_view(), None)
+        events = answer.stream.__aiter__()
+        await events.__anext__()
+        for _ in range(10 * QUEUE_DEPTH):  # the pumps run until the queue is full
+            await asyncio.sleep(0)
+        await asyncio.wait_for(answer.close(), 2)
+
+    run(go(), timeout=5)
+    assert sorted(proxy.closed) == [0, 1]
