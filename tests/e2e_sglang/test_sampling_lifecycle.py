@@ -178,6 +178,11 @@ LONG_N2_STREAM = {"text": TEXTS[0], "stream": True,
 
 
 LEAVE_AFTER = 200  # tokens of one sample after which the client leaves in any case
+# seconds a whole LONG_N2_STREAM may take: two samples decoding at once on the 2-core rig run
+# at 12-15 tokens/s each (two schedulers' torch threads on two cores), one alone at 350-500
+# (the decodes' logs, 2026-12-06): 1500 tokens side by side take up to about 2 minutes; CI
+# once ran out of the 60 s this was (1,190 tokens at 60 s)
+READ_LIMIT = 180
 
 
 def read_long_n2_stream(cluster: SglangCluster, since: dict[Path, int] | None = None
@@ -199,7 +204,7 @@ def read_long_n2_stream(cluster: SglangCluster, since: dict[Path, int] | None = 
     http = h11.Connection(h11.CLIENT)
     tokens: dict[int, int] = {}
     pending = b""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + READ_LIMIT
     with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
         sock.sendall(http.send(h11.Request(method="POST", target="/generate", headers=[
             ("host", parts.netloc), ("content-type", "application/json"),
