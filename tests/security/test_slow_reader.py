@@ -26,9 +26,10 @@ SEND_TIMEOUT = 1.0  # the fast gateway's
 TOKENS = 4000  # at 2 ms per token the natural stream lasts 8 s or more
 
 
-def stalled_request(request_id: str) -> bytes:
+def stalled_request(request_id: str, n: int = 1) -> bytes:
+    sampling = {"max_new_tokens": TOKENS, **({"n": n} if n > 1 else {})}
     body = orjson.dumps({"text": "please write forever", "stream": True,
-                         "sampling_params": {"max_new_tokens": TOKENS},
+                         "sampling_params": sampling,
                          "return_logprob": True, "top_logprobs_num": 5})
     return (b"POST /generate HTTP/1.1\r\nhost: slow-reader\r\ncontent-type: application/json\r\n"
             b"x-request-id: " + request_id.encode() + b"\r\ncontent-length: %d\r\n\r\n"
@@ -92,13 +93,9 @@ def test_a_client_that_stops_reading_an_n2_stream_loses_it_and_every_leg(fast, f
     still stop them, close both samples' legs and free the request's place (a pump left
     waiting on the full queue kept the request in flight for good)."""
     request_id = f"stalled-n2-{os.urandom(4).hex()}"
-    body = orjson.loads(stalled_request(request_id).split(b"\r\n\r\n", 1)[1])
-    body["sampling_params"]["n"] = 2
-    raw = orjson.dumps(body)
-    head = stalled_request(request_id).split(b"\r\n\r\n", 1)[0].rsplit(b"\r\n", 1)[0]
     with Honest(fast, loops=2, minimum=10):
         sock = connect(fast.port, rcvbuf=4096)
-        sock.sendall(head + b"\r\ncontent-length: %d\r\n\r\n" % len(raw) + raw)
+        sock.sendall(stalled_request(request_id, n=2))
         wait_for(lambda: sum(s.header("x-request-id") == request_id
                              for s in fast_sims.decode.tap.seen("/generate")) == 2,
                  10, "both samples reached the decode")
