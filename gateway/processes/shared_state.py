@@ -33,6 +33,7 @@ from gateway.prefix.shared import SharedPrefixes
 SERVER_SLOTS = 1024
 OTHERS_TTL = 0.005  # seconds the other workers' in-flight sums are reused
 MAGIC = 0x70646777  # "pdgw"
+DEAD_CONNECTIONS = 1 << 40  # an exited worker's connections: never the fewest
 
 
 def url_hash(url: str) -> int:
@@ -127,6 +128,23 @@ class SharedState:
 
     def active(self) -> int:
         return sum(self.words[self._active:self._active + self.workers])
+
+    def forget_worker(self, worker: int) -> None:
+        """`worker` exited: what it published stops counting. Its admission slots would
+        otherwise hold the gateway's capacity, its legs would stay in every server's load, and
+        its published waiter would make every other worker's queue yield to a request that is
+        gone (until its successor overwrote each figure, if ever). The supervisor calls this
+        once the process is gone, so nothing writes these words meanwhile; its connections
+        read as many, so that no live worker leaves a connection to it."""
+        words = self.words
+        with self.locked():
+            words[self._active + worker] = 0
+        words[self._waiting + 2 * worker] = -1
+        words[self._connections + worker] = DEAD_CONNECTIONS
+        for column in (self._in_flight, self._tokens):
+            for slot in range(column + worker, column + SERVER_SLOTS * self.workers,
+                              self.workers):
+                words[slot] = 0
 
     def publish_waiting(self, worker: int, klass: int | None, since: float) -> None:
         """This worker's most urgent waiter: its class (None: nobody waits here) and since

@@ -143,6 +143,7 @@ class Supervisor:
 
     async def _restart(self, worker: int, name: str, workdir: str, code: int) -> None:
         self.hub.detach(worker)
+        self.shared.forget_worker(worker)  # its slots, legs and waiter died with it
         if time.monotonic() - self.spawned.get(worker, 0.0) > 60:
             self.backoff.pop(worker, None)  # it had served a while: not a crash loop
         delay = self.backoff.get(worker, RESTART_BACKOFF[0])

@@ -51,3 +51,28 @@ def test_servers_keep_their_own_slots(block):
     assert a.others() == (0, 0)
     assert block.share(URL, 1).others() == (0, 0)
     assert block.share("http://127.0.0.1:30001", 0).others() == (7, 70)
+
+
+def test_an_exited_workers_figures_stop_counting_and_the_others_stay(block):
+    """The supervisor forgets a dead worker: its slots, legs, waiter and connections."""
+    other_url = "http://127.0.0.1:30001"
+    dead, live = block.share(URL, 1), block.share(URL, 2)
+    dead.publish(3, 300)
+    block.share(other_url, 1).publish(2, 20)
+    live.publish(1, 10)
+    block.share(other_url, 2).publish(4, 40)
+    assert block.try_admit(1, 3) and block.try_admit(1, 3) and block.try_admit(2, 3)
+    assert not block.try_admit(0, 3)  # the limit of 3, two of them the dead worker's
+    block.publish_waiting(1, 0, 5.0)  # its waiter: class 0 since t = 5 s
+    block.publish_connections(1, 0)
+    block.publish_connections(2, 7)
+    assert block.waits_longer_elsewhere(0, 1, 6.0)
+    assert block.fewest_connections_elsewhere(0) == 0
+
+    block.forget_worker(1)
+
+    assert block.share(URL, 0).others() == (1, 10)
+    assert block.share(other_url, 0).others() == (4, 40)
+    assert block.active() == 1 and block.try_admit(0, 3)
+    assert not block.waits_longer_elsewhere(0, 1, 6.0)
+    assert block.fewest_connections_elsewhere(0) == 7  # nobody leaves a connection to it

@@ -1,0 +1,123 @@
+"""A worker of `--workers` killed under load, with the concurrency limit full and requests
+queued: the other workers' queued requests are still served.
+
+Two faults at once: a crash while the gateway is at its limit. A worker publishes in shared
+memory the slots it holds, its legs' in-flight counts and its most urgent waiter; killed, it
+could not take them back. Before the supervisor forgot a dead worker's figures
+(`SharedState.forget_worker`), its slot held the gateway's capacity and its waiter made the
+other workers' queues yield to a request that was gone: every queued request on the live
+worker waited out `--queue-timeout` and got a 503, and the servers' in-flight gauges kept the
+dead worker's legs. Real processes on loopback: the supervisor, two workers, simulators.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import socket
+import time
+
+import httpx
+import orjson
+import psutil
+import pytest
+
+from tests.integration.conftest import sim
+from tests.integration.test_workers import worker_pids
+from tests.procs import HOST, free_port, python, running
+
+QUEUED = 8  # requests queued behind the held slot, spread over both workers
+QUEUE_TIMEOUT = 10  # seconds; the queued requests need about 2 s once the slot is free
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with contextlib.ExitStack() as stack:
+        port, boot, dport = free_port(), free_port(), free_port()
+        prefill, decode = f"http://{HOST}:{port}", f"http://{HOST}:{dport}"
+        stack.enter_context(running("prefill", sim("prefill", port, boot, "--token-delay",
+                                                   "0.02"), tmp_path, prefill + "/health"))
+        stack.enter_context(running("decode", sim("decode", dport, None, "--token-delay",
+                                                  "0.02"), tmp_path, decode + "/health"))
+        gw_port = free_port()
+        argv = python("-m", "gateway", "--host", HOST, "--port", str(gw_port), "--workers", "2",
+                      "--prefill", prefill, str(boot), "--decode", decode,
+                      "--max-concurrency", "1", "--queue-timeout", str(QUEUE_TIMEOUT))
+        gateway = f"http://{HOST}:{gw_port}"
+        proc = stack.enter_context(running("gateway", argv, tmp_path, gateway + "/readiness"))
+        deadline = time.monotonic() + 60
+        while ((len(worker_pids(proc.popen.pid)) < 2 or "workers serving" not in proc.log())
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        yield {"gateway": gateway, "port": gw_port, "proc": proc}
+
+
+def generate(gateway: str, tokens: int) -> int | str:
+    """The status of one /generate, or how its connection ended (a killed worker's)."""
+    try:
+        with httpx.Client(timeout=60) as client:
+            return client.post(gateway + "/generate", json={
+                "text": f"{os.urandom(4).hex()} crash",
+                "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}).status_code
+    except httpx.TransportError as exc:
+        return type(exc).__name__
+
+
+def holder_of(port: int, client_port: int, pids: list[int]) -> int:
+    """The worker whose accepted connection comes from `client_port`."""
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections():
+            if conn.laddr and conn.laddr.port == port and conn.raddr \
+                    and conn.raddr.port == client_port:
+                return pid
+    raise AssertionError(f"no worker holds the connection from port {client_port}")
+
+
+def clients_of(pid: int, port: int) -> int:
+    return sum(1 for conn in psutil.Process(pid).net_connections()
+               if conn.laddr and conn.laddr.port == port and conn.status == "ESTABLISHED")
+
+
+@pytest.mark.parametrize("victim", ["slot_holder", "waiters_only"])
+def test_a_worker_killed_at_the_limit_leaves_the_others_queue_served(cluster, victim):
+    gateway, port, proc = cluster["gateway"], cluster["port"], cluster["proc"]
+    pids = worker_pids(proc.popen.pid)
+    # the slot's request, on a raw socket so that its client port names its worker
+    held = socket.create_connection((HOST, port), timeout=30)
+    body = orjson.dumps({"text": "the held slot", "sampling_params": {
+        "max_new_tokens": 100, "ignore_eos": True}})
+    held.sendall(b"POST /generate HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    time.sleep(0.5)  # admitted: it holds the only slot for 2 s
+    holder = holder_of(port, held.getsockname()[1], pids)
+    with concurrent.futures.ThreadPoolExecutor(QUEUED) as pool:
+        queued = []
+        for _ in range(QUEUED):
+            queued.append(pool.submit(generate, gateway, 10))
+            time.sleep(0.05)
+        time.sleep(0.5)  # every one queued behind the held slot
+        killed = holder if victim == "slot_holder" else next(p for p in pids if p != holder)
+        assert clients_of(killed, port) >= 2, "the victim holds queued requests too"
+        os.kill(killed, signal.SIGKILL)
+        started = time.monotonic()
+        statuses = [future.result() for future in queued]
+    held.close()
+    served = [s for s in statuses if s == 200]
+    cut = [s for s in statuses if s != 200]
+    # the killed worker's own requests lose their connection; every other one is served
+    assert served, statuses
+    assert all(isinstance(s, str) for s in cut), statuses
+    assert time.monotonic() - started < QUEUE_TIMEOUT, statuses
+    # the dead worker's legs leave the servers' in-flight figures; the limit is whole again
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [line for line in httpx.get(gateway + "/metrics").text.splitlines()
+                 if line.startswith("gateway_server_in_flight_requests{")]
+        if lines and all(line.endswith(" 0.0") for line in lines):
+            break
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.2)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda _: generate(gateway, 5), range(4))) == [200] * 4
