@@ -283,6 +283,8 @@ class Gateway:
             successes=c.health_successes, loads_interval=c.loads_interval,
             on_down=lambda server: self.dispatcher.ledger.rescue(server, "was marked down"))
         self.health.start()
+        if self.worker is not None:
+            await self.worker.control.synced()  # the server set as the other workers have it
         self._flusher = asyncio.get_running_loop().create_task(self.metrics.run_flusher())
         self._latency_task = asyncio.get_running_loop().create_task(self.latency.run())
         await self.models.start()
@@ -319,10 +321,9 @@ class Gateway:
             raise StartupError("; ".join(mismatches))
 
     async def _load_tokenizer(self) -> None:
-        """The tokenizer of the default model (the only one, or --default-model): from
-        --tokenizer or that model's servers; requests of other models keep the estimate.
-        With several models and no default, --tokenizer serves them all (give it only if
-        they share one) and none is looked for on the servers."""
+        """The default model's tokenizer (the only model or --default-model), from --tokenizer
+        or its servers; other models keep the estimate. Several models and no default:
+        --tokenizer serves all (give it only if they share one), none looked for on servers."""
         models = self.models
         try:
             model = models.default()

@@ -12,6 +12,14 @@ request an `/abort_request` names). Per-request figures go through shared memory
                            {"ready": true}                 serving
     supervisor -> worker   {"msg": msg} | {"ask": n, "from": w, "msg": msg}
                            {"answers": n, "results": [...]}
+                           {"synced": true}                the admin changes so far were sent
+
+Messages told to all (admin changes) are applied in the order sent: a server's add, whose probe
+takes a while, before the drain that followed it. The hub keeps the latest admin change of
+each server and replays them to a worker it attaches, then says "synced"; a worker serves only
+once it applied them (`Control.synced`). So a worker started again after a crash has the
+server set its siblings have, not the command line's: a server an operator removed stays
+removed, a drained one drained, a switched one in its new role.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ log = logging.getLogger("gateway.processes.control_channel")
 
 Handler = Callable[[dict], Awaitable[object]]
 ASK_TIMEOUT = 3.0
+SYNC_TIMEOUT = 60.0  # seconds a starting worker waits for the replayed admin changes
 
 
 class Control:
@@ -43,6 +52,8 @@ class Control:
         self._task: asyncio.Task | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._numbers = itertools.count(1)
+        self._last_tell: asyncio.Task | None = None  # tells are applied one after another
+        self._synced = asyncio.Event()
 
     def on(self, kind: str, handler: Handler) -> None:
         """Run `handler(msg)` for messages of `kind` from other workers; what it returns
@@ -71,6 +82,15 @@ class Control:
         """Deliver `msg` to every other worker (fire and forget)."""
         self._send({"all": msg})
 
+    async def synced(self, timeout: float = SYNC_TIMEOUT) -> None:
+        """Until the admin changes made before this worker started are applied here."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._synced.wait()
+        except TimeoutError:
+            log.warning("worker %d: the other workers' admin changes were not applied within "
+                        "%gs; serving with the servers known so far", self.worker_id, timeout)
+
     async def ask(self, msg: dict) -> list:
         """Ask every other worker; their answers (those that answered in time)."""
         if self.workers <= 1:
@@ -97,8 +117,20 @@ class Control:
                 future = self._pending.get(obj["answers"])
                 if future is not None and not future.done():
                     future.set_result(obj.get("results") or [])
-            elif "msg" in obj:
+            elif "msg" in obj and "ask" in obj:
                 asyncio.get_running_loop().create_task(self._handle(obj))
+            elif "msg" in obj or obj.get("synced"):
+                self._last_tell = asyncio.get_running_loop().create_task(
+                    self._in_order(self._last_tell, obj))
+
+    async def _in_order(self, before: asyncio.Task | None, obj: dict) -> None:
+        """`obj` once the tell before it is applied."""
+        if before is not None:
+            await asyncio.wait([before])
+        if "msg" in obj:
+            await self._handle(obj)
+        else:
+            self._synced.set()
 
     async def _handle(self, obj: dict) -> None:
         msg = obj["msg"]
@@ -121,11 +153,42 @@ class Hub:
         self.ready: set[int] = set()
         self._asks: dict[tuple[int, int], dict] = {}
         self.on_ready = on_ready  # told each time a worker says it serves
+        self._servers: dict[str, dict[str, dict]] = {}  # url -> its latest admin changes
 
     async def attach(self, worker: int, sock: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=sock)
         self.writers[worker] = writer
+        for msg in self.replay():
+            self._write(worker, {"msg": msg})
+        self._write(worker, {"synced": True})
         asyncio.get_running_loop().create_task(self._read(worker, reader))
+
+    def remember(self, msg: dict) -> None:
+        """Keep the latest admin change of a server: its membership (add, remove) and its
+        drain; a membership change ends a drain (a server added again starts afresh)."""
+        url = msg.get("url")
+        if msg.get("kind") != "admin" or not isinstance(url, str):
+            return
+        op = msg.get("op")
+        if op in ("add", "remove"):
+            self._servers[url] = {"member": msg}
+        elif op in ("drain", "undrain"):
+            self._servers.setdefault(url, {})["drain"] = msg
+
+    def replay(self) -> list[dict]:
+        """The admin changes that bring a worker started from the command line to its
+        siblings' server set: a server added is removed first, so that a command-line server
+        added again (in another role, say) is replaced, not kept as it was."""
+        out = []
+        for url, changes in self._servers.items():
+            member = changes.get("member")
+            if member is not None:
+                out.append({"kind": "admin", "op": "remove", "url": url})
+                if member.get("op") == "add":
+                    out.append(member)
+            if "drain" in changes:
+                out.append(changes["drain"])
+        return out
 
     def detach(self, worker: int) -> None:
         writer = self.writers.pop(worker, None)
@@ -157,6 +220,8 @@ class Hub:
             self.ready.add(worker)
             self.on_ready(worker)
         elif "all" in obj:
+            if isinstance(obj["all"], dict):
+                self.remember(obj["all"])
             for other in others:
                 self._write(other, {"msg": obj["all"]})
         elif "ask" in obj:

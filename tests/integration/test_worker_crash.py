@@ -1,5 +1,7 @@
-"""A worker of `--workers` killed under load, with the concurrency limit full and requests
-queued: the other workers' queued requests are still served.
+"""Workers of `--workers` killed with something else going on.
+
+1. Killed under load, with the concurrency limit full and requests queued: the other
+workers' queued requests are still served.
 
 Two faults at once: a crash while the gateway is at its limit. A worker publishes in shared
 memory the slots it holds, its legs' in-flight counts and its most urgent waiter; killed, it
@@ -7,7 +9,13 @@ could not take them back. Before the supervisor forgot a dead worker's figures
 (`SharedState.forget_worker`), its slot held the gateway's capacity and its waiter made the
 other workers' queues yield to a request that was gone: every queued request on the live
 worker waited out `--queue-timeout` and got a 503, and the servers' in-flight gauges kept the
-dead worker's legs. Real processes on loopback: the supervisor, two workers, simulators.
+dead worker's legs.
+
+2. Killed after an operator changed the server set: the workers started again serve the
+operator's set, not the command line's (the supervisor replays the admin changes,
+`processes/control_channel.py`).
+
+Real processes on loopback: the supervisor, two workers, simulators.
 """
 
 from __future__ import annotations
@@ -121,3 +129,80 @@ def test_a_worker_killed_at_the_limit_leaves_the_others_queue_served(cluster, vi
         time.sleep(0.2)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert list(pool.map(lambda _: generate(gateway, 5), range(4))) == [200] * 4
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """1 prefill + 3 decodes on the command line, a 4th decode running but not in it."""
+    with contextlib.ExitStack() as stack:
+        port, boot = free_port(), free_port()
+        prefill = f"http://{HOST}:{port}"
+        stack.enter_context(running("prefill", sim("prefill", port, boot), tmp_path,
+                                    prefill + "/health"))
+        decodes = []
+        for i in range(4):
+            dport = free_port()
+            url = f"http://{HOST}:{dport}"
+            stack.enter_context(running(f"decode{i}", sim("decode", dport), tmp_path,
+                                        url + "/health"))
+            decodes.append(url)
+        gw_port = free_port()
+        argv = python("-m", "gateway", "--host", HOST, "--port", str(gw_port), "--workers", "2",
+                      "--prefill", prefill, str(boot), "--decode", *decodes[:3])
+        gateway = f"http://{HOST}:{gw_port}"
+        proc = stack.enter_context(running("gateway", argv, tmp_path, gateway + "/readiness"))
+        deadline = time.monotonic() + 60
+        while ((len(worker_pids(proc.popen.pid)) < 2 or "workers serving" not in proc.log())
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        yield {"gateway": gateway, "proc": proc, "decodes": decodes}
+
+
+def received(url: str) -> int:
+    return httpx.get(url + "/sim/stats", timeout=5).json()["received"]
+
+
+def test_workers_started_again_keep_the_admin_changes_made_before(fleet):
+    """An operator removes a decode, drains one and adds one; then both workers crash. The
+    workers started again serve the operator's server set, not the command line's (before:
+    the removed and the drained decode got their share again, the added one none)."""
+    gateway, proc, (kept, removed, drained, added) = (fleet["gateway"], fleet["proc"],
+                                                      fleet["decodes"])
+    with httpx.Client(timeout=10) as client:
+        assert client.request("DELETE", gateway + "/admin/servers",
+                              json={"url": removed}).status_code == 200
+        assert client.post(gateway + "/admin/servers/drain",
+                           json={"url": drained, "timeout": 0}).status_code == 200
+        assert client.post(gateway + "/admin/servers",
+                           json={"url": added, "role": "decode"}).status_code == 201
+    before = worker_pids(proc.popen.pid)
+    for pid in before:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:
+        now = worker_pids(proc.popen.pid)
+        if len(now) == 2 and not set(now) & set(before):
+            break
+        assert time.monotonic() < deadline, f"workers not started again: {now}"
+        time.sleep(0.1)
+    while True:  # every answer now comes from a worker started again
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(gateway + "/readiness", timeout=2).status_code == 200:
+                break
+        assert time.monotonic() < deadline, "no worker serves again"
+        time.sleep(0.1)
+    counts = {url: received(url) for url in (kept, removed, drained, added)}
+    for i in range(40):
+        with httpx.Client(timeout=20) as client:  # a new connection each: both workers
+            assert client.post(gateway + "/generate", json={
+                "text": f"after the crash {i}", "sampling_params": {"max_new_tokens": 2}},
+            ).status_code == 200
+    got = {url: received(url) - counts[url] for url in counts}
+    assert got[removed] == 0 and got[drained] == 0, got
+    assert got[kept] > 0 and got[added] > 0, got
+    for _ in range(6):
+        with httpx.Client(timeout=10) as client:
+            servers = {s["url"]: s["draining"] for s in
+                       client.get(gateway + "/admin/servers").json()["servers"]
+                       if s["role"] == "decode"}
+        assert servers == {kept: False, drained: True, added: False}, servers
