@@ -116,12 +116,18 @@ class Supervisor:
         launcher = await self._launch() if self.config.launch else None
         for worker in range(self.count):
             await self._spawn(worker, name, workdir)
+        restarts: set[asyncio.Task] = set()
         while not done.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), 0.25)
             for worker, proc in list(self.procs.items()):
                 if proc.poll() is not None and not done.is_set():
-                    await self._restart(worker, name, workdir, proc.returncode)
+                    delay = self._exited(worker, proc.returncode)
+                    task = loop.create_task(self._restart(worker, name, workdir, delay))
+                    restarts.add(task)
+                    task.add_done_callback(restarts.discard)
+        for task in list(restarts):  # a worker waiting out its backoff is not started again
+            task.cancel()
         await self._stop_all()
         if launcher is not None:
             await launcher.stop()
@@ -141,7 +147,9 @@ class Supervisor:
         theirs.close()
         await self.hub.attach(worker, ours)
 
-    async def _restart(self, worker: int, name: str, workdir: str, code: int) -> None:
+    def _exited(self, worker: int, code: int) -> float:
+        """`worker` exited: out of the hub and the shared block's figures; the seconds to
+        wait before starting it again."""
         self.hub.detach(worker)
         self.shared.forget_worker(worker)  # its slots, legs and waiter died with it
         if time.monotonic() - self.spawned.get(worker, 0.0) > 60:
@@ -151,6 +159,12 @@ class Supervisor:
               file=sys.stderr, flush=True)
         self.backoff[worker] = min(RESTART_BACKOFF[1], delay * 2)
         del self.procs[worker]
+        return delay
+
+    async def _restart(self, worker: int, name: str, workdir: str, delay: float) -> None:
+        """Start `worker` again after its backoff: a task of its own, so that the others'
+        exits are seen and SIGTERM is obeyed meanwhile (the loop used to wait out each
+        backoff, up to 30 s)."""
         await asyncio.sleep(delay)
         if not self.stopping:
             await self._spawn(worker, name, workdir)

@@ -15,6 +15,9 @@ dead worker's legs.
 operator's set, not the command line's (the supervisor replays the admin changes,
 `processes/control_channel.py`).
 
+3. Killed while another worker waits out its restart backoff: it is started again after its
+own backoff, and SIGTERM is obeyed at once.
+
 Real processes on loopback: the supervisor, two workers, simulators.
 """
 
@@ -206,3 +209,38 @@ def test_workers_started_again_keep_the_admin_changes_made_before(fleet):
                        client.get(gateway + "/admin/servers").json()["servers"]
                        if s["role"] == "decode"}
         assert servers == {kept: False, drained: True, added: False}, servers
+
+
+def restarted(proc, gone: int, limit: float) -> tuple[int, float]:
+    """The worker started in place of `gone` (the other one alive), and the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        now = worker_pids(proc.popen.pid)
+        if len(now) == 2 and gone not in now:
+            return max(now, key=lambda pid: psutil.Process(pid).create_time()), \
+                time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"no worker started in place of {gone} within {limit}s")
+
+
+def test_a_worker_in_its_restart_backoff_holds_up_neither_another_restart_nor_sigterm(cluster):
+    """A worker in a crash loop waits out a growing backoff (1, 2, 4, 8 s). Meanwhile the
+    other worker's death is seen and it is started again after its own 1 s, and SIGTERM
+    stops the gateway at once (before: the supervisor's loop slept through the backoff, so
+    both waited for it, up to 30 s: past Kubernetes' default grace period)."""
+    proc = cluster["proc"]
+    looping, other = worker_pids(proc.popen.pid)
+    for _ in range(3):  # its backoff doubles: 1, 2, 4 s
+        os.kill(looping, signal.SIGKILL)
+        looping, _ = restarted(proc, looping, 10)
+    os.kill(looping, signal.SIGKILL)  # now 8 s before it is started again
+    time.sleep(0.5)
+    os.kill(other, signal.SIGKILL)
+    started = time.monotonic()
+    while not [pid for pid in worker_pids(proc.popen.pid) if pid not in (looping, other)]:
+        assert time.monotonic() - started < 5, "the other worker was not started again"
+        time.sleep(0.05)
+    stopping = time.monotonic()
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.popen.wait(timeout=10) == 0
+    assert time.monotonic() - stopping < 4, "SIGTERM waited for a restart backoff"
