@@ -113,15 +113,17 @@ def route_parts(gw: Gateway, responses: Responses) -> RouteParts:
     """Each route module's parts, taken from the gateway once."""
     c = gw.config
     fleet = Fleet(gw.pool, gw.models, gw.client, c.probe_timeout, gw.info_caches)
+    switch = role_switch.parts_of(gw)
     return RouteParts(
         admin=AdminParts(fleet, gw.scheduler, gw.tokens, gw.usage, gw.siblings, gw.register,
-                         gw.unregister, gw.read_metrics, gw.learned_latency),
+                         gw.unregister, gw.read_metrics, gw.learned_latency,
+                         switch.switcher.parts.lock.switching),
         dashboard=DashboardParts(gw.pool, gw.models, gw.scheduler, gw.admission, gw.latency,
                                  gw.state, gw.read_metrics, gw.version, gw.rooms.replica_id),
         info=InfoParts(fleet, gw.state, gw.metrics, gw.probe_generation, gw.describe,
                        c.health_timeout),
         models=fleet,
-        role_switch=role_switch.parts_of(gw),
+        role_switch=switch,
         operations=OperationParts(fleet, gw.inflight, gw.aborts, gw.siblings,
                                   c.max_body_bytes),
         stored=responses)

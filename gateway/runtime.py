@@ -249,8 +249,9 @@ class Gateway:
                 self.access_log.start()
             except OSError as exc:
                 raise StartupError(f"access log {c.access_log}: {exc}") from None
-        if self.worker is not None:
-            await self.worker.control.start()
+        if self.worker is not None:  # the server set as the other workers have it, before
+            await self.worker.control.start()  # the command line's is probed (a switched one)
+            await self.worker.control.synced()
         if c.upstream_insecure:
             log.warning("--upstream-insecure: certificates of https servers are NOT verified")
         if self.tracing is not None:
@@ -283,8 +284,6 @@ class Gateway:
             successes=c.health_successes, loads_interval=c.loads_interval,
             on_down=lambda server: self.dispatcher.ledger.rescue(server, "was marked down"))
         self.health.start()
-        if self.worker is not None:
-            await self.worker.control.synced()  # the server set as the other workers have it
         self._flusher = asyncio.get_running_loop().create_task(self.metrics.run_flusher())
         self._latency_task = asyncio.get_running_loop().create_task(self.latency.run())
         await self.models.start()

@@ -19,7 +19,8 @@ takes a while, before the drain that followed it. The hub keeps the latest admin
 each server and replays them to a worker it attaches, then says "synced"; a worker serves only
 once it applied them (`Control.synced`). So a worker started again after a crash has the
 server set its siblings have, not the command line's: a server an operator removed stays
-removed, a drained one drained, a switched one in its new role.
+removed, a drained one drained, a switched one in its new role, one a failed switch took out
+out.
 """
 
 from __future__ import annotations
@@ -164,16 +165,17 @@ class Hub:
         asyncio.get_running_loop().create_task(self._read(worker, reader))
 
     def remember(self, msg: dict) -> None:
-        """Keep the latest admin change of a server: its membership (add, remove) and its
-        drain; a membership change ends a drain (a server added again starts afresh)."""
+        """Keep the latest admin change of a server: its membership (add, remove), its
+        drain, and whether a failed role switch took it out; a membership change ends both
+        (a server added again starts afresh)."""
         url = msg.get("url")
         if msg.get("kind") != "admin" or not isinstance(url, str):
             return
         op = msg.get("op")
         if op in ("add", "remove"):
             self._servers[url] = {"member": msg}
-        elif op in ("drain", "undrain"):
-            self._servers.setdefault(url, {})["drain"] = msg
+        elif op in ("drain", "undrain", "take_out"):  # take_out: until removed and added
+            self._servers.setdefault(url, {})["broken" if op == "take_out" else "drain"] = msg
 
     def replay(self) -> list[dict]:
         """The admin changes that bring a worker started from the command line to its
@@ -186,8 +188,7 @@ class Hub:
                 out.append({"kind": "admin", "op": "remove", "url": url})
                 if member.get("op") == "add":
                     out.append(member)
-            if "drain" in changes:
-                out.append(changes["drain"])
+            out.extend(changes[kind] for kind in ("drain", "broken") if kind in changes)
         return out
 
     def detach(self, worker: int) -> None:

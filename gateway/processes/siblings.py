@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from gateway.servers.role_switch import take_out
+
 log = logging.getLogger("gateway.processes.siblings")
 
 
@@ -47,6 +49,8 @@ class Siblings:
             self.unregister(url)
         elif op in ("drain", "undrain") and server is not None:
             server.draining = op == "drain"
+        elif op == "take_out" and server is not None:  # a role switch broke it midway
+            take_out(server, str(msg.get("why") or "a role switch failed"))
 
     async def abort(self, rid: str, owner: str, admin: bool) -> dict | None:
         """Abort `rid` in whichever other worker holds it; its answer, or None."""

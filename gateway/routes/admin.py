@@ -60,6 +60,7 @@ class AdminParts:
     unregister: Callable[[str], Server | None]
     read_metrics: Callable[[], list]
     learned_latency: Callable[[str], dict]
+    switching: Callable[[str], bool]  # a role switch of this server runs (any worker)
 
 
 async def list_servers(request: Request, parts: AdminParts) -> Response:
@@ -113,6 +114,7 @@ async def add_server(request: Request, parts: AdminParts) -> Response:
         raise BadRequest("'bootstrap_port' must be a port number")
     if parts.fleet.pool.get(url) is not None:
         raise GatewayError(f"{url} is already registered", status=409)
+    _not_switching(parts, url)
     await _require_sglang(parts.fleet, url, role)
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
@@ -146,8 +148,17 @@ def _server(fleet: Fleet, body: dict) -> Server:
     return server
 
 
+def _not_switching(parts: AdminParts, url: str) -> None:
+    """A server under a role switch is the switch's until it ends: a change made meanwhile
+    would be undone by it (its put-back, its registration in the new role)."""
+    if parts.switching(url):
+        raise GatewayError(f"a role switch of {url} is in progress; try again once it ends",
+                           status=409, code="role_switch_in_progress")
+
+
 async def remove_server(request: Request, parts: AdminParts) -> Response:
     server = _server(parts.fleet, await read_json(request))
+    _not_switching(parts, server.url)
     parts.unregister(server.url)
     parts.siblings.admin_change("remove", server.url)
     return JSONResponse({"removed": server.snapshot()})
@@ -156,6 +167,7 @@ async def remove_server(request: Request, parts: AdminParts) -> Response:
 async def drain_server(request: Request, parts: AdminParts) -> Response:
     body = await read_json(request)
     server = _server(parts.fleet, body)
+    _not_switching(parts, server.url)
     timeout = body.get("timeout", 60)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not 0 <= timeout <= MAX_DRAIN_WAIT:
@@ -172,6 +184,7 @@ async def drain_server(request: Request, parts: AdminParts) -> Response:
 
 async def undrain_server(request: Request, parts: AdminParts) -> Response:
     server = _server(parts.fleet, await read_json(request))
+    _not_switching(parts, server.url)
     server.draining = False
     parts.siblings.admin_change("undrain", server.url)
     return JSONResponse({"server": server.snapshot()})

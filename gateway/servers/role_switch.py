@@ -139,18 +139,17 @@ class RoleSwitcher:
             raise SwitchRefused(f"{ask.url} is already a {ask.new_role} server",
                                 code="already_in_role")
         try:
-            with p.lock.hold(f"{ask.url} -> {ask.new_role}"):
+            with p.lock.hold(ask.url, f"{ask.url} -> {ask.new_role}"):
                 return await self._locked(server, ask)
         except SwitchBusy as exc:
             raise SwitchRefused(str(exc), code="role_switch_in_progress") from None
 
     async def _locked(self, server: Server, ask: SwitchAsk) -> dict[str, Any]:
         old = server.role
-        peers = [s for s in self.parts.pool.role(old)
-                 if s is not server and s.model == server.model and s.serving]
-        if not peers:
-            raise SwitchRefused(f"{server.url} is the last serving {old} server of its model: "
-                                f"switching it would leave no {old} server", code="role_empty")
+        try:
+            self._not_last(server)
+        except _Refused as exc:
+            raise SwitchRefused(str(exc), code="role_empty") from None
         was_draining = server.draining
         self._drain(server, True)
         started = time.monotonic()
@@ -159,13 +158,16 @@ class RoleSwitcher:
         try:
             await self._wait_idle(server, deadline, ask.deadline)
             body = await self._body(server, ask)
+            self._not_last(server)  # a peer may have died while this one drained
             await self._call(server, {**body, "prepare_only": True}, deadline, prepare=True)
+            self._not_last(server)
             asked = True
             await self._call(server, body, deadline, prepare=False)
         except _Refused as exc:
             self._drain(server, was_draining)
+            code = "role_empty" if exc.outcome == "empty" else f"role_switch_{exc.outcome}"
             raise SwitchRefused(f"{server.url} stays a {old} server, as it was: {exc}",
-                                code=f"role_switch_{exc.outcome}") from None
+                                code=code) from None
         except _Broken as exc:
             self._take_out(server, ask.new_role, str(exc))
             raise SwitchBroken(f"{server.url} broke while switching to {ask.new_role} and is "
@@ -180,6 +182,16 @@ class RoleSwitcher:
         fresh = await self._register_again(server, ask.new_role)
         return {"switched": True, "old_role": old, "new_role": ask.new_role,
                 "waited_s": round(time.monotonic() - started, 3), "server": fresh.snapshot()}
+
+    def _not_last(self, server: Server) -> None:
+        """Raise _Refused unless another server of its role and model is serving: asked at
+        the start and again right before each call that changes the server (a peer that
+        died during the drain would otherwise leave the role empty)."""
+        if not any(s is not server and s.model == server.model and s.serving
+                   for s in self.parts.pool.role(server.role)):
+            raise _Refused(f"{server.url} is the last serving {server.role} server of its "
+                           f"model: switching it would leave no {server.role} server",
+                           outcome="empty")
 
     def _drain(self, server: Server, draining: bool) -> None:
         server.draining = draining
@@ -259,10 +271,12 @@ class RoleSwitcher:
                            outcome="busy" if NOT_IDLE in message else "refused")
 
     def _take_out(self, server: Server, new_role: str, why: str) -> None:
-        server.healthy = False
-        server.misconfigured = (f"role switch to {new_role} failed: {why[:300]}; restart "
-                                "required, then remove and add it again")
-        self._drain(server, True)
+        """Out of rotation here and in every other worker (and any started later), until an
+        operator removes and adds it again."""
+        reason = (f"role switch to {new_role} failed: {why[:300]}; restart required, then "
+                  "remove and add it again")
+        take_out(server, reason)
+        self.parts.tell("take_out", server.url, why=reason)
 
     async def _register_again(self, server: Server, role: str) -> Server:
         """Out of the pool and back in as `role`, from a fresh /server_info."""
@@ -284,6 +298,13 @@ class RoleSwitcher:
         p.tell("add", server.url, role=role, bootstrap_port=fresh.bootstrap_port,
                model=server.model)
         return fresh
+
+
+def take_out(server: Server, reason: str) -> None:
+    """Mark `server` broken: drained, unhealthy, misconfigured (`Server.serving` false)."""
+    server.healthy = False
+    server.draining = True
+    server.misconfigured = reason
 
 
 def _json(response: httpx.Response) -> dict:

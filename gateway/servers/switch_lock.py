@@ -31,10 +31,12 @@ class SwitchLock:
     def __init__(self, path: str | None = None) -> None:
         self.path = path
         self.holder: str | None = None  # what this process is switching now
+        self.url: str | None = None  # the server it switches
 
     @contextlib.contextmanager
-    def hold(self, what: str) -> Iterator[None]:
-        """Take the lock for `what` or raise SwitchBusy at once."""
+    def hold(self, url: str, what: str) -> Iterator[None]:
+        """Take the lock to switch `url` (`what` describes it) or raise SwitchBusy at once.
+        With workers the holder writes `url` into the lock file, for `switching`."""
         if self.holder is not None:
             raise SwitchBusy(f"another role switch is in progress ({self.holder})")
         fd = None
@@ -46,11 +48,30 @@ class SwitchLock:
                 os.close(fd)
                 raise SwitchBusy("another role switch is in progress (in another worker "
                                  "process of this gateway)") from None
-        self.holder = what
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, url.encode(), 0)
+        self.holder, self.url = what, url
         try:
             yield
         finally:
-            self.holder = None
+            self.holder = self.url = None
             if fd is not None:
+                os.ftruncate(fd, 0)
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
+
+    def switching(self, url: str) -> bool:
+        """Whether a switch of `url` runs now, here or in another worker (the admin routes
+        refuse to change a server under a switch: the switch would undo their change)."""
+        if self.url is not None or self.path is None:
+            return self.url == url
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: by a switch of which server?
+            return os.pread(fd, 4096, 0) == url.encode()
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
+import signal
 from collections.abc import Iterator
 
 import httpx
@@ -217,3 +219,71 @@ def test_one_switch_at_a_time_across_workers(rig):
         assert error(answer)["code"] == "role_switch_in_progress", answer.text
     as_it_was(rig, held, "prefill")
     as_it_was(rig, rig.decode[0], "decode")
+
+
+def test_the_operator_cannot_change_a_server_under_a_switch_from_any_worker(rig):
+    """While a switch holds a server, a drain, undrain or DELETE of it is refused (409) by
+    every worker: the switch would undo it (its put-back restored the drain state from before,
+    its registration in the new role added a deleted server back). Once the switch ends, the
+    operator's change is taken."""
+    rig = rig(2, 2, FLAG, gateway_args=(*GATEWAY_ARGS, "--workers", "2"))
+    held = rig.prefill[1]
+    admin = rig.gateway + "/admin/servers"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pool.submit(httpx.post, held.url + "/generate", timeout=30, json={
+            "text": "direct", "bootstrap_host": HOST, "bootstrap_port": held.bootstrap_port,
+            "bootstrap_room": 11})
+        wait_until(lambda: rig.stats(held)["in_flight"] > 0, 10, "the server is busy")
+        switch = pool.submit(rig.switch, held, "decode", deadline=3)
+        wait_until(lambda: rig.snapshot(held)["draining"], 10, "the switch drains")
+        refused = []
+        for _ in range(3):  # a new connection each: both workers answer
+            with httpx.Client(timeout=10) as client:
+                refused += [client.request("DELETE", admin, json={"url": held.url}),
+                            client.post(admin + "/drain", json={"url": held.url, "timeout": 0}),
+                            client.post(admin + "/undrain", json={"url": held.url})]
+        assert switch.result(30).status_code == 409  # busy past its deadline: put back
+    for answer in refused:
+        assert answer.status_code == 409, answer.text
+        assert error(answer)["code"] == "role_switch_in_progress", answer.text
+    as_it_was(rig, held, "prefill")
+    drained = rig.http.post(admin + "/drain", json={"url": held.url, "timeout": 0})
+    assert drained.status_code == 200, drained.text
+
+
+def test_workers_started_again_after_a_switch_serve_the_switched_server(rig):
+    """A switch, then both workers crash: the workers started again take the switched server
+    in its new role (before: each found it on the command line in its old role, refused to
+    start, and was started again in a loop, forever)."""
+    from tests.integration.test_workers import worker_pids  # noqa: PLC0415 - one helper
+
+    rig = rig(1, 2, FLAG, gateway_args=(*GATEWAY_ARGS, "--workers", "2"))
+    moved = rig.decode[1]
+    switched = rig.switch(moved, "prefill")
+    assert switched.status_code == 200, switched.text
+    supervisor = rig.gateway_proc.popen.pid
+    before = worker_pids(supervisor)
+    for pid in before:
+        os.kill(pid, signal.SIGKILL)
+
+    def serving_again() -> bool:
+        now = worker_pids(supervisor)
+        if len(now) != 2 or set(now) & set(before):
+            return False
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(rig.gateway + "/readiness", timeout=2).status_code == 200
+        return False
+    wait_until(serving_again, 30, "both workers serving again",
+               detail=lambda: rig.gateway_proc.log()[-2000:])
+    seen = rig.stats(moved)["received"]
+    with Load(rig.gateway, loops=2) as load:
+        load.wait_count(20, 0, 30)
+        outcomes = load.stop()
+    assert not failures(outcomes), summary(outcomes)
+    assert rig.stats(moved)["mode"] == "prefill" and rig.stats(moved)["received"] > seen
+    for _ in range(4):
+        with httpx.Client(timeout=10) as client:
+            roles = {s["url"]: s["role"] for s in
+                     client.get(rig.gateway + "/admin/servers").json()["servers"]}
+        assert roles[moved.url] == "prefill", roles
+    assert rig.gateway_proc.log().count("restarting in") == 2  # the two kills, no loop

@@ -9,6 +9,8 @@ import asyncio
 import socket
 
 from gateway.processes.control_channel import Control, Hub
+from gateway.processes.siblings import Siblings
+from gateway.servers.pool import Server, ServerPool
 
 
 class Worker:
@@ -58,6 +60,9 @@ def test_a_worker_started_later_applies_the_latest_change_of_each_server_before_
             admin("undrain", "http://w"),
             admin("drain", "http://v"),
             admin("add", "http://v", role="prefill", bootstrap_port=9000, model=None),
+            admin("drain", "http://b"),  # a failed role switch takes b out...
+            admin("take_out", "http://b", why="restart required"),
+            admin("undrain", "http://b"),  # ...and an undrain does not bring it back
         ]
         for change in changes:
             first.control.tell_all(change)
@@ -74,6 +79,7 @@ def test_a_worker_started_later_applies_the_latest_change_of_each_server_before_
             ("remove", "http://z"),
             ("undrain", "http://w"),
             ("remove", "http://v"), ("add", "http://v"),  # added after its drain: afresh
+            ("undrain", "http://b"), ("take_out", "http://b"),
         ]
         for worker in (first, successor):
             await worker.control.stop()
@@ -111,3 +117,17 @@ def test_a_worker_without_its_replay_serves_after_the_timeout_instead_of_hanging
 
     asyncio.run(main())
     assert "were not applied within" in caplog.text
+
+
+def test_a_sibling_applies_a_take_out_and_an_undrain_keeps_the_server_out():
+    pool = ServerPool()
+    pool.add(Server("http://b", "decode", verified=True))
+    siblings = Siblings(None, pool, register=None, unregister=pool.remove, inflight=None,
+                        aborts=None)
+
+    async def main():
+        await siblings._apply(admin("take_out", "http://b", why="switch failed; restart"))
+        await siblings._apply(admin("undrain", "http://b"))
+    asyncio.run(main())
+    server = pool.get("http://b")
+    assert server.misconfigured == "switch failed; restart" and not server.serving

@@ -138,6 +138,61 @@ def test_no_answer_to_the_switch_itself_takes_the_server_out():
     assert not pool.get(P1).usable
 
 
+def test_a_peer_dying_during_the_drain_refuses_the_switch_before_anything_is_asked():
+    """P0, the other prefill, dies while P1 drains: the role would be left empty, so P1 is
+    put back as it was and SGLang is never asked (before: the check ran only at the start,
+    and the switch flipped the last live prefill)."""
+    pool = fleet()
+    busy = pool.get(P1)
+    busy.in_flight = 1  # a request still runs there: the switch waits for it
+
+    async def main():
+        sw, asked = switcher(pool, lambda body: httpx.Response(200, json=OK))
+
+        async def peer_dies_then_idle():
+            await asyncio.sleep(0.1)
+            pool.get(P0).healthy = False
+            busy.in_flight = 0
+        asyncio.get_running_loop().create_task(peer_dies_then_idle())
+        with pytest.raises(SwitchRefused, match="last serving prefill") as caught:
+            await sw.switch(SwitchAsk(P1, "decode", deadline=5))
+        return caught.value, asked
+    refused, asked = run(main())
+    assert refused.code == "role_empty" and asked == []
+    assert (busy.role, busy.draining, busy.misconfigured) == ("prefill", False, None)
+
+
+def test_a_peer_dying_after_prepare_stops_the_switch_itself():
+    pool = fleet()
+
+    def answer(body: dict) -> httpx.Response:
+        pool.get(P0).healthy = False  # dies while SGLang checks P1
+        return httpx.Response(200, json={**OK, "message": "ready"})
+    sw, asked = switcher(pool, answer)
+    with pytest.raises(SwitchRefused) as caught:
+        run(sw.switch(SwitchAsk(P1, "decode")))
+    assert caught.value.code == "role_empty"
+    assert [b.get("prepare_only", False) for b in asked] == [True]  # never the switch
+    server = pool.get(P1)
+    assert (server.role, server.draining, server.misconfigured) == ("prefill", False, None)
+
+
+def test_a_server_a_failed_switch_took_out_is_told_to_the_other_workers():
+    pool = fleet()
+    told: list = []
+
+    def answer(body: dict) -> httpx.Response:
+        if body.get("prepare_only"):
+            return httpx.Response(200, json={**OK, "message": "ready"})
+        return httpx.Response(500, json={"success": False, "safe_to_restore": False,
+                                         "message": "restart required"})
+    sw, _ = switcher(pool, answer, told)
+    with pytest.raises(SwitchBroken):
+        run(sw.switch(SwitchAsk(P1, "decode")))
+    assert [t[0] for t in told] == ["drain", "take_out"]
+    assert told[-1][1] == P1
+
+
 def test_refusals_before_anything_is_asked():
     pool = fleet()
     sw, asked = switcher(pool, lambda body: httpx.Response(200, json=OK))
@@ -173,15 +228,30 @@ def test_ask_validation(body, field):
 def test_the_lock_refuses_a_second_holder_here_and_through_the_file(tmp_path):
     path = str(tmp_path / "switch.lock")
     one, other = SwitchLock(path), SwitchLock(path)  # two processes' views of one file
-    with one.hold("a -> decode"):
+    with one.hold("a", "a -> decode"):
         with pytest.raises(SwitchBusy, match="a -> decode"):
-            with one.hold("b"):
+            with one.hold("b", "b"):
                 pass
         with pytest.raises(SwitchBusy, match="another worker"):
-            with other.hold("b"):
+            with other.hold("b", "b"):
                 pass
-    with other.hold("b"):  # released
+    with other.hold("b", "b"):  # released
         pass
+
+
+@pytest.mark.parametrize("with_workers", [True, False])
+def test_the_lock_says_which_server_is_being_switched_here_and_in_another_worker(
+        tmp_path, with_workers):
+    path = str(tmp_path / "switch.lock") if with_workers else None
+    one, other = SwitchLock(path), SwitchLock(path)
+    assert not one.switching("http://a")
+    with one.hold("http://a", "http://a -> decode"):
+        assert one.switching("http://a") and not one.switching("http://b")
+        # another worker reads the holder's server from the file; without workers there is
+        # no other process
+        assert other.switching("http://a") is with_workers
+        assert not other.switching("http://b")
+    assert not one.switching("http://a") and not other.switching("http://a")
 
 
 @pytest.mark.parametrize(("info", "mode"), [
