@@ -52,17 +52,25 @@ def cluster(tmp_path):
                                                    "0.02"), tmp_path, prefill + "/health"))
         stack.enter_context(running("decode", sim("decode", dport, None, "--token-delay",
                                                   "0.02"), tmp_path, decode + "/health"))
-        gw_port = free_port()
-        argv = python("-m", "gateway", "--host", HOST, "--port", str(gw_port), "--workers", "2",
-                      "--prefill", prefill, str(boot), "--decode", decode,
-                      "--max-concurrency", "1", "--queue-timeout", str(QUEUE_TIMEOUT))
-        gateway = f"http://{HOST}:{gw_port}"
-        proc = stack.enter_context(running("gateway", argv, tmp_path, gateway + "/readiness"))
-        deadline = time.monotonic() + 60
-        while ((len(worker_pids(proc.popen.pid)) < 2 or "workers serving" not in proc.log())
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
+        gateway, gw_port, proc = two_workers(stack, tmp_path, prefill, boot, [decode],
+                                             "--max-concurrency", "1",
+                                             "--queue-timeout", str(QUEUE_TIMEOUT))
         yield {"gateway": gateway, "port": gw_port, "proc": proc}
+
+
+def two_workers(stack: contextlib.ExitStack, log_dir, prefill: str, boot: int,
+                decodes: list[str], *extra: str):
+    """A gateway of 2 workers in front of them, once both serve: (URL, port, its Proc)."""
+    gw_port = free_port()
+    argv = python("-m", "gateway", "--host", HOST, "--port", str(gw_port), "--workers", "2",
+                  "--prefill", prefill, str(boot), "--decode", *decodes, *extra)
+    gateway = f"http://{HOST}:{gw_port}"
+    proc = stack.enter_context(running("gateway", argv, log_dir, gateway + "/readiness"))
+    deadline = time.monotonic() + 60
+    while ((len(worker_pids(proc.popen.pid)) < 2 or "workers serving" not in proc.log())
+           and time.monotonic() < deadline):
+        time.sleep(0.1)
+    return gateway, gw_port, proc
 
 
 def generate(gateway: str, tokens: int) -> int | str:
@@ -149,15 +157,7 @@ def fleet(tmp_path):
             stack.enter_context(running(f"decode{i}", sim("decode", dport), tmp_path,
                                         url + "/health"))
             decodes.append(url)
-        gw_port = free_port()
-        argv = python("-m", "gateway", "--host", HOST, "--port", str(gw_port), "--workers", "2",
-                      "--prefill", prefill, str(boot), "--decode", *decodes[:3])
-        gateway = f"http://{HOST}:{gw_port}"
-        proc = stack.enter_context(running("gateway", argv, tmp_path, gateway + "/readiness"))
-        deadline = time.monotonic() + 60
-        while ((len(worker_pids(proc.popen.pid)) < 2 or "workers serving" not in proc.log())
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
+        gateway, _, proc = two_workers(stack, tmp_path, prefill, boot, decodes[:3])
         yield {"gateway": gateway, "proc": proc, "decodes": decodes}
 
 

@@ -200,18 +200,26 @@ def test_a_switch_failing_midway_takes_the_server_out(rig):
     assert rig.switched("failed") == 1
 
 
+def switching_a_busy_server(rig: SwitchRig, pool: concurrent.futures.Executor, held: Server,
+                            room: int) -> concurrent.futures.Future:
+    """A request the gateway never saw keeps `held` busy (~5 s); the switch of it to decode
+    (3 s deadline) is asked and drains it: its answer (409 busy, later)."""
+    pool.submit(httpx.post, held.url + "/generate", timeout=30, json={
+        "text": "direct", "bootstrap_host": HOST, "bootstrap_port": held.bootstrap_port,
+        "bootstrap_room": room})
+    wait_until(lambda: rig.stats(held)["in_flight"] > 0, 10, "the server is busy")
+    switch = pool.submit(rig.switch, held, "decode", deadline=3)
+    wait_until(lambda: rig.snapshot(held)["draining"], 10, "the switch drains")
+    return switch
+
+
 def test_one_switch_at_a_time_across_workers(rig):
     """A switch waiting on its server holds the lock: a second one is refused at once,
     whichever worker process it reaches."""
     rig = rig(2, 2, FLAG, gateway_args=(*GATEWAY_ARGS, "--workers", "2"))
     held = rig.prefill[1]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        pool.submit(httpx.post, held.url + "/generate", timeout=30, json={
-            "text": "direct", "bootstrap_host": HOST, "bootstrap_port": held.bootstrap_port,
-            "bootstrap_room": 9})
-        wait_until(lambda: rig.stats(held)["in_flight"] > 0, 10, "the server is busy")
-        first = pool.submit(rig.switch, held, "decode", deadline=3)
-        wait_until(lambda: rig.snapshot(held)["draining"], 10, "the first switch drains")
+        first = switching_a_busy_server(rig, pool, held, room=9)
         second = [rig.switch(rig.decode[0], "prefill") for _ in range(4)]
         assert first.result(30).status_code == 409
     for answer in second:
@@ -230,12 +238,7 @@ def test_the_operator_cannot_change_a_server_under_a_switch_from_any_worker(rig)
     held = rig.prefill[1]
     admin = rig.gateway + "/admin/servers"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        pool.submit(httpx.post, held.url + "/generate", timeout=30, json={
-            "text": "direct", "bootstrap_host": HOST, "bootstrap_port": held.bootstrap_port,
-            "bootstrap_room": 11})
-        wait_until(lambda: rig.stats(held)["in_flight"] > 0, 10, "the server is busy")
-        switch = pool.submit(rig.switch, held, "decode", deadline=3)
-        wait_until(lambda: rig.snapshot(held)["draining"], 10, "the switch drains")
+        switch = switching_a_busy_server(rig, pool, held, room=11)
         refused = []
         for _ in range(3):  # a new connection each: both workers answer
             with httpx.Client(timeout=10) as client:
