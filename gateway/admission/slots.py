@@ -130,13 +130,16 @@ class Admission:
         started = time.perf_counter()
         try:
             await waiter.future
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client left, or an abort
             future = waiter.future
-            if future.done() and not future.cancelled():
+            if not future.done() or future.cancelled():
+                if self._queue.remove(tenant.name, klass, waiter):
+                    self._publish()
+            elif future.exception() is None:
                 self.release()  # granted at the last moment: pass the slot on
-            elif self._queue.remove(tenant.name, klass, waiter):
-                self._publish()
-            self._count(tenant.name, klass, "left")  # the client left, or an abort
+            else:  # refused at the last moment (counted so): it never held a slot
+                raise
+            self._count(tenant.name, klass, "left")
             raise
         finally:
             waiter.timer.cancel()

@@ -193,6 +193,40 @@ def test_a_cancelled_waiter_leaves_at_once_and_a_granted_one_passes_its_slot_on(
     run(go())
 
 
+@pytest.mark.parametrize("refusal", ["queue_timeout", "shed"])
+def test_a_waiter_refused_and_cancelled_in_the_same_pass_frees_no_slot(refusal):
+    """A queued request refused (its queue timeout, or shed for a more urgent one) whose
+    client leaves before its task resumes never held a slot: the limit stays whole (before:
+    it released one, `active` went to -1 and a limit of 1 served 2 at once)."""
+    async def go():
+        adm = Admission(max_concurrency=1, max_queue=1, queue_timeout=5, metrics=metrics())
+        reqs = Requests(adm)
+        reqs.start("holder")
+        await settle()
+        refused = reqs.start("refused", klass=BATCH)
+        await settle()
+        if refusal == "shed":
+            reqs.start("urgent", klass=INTERACTIVE)
+            await asyncio.sleep(0)  # the arrival sheds the queued one (its future fails)
+        else:
+            waiter, = (w for flow in adm._queue._flows.values() for cls in flow.classes
+                       for w in cls)
+            adm._expire(waiter)  # its timer fires
+        refused.cancel()  # the client leaves in the same pass
+        await settle()
+        assert adm.active == 1
+        adm.release()  # the holder ends: its slot goes to the next waiter, or back
+        await settle()
+        assert adm.active == (1 if refusal == "shed" else 0)
+        assert reqs.order == (["holder", "urgent"] if refusal == "shed" else ["holder"])
+        reqs.start("first")
+        reqs.start("second")
+        await settle()
+        assert adm.active == 1 and adm.queued == 1  # the limit of 1 holds
+
+    run(go())
+
+
 def test_with_workers_a_more_urgent_waiter_elsewhere_gets_the_freed_slot(tmp_path):
     async def go(state: SharedState):
         one = Admission(1, 10, 5, metrics(), shared=(state, 0))
