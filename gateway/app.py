@@ -109,8 +109,9 @@ class RouteParts:
         return getattr(self, handler.__module__.rsplit(".", 1)[1])
 
 
-def route_parts(gw: Gateway, responses: Responses) -> RouteParts:
-    """Each route module's parts, taken from the gateway once."""
+def route_parts(gw: Gateway, responses: Responses, bodies: BodyBudget) -> RouteParts:
+    """Each route module's parts, taken from the gateway once; `bodies`: the in-flight body
+    budget the inference endpoints charge, which the relayed routes charge too."""
     c = gw.config
     fleet = Fleet(gw.pool, gw.models, gw.client, c.probe_timeout, gw.info_caches)
     switch = role_switch.parts_of(gw)
@@ -125,7 +126,7 @@ def route_parts(gw: Gateway, responses: Responses) -> RouteParts:
         models=fleet,
         role_switch=switch,
         operations=OperationParts(fleet, gw.inflight, gw.aborts, gw.siblings,
-                                  c.max_body_bytes),
+                                  c.max_body_bytes, bodies),
         stored=responses)
 
 
@@ -215,8 +216,8 @@ def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None 
     endpoints.update(messages_endpoints(inference, gateway))  # /v1/messages (gateway/anthropic/)
     endpoints["/v1/responses"] = ResponsesEndpoint(
         InferenceEndpoint(inference, RESPONSES, parse_responses), gateway.auth, responses,
-        config.max_body_bytes)
-    parts = route_parts(gateway, responses)
+        config.max_body_bytes, inference.bodies)
+    parts = route_parts(gateway, responses, inference.bodies)
     rebalancer = for_gateway(gateway, parts.role_switch.switcher)
     routes = build_routes(endpoints, gateway.auth, parts)
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)

@@ -22,6 +22,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from gateway.admission.auth import INFERENCE, Auth
+from gateway.admission.body_budget import BodyBudget, BodyLease
 from gateway.anthropic.errors import error_bytes
 from gateway.anthropic.view import check_messages, parse_messages
 from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
@@ -59,6 +60,7 @@ class CountParts:
     client: httpx.AsyncClient  # the control client (probes, health, relays)
     timeout: float  # per server, plus a second per 4 MiB of body
     max_body_bytes: int
+    bodies: BodyBudget  # the in-flight body budget, as the inference endpoints charge it
 
 
 class CountTokens:
@@ -70,20 +72,24 @@ class CountTokens:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = request_id_of(scope)
+        lease = self.parts.bodies.lease()
         try:
-            status, content = await self._count(scope, receive)
+            status, content = await self._count(scope, receive, lease)
         except GatewayError as err:
             await send_anthropic_error(send, err, request_id)
             return
         except ClientGone:
             return
+        finally:
+            lease.release()
         await send_bytes(send, status, content, b"application/json",
                          [(b"x-request-id", request_id.encode())])
 
-    async def _count(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+    async def _count(self, scope: Scope, receive: Receive,
+                     lease: BodyLease) -> tuple[int, bytes]:
         parts = self.parts
         parts.auth.caller(scope, INFERENCE)
-        raw = await read_body(scope, receive, parts.max_body_bytes, buffer=True)
+        raw = await read_body(scope, receive, parts.max_body_bytes, buffer=True, lease=lease)
         body = json_object(raw)
         name = body.get("model")
         if not isinstance(name, str) or not name:
@@ -117,5 +123,5 @@ def messages_endpoints(inference: InferenceParts, gateway) -> dict:
     """The Anthropic paths and their endpoints, for the app's table of hot paths."""
     c = gateway.config
     count = CountParts(gateway.auth, gateway.models, gateway.client, c.probe_timeout,
-                       c.max_body_bytes)
+                       c.max_body_bytes, inference.bodies)
     return {"/v1/messages": MessagesEndpoint(inference), COUNT_PATH: CountTokens(count)}

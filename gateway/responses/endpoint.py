@@ -17,6 +17,7 @@ import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.admission.auth import INFERENCE, PUBLIC, Auth
+from gateway.admission.body_budget import BodyBudget
 from gateway.errors import GatewayError
 from gateway.responses.service import Responses, Turn
 from gateway.routes.asgi import ClientGone, read_body, send_error
@@ -29,11 +30,13 @@ FINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.
 
 class ResponsesEndpoint:
     def __init__(self, inner: InferenceEndpoint, auth: Auth, responses: Responses,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, bodies: BodyBudget) -> None:
         self.inner = inner
         self.auth = auth
         self.responses = responses
         self.max_body_bytes = max_body_bytes
+        self.bodies = bodies  # the upload counts in flight; the inner endpoint then charges
+        # the prepared body (the conversation expanded) as it reads it again
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -43,14 +46,18 @@ class ResponsesEndpoint:
         if caller is None or INFERENCE not in caller.roles:
             await self.inner(scope, receive, send)  # it refuses the caller in its own words
             return
+        lease = self.bodies.lease()
         try:
-            raw = await read_body(scope, receive, self.max_body_bytes)
+            raw = await read_body(scope, receive, self.max_body_bytes, lease=lease)
             turn = await self.responses.begin(caller.tenant, raw)
+            del raw  # the turn holds the prepared body, which the inner endpoint charges
         except GatewayError as err:
             await send_error(send, err, request_id_of(scope))
             return
         except (ClientGone, OSError):
             return
+        finally:
+            lease.release()
         _prepared(scope, len(turn.body))
         watch = AnswerWatch(self.responses, turn, send)
         try:

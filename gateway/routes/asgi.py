@@ -68,9 +68,10 @@ async def read_json(request: Request, limit: int = SMALL_BODY) -> dict:
     return (await read_json_raw(request, limit))[1]
 
 
-async def read_json_raw(request: Request, limit: int) -> tuple[bytes, dict]:
+async def read_json_raw(request: Request, limit: int,
+                        lease: BodyLease | None = None) -> tuple[bytes, dict]:
     """A JSON object body and its bytes (a relay forwards the bytes as sent)."""
-    raw = await read_body(request.scope, request.receive, limit)
+    raw = await read_body(request.scope, request.receive, limit, lease=lease)
     try:
         body = orjson.loads(raw or b"{}")
     except orjson.JSONDecodeError:

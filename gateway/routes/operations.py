@@ -25,6 +25,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.admission.body_budget import BodyBudget
 from gateway.dispatch.aborts import Aborts
 from gateway.dispatch.inflight import InFlight
 from gateway.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
@@ -42,12 +43,21 @@ class OperationParts:
     aborts: Aborts
     siblings: Siblings  # the other --workers processes (an abort they hold)
     max_body_bytes: int
+    bodies: BodyBudget  # a relayed body counts in flight like an inference one
 
 
 async def relay(request: Request, parts: OperationParts) -> Response:
     """POST the body as is to the first usable server of its `model` that answers."""
+    lease = parts.bodies.lease()
+    try:
+        raw, body = await read_json_raw(request, parts.max_body_bytes, lease)
+        return await _relay(request, parts, raw, body)
+    finally:
+        lease.release()
+
+
+async def _relay(request: Request, parts: OperationParts, raw: bytes, body: dict) -> Response:
     fleet = parts.fleet
-    raw, body = await read_json_raw(request, parts.max_body_bytes)
     path = request.url.path
     last = "no usable server"
     model = body.get("model")

@@ -9,6 +9,7 @@ import socket
 import time
 
 import orjson
+import pytest
 
 from tests.rigs.faults import HOST
 
@@ -23,10 +24,10 @@ def chat(size: int, words: bytes = b"lorem ipsum ") -> bytes:
     return head + (words * (fill // len(words) + 1))[:fill] + tail
 
 
-def start(port: int, size: int) -> socket.socket:
+def start(port: int, size: int, path: bytes = b"/v1/chat/completions") -> socket.socket:
     sock = socket.create_connection((HOST, port), timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: %d\r\n\r\n" % (HOST.encode(), size))
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (path, HOST.encode(), size))
     return sock
 
 
@@ -88,6 +89,27 @@ def test_the_budget_refuses_beyond_it_and_a_client_gone_mid_body_gives_its_bytes
     assert status == 200, body
     for _ in range(3):  # no leak, answer after answer
         assert post(port, chat(MIB - 100))[0] == 200
+
+
+@pytest.mark.parametrize("path", [b"/v1/responses", b"/v1/messages/count_tokens",
+                                  b"/v1/tokenize"])
+def test_an_upload_to_any_route_that_takes_a_large_body_counts_in_the_budget(make_rig, path):
+    """Bodies held by the routes beside the inference endpoints (the Responses API's, which
+    reads the body before the conversation is expanded; count_tokens; the tokenizer relays)
+    count in flight too (before: uncounted, so each connection could hold `--max-body-bytes`
+    and the budget bounded nothing there)."""
+    rig = make_rig(*ARGS, n_prefill=1, n_decode=1, sim_args=("--fast",))
+    port = int(rig.gateway.rsplit(":", 1)[1])
+    held = start(port, 700 * 1024, path)
+    held.sendall(chat(700 * 1024)[:600 * 1024])  # most of it, then nothing
+    deadline = time.monotonic() + 10
+    while True:  # (the gateway takes the bytes as they arrive: poll until it has them)
+        status, _, body = post(port, chat(500 * 1024))
+        if status == 503 or time.monotonic() > deadline:
+            break
+    held.close()
+    assert status == 503, body
+    assert orjson.loads(body)["error"]["code"] == "body_budget_exhausted"
 
 
 def test_a_prompt_over_the_context_reaches_no_generation_endpoint(make_rig):
