@@ -200,7 +200,14 @@ def build_app(config: GatewayConfig, transport: httpx.AsyncBaseTransport | None 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gateway.start()
+        gateway.starting = asyncio.ensure_future(gateway.start())  # SIGTERM may cancel it
+        try:
+            await gateway.starting
+        except BaseException:  # failed, or stopped while starting: what started stops
+            await gateway.stop()
+            raise
+        finally:
+            gateway.starting = None
         await responses.start()
         rebalancer.start()  # --rebalance, and gateway_desired_servers (servers/rebalance.py)
         try:

@@ -19,12 +19,14 @@ from gateway.config.settings import (
     load_config,
 )
 from gateway.processes.fair_accept import ConnectionShare, FairListener
-from gateway.processes.supervisor import Supervisor, listen_socket, worker_count
+from gateway.processes.supervisor import Supervisor, bound_socket, worker_count
 from gateway.routes.server_protocol import ServerLimits, guarded_protocol
 
 KEY_FLAGS = ("--api-keys", "--api-key", "--admin-api-keys")
 FD_RESERVE = 128  # descriptors kept for logs, probes, KV-event sockets and the like
 MAX_OPEN_FILES = 1 << 20
+BACKLOG = 2048
+STOP_POLL = 0.1  # seconds between looks at a stop asked while the gateway starts
 
 
 def tune_gc() -> None:
@@ -59,6 +61,13 @@ class GatewayServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self.stopped_starting = False  # a signal came while the gateway started
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        """A request cut by the end of `--shutdown-grace` is answered in JSON (503) by its
+        endpoint, which reads this flag."""
+        self.gateway.state.shutting_down = True
+        await super().shutdown(sockets)
 
     async def startup(self, sockets: list) -> None:
         """`sockets`: bound by `serve` (or the supervisor) and accepted by the gateway itself,
@@ -67,9 +76,19 @@ class GatewayServer(uvicorn.Server):
         over the workers; a process that owns its queue (a single gateway, a SO_REUSEPORT
         worker) in batches (processes/fair_accept.py)."""
         worker = self.gateway.worker
-        await super().startup([])  # uvicorn's lifespan and state, no server of its own
+        watch = asyncio.ensure_future(self._stop_starting_on_signal())
+        try:
+            await super().startup([])  # uvicorn's lifespan and state, no server of its own
+        except SystemExit:  # uvicorn's answer to a failed start; a stopped one is no failure
+            if not self.stopped_starting:
+                raise
+            return
+        finally:
+            watch.cancel()
         if not self.started:
             return
+        for sock in sockets:  # bound, listening only now: before, connections are refused
+            sock.listen(BACKLOG)
         share = ConnectionShare(worker.shared, worker.id,
                                 lambda: len(self.server_state.connections)) \
             if worker is not None and self.gateway.config.workers_socket == "shared" else None
@@ -81,6 +100,17 @@ class GatewayServer(uvicorn.Server):
             if worker.id == 0:  # one line for the whole gateway, from its first worker
                 print(f"gateway: {self.gateway.announcement()}", file=sys.stderr, flush=True)
             worker.control.ready()
+
+    async def _stop_starting_on_signal(self) -> None:
+        """SIGTERM while the gateway starts (a local cluster's servers may take minutes)
+        cancels the start: its lifespan stops what started (app.py), and the process exits."""
+        while True:
+            await asyncio.sleep(STOP_POLL)
+            start = self.gateway.starting  # the gateway's own start (app.py's lifespan)
+            if self.should_exit and start is not None and not start.done():
+                self.stopped_starting = True
+                start.cancel()
+                return
 
     def _protocol(self) -> asyncio.Protocol:
         """A connection's protocol, built as uvicorn's own `startup` builds it."""
@@ -138,7 +168,7 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
                                  "mtls": bool(config.ssl_ca_certs)}
     if sockets is None:  # a single gateway binds as the supervisor does, and accepts itself
         try:
-            sockets = [listen_socket(config)]
+            sockets = [bound_socket(config)]
         except OSError as exc:  # the port is taken, or the host cannot be bound
             print(f"gateway: startup failed: {exc}", file=sys.stderr)
             return EXIT_STARTUP_FAILURE
@@ -148,13 +178,16 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
         http=guarded_protocol(limits, app.state.gateway.timers), ws="none", lifespan="on",
         log_level=config.log_level,
         access_log=False, proxy_headers=False, server_header=False,
-        timeout_graceful_shutdown=config.shutdown_grace, backlog=2048,
+        timeout_graceful_shutdown=config.shutdown_grace, backlog=BACKLOG,
         timeout_keep_alive=config.keep_alive_timeout,
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs,
         ssl_cert_reqs=ssl.CERT_REQUIRED if config.ssl_ca_certs else ssl.CERT_NONE),
         app.state.gateway)
     server.run(sockets=sockets)
+    if server.stopped_starting:
+        print("gateway: stopped while starting", file=sys.stderr)
+        return 0
     if not server.started:
         print("gateway: startup failed (see the error above)", file=sys.stderr)
         return EXIT_STARTUP_FAILURE

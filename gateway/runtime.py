@@ -73,6 +73,7 @@ class Gateway:
         self.config = config
         self.transport = transport
         self.worker = worker  # worker_main.WorkerContext with --workers, else None
+        self.starting: asyncio.Task | None = None  # `start`, while it runs (app.py's lifespan)
         self.shared = worker.shared if worker is not None else None
         self.tls = self._tls()
         self.timers = Timers()  # the per-request deadlines (gateway/timers.py)

@@ -130,6 +130,7 @@ class ServerProcess:
             return
         pgid = self._proc.pid
         signal_group(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) server takes its SIGTERM now
         deadline = time.monotonic() + grace_s
         while group_members(pgid) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -147,6 +148,7 @@ class ServerProcess:
             return
         pgid = self._proc.pid
         signal_group(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         while group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.05)

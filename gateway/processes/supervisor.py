@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ from gateway.processes.control_channel import Hub
 from gateway.processes.shared_state import SharedState
 
 RESTART_BACKOFF = (1.0, 30.0)
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def worker_count(setting: int | str) -> int:
@@ -39,7 +41,11 @@ def worker_count(setting: int | str) -> int:
     return int(setting)
 
 
-def listen_socket(config: GatewayConfig, reuse_port: bool = False) -> socket.socket:
+def bound_socket(config: GatewayConfig, reuse_port: bool = False) -> socket.socket:
+    """The gateway's port, bound (a port taken fails the start at once) but not listening:
+    the serving process listens once it can answer (`cli.GatewayServer.startup`), so until
+    then, a local cluster's start included, connections are refused rather than left
+    unanswered in the backlog."""
     host = config.host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -47,8 +53,13 @@ def listen_socket(config: GatewayConfig, reuse_port: bool = False) -> socket.soc
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, config.port))
-    sock.listen(2048)
     return sock
+
+
+def die_with_parent() -> None:
+    """Runs in a worker before exec: SIGTERM it (a graceful stop) when the supervisor dies,
+    so that no worker outlives it, holding the port and serving a stale server set."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Supervisor:
@@ -66,15 +77,15 @@ class Supervisor:
 
     def run(self) -> int:
         c = self.config
+        # the port first: taken, the start fails with nothing made yet to clean up
+        self.sock = None if c.workers_socket == "reuseport" else bound_socket(c)
         workdir = tempfile.mkdtemp(prefix="pd-gateway-")
         metrics_dir = os.path.join(workdir, "metrics")
         os.mkdir(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers
         name = f"pdgw-{os.getpid()}"
-        keys = len(c.api_keys)
-        self.shared = SharedState(name, self.count, keys, os.path.join(workdir, "lock"),
-                                  create=True)
-        self.sock = None if c.workers_socket == "reuseport" else listen_socket(c)
+        self.shared = SharedState(name, self.count, len(c.api_keys),
+                                  os.path.join(workdir, "lock"), create=True)
         try:
             return asyncio.run(self._main(name, workdir))
         finally:
@@ -113,7 +124,17 @@ class Supervisor:
         done = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, done.set)
-        launcher = await self._launch() if self.config.launch else None
+        launcher = None
+        if self.config.launch:  # SIGTERM while the cluster starts stops it (up to 300 s)
+            launching = loop.create_task(self._launch())
+            stopped = loop.create_task(done.wait())
+            await asyncio.wait({launching, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not launching.done():
+                launching.cancel()  # the launcher stops what it started
+                await asyncio.gather(launching, return_exceptions=True)
+                return 0
+            launcher = launching.result()
         for worker in range(self.count):
             await self._spawn(worker, name, workdir)
         restarts: set[asyncio.Task] = set()
@@ -142,7 +163,8 @@ class Supervisor:
         if self.sock is not None:
             fds.append(self.sock.fileno())
             argv += ["--listen-fd", str(self.sock.fileno())]
-        self.procs[worker] = subprocess.Popen(argv + ["--", *self.argv], pass_fds=fds)
+        self.procs[worker] = subprocess.Popen(argv + ["--", *self.argv], pass_fds=fds,
+                                              preexec_fn=die_with_parent)
         self.spawned[worker] = time.monotonic()
         theirs.close()
         await self.hub.attach(worker, ours)

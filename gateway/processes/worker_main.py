@@ -20,7 +20,7 @@ from gateway.cli import serve
 from gateway.config.settings import EXIT_CONFIG_ERROR, ConfigError, load_config
 from gateway.processes.control_channel import Control
 from gateway.processes.shared_state import SharedState
-from gateway.processes.supervisor import listen_socket
+from gateway.processes.supervisor import bound_socket
 
 
 @dataclass
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.listen_fd is not None:
         sock = socket.socket(fileno=args.listen_fd)
     else:
-        sock = listen_socket(config, reuse_port=True)
+        sock = bound_socket(config, reuse_port=True)
     try:
         return serve(config, sockets=[sock],
                      worker=WorkerContext(args.worker_id, args.workers, shared, control))

@@ -29,6 +29,7 @@ from gateway.routes.server_protocol import CHUNKS, DEPARTURE, STALLED, WHOLE
 from gateway.sse import DONE, frame
 
 log = logging.getLogger("gateway.inference")
+SHUTTING_DOWN = "the gateway is shutting down"  # what a request cut by the stop is told
 
 
 class StreamCut(Exception):
@@ -172,11 +173,11 @@ class StreamedAnswer:
                 previous, final = final, chunk
         except asyncio.CancelledError:
             if not self.watch.interrupt.fired:  # shutting down: end the stream properly
-                await end_stream_early(send, usage.request_id, view=self.view)
-                raise
-            error = self.watch.interrupt.reason()  # ours: told to the client below
-            if not isinstance(error, GatewayError):
-                raise
+                error = ServiceUnavailable(SHUTTING_DOWN + "; the stream was cut")
+            else:
+                error = self.watch.interrupt.reason()  # ours: told to the client below
+                if not isinstance(error, GatewayError):
+                    raise
         except GatewayError as err:
             error = err
         finally:
@@ -193,7 +194,7 @@ async def end_stream_early(send: Send, request_id: str, err: GatewayError | None
                            view=None) -> None:
     """Close a cut stream with an error event and [DONE] (an Anthropic stream: its `error`
     event), not a truncated body."""
-    err = err or ServiceUnavailable("the gateway is shutting down; the stream was cut")
+    err = err or ServiceUnavailable(SHUTTING_DOWN + "; the stream was cut")
     if view is not None and view.endpoint == MESSAGES:
         body = b"\n\n" + error_event(err)
     else:

@@ -40,11 +40,17 @@ from gateway.cancel import Interrupt
 from gateway.dispatch.attempt import Answer
 from gateway.dispatch.inflight import InFlight, Tracked, new_id, safe_id
 from gateway.dispatch.relay import SlowClient
-from gateway.errors import BadRequest, GatewayError
+from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
 from gateway.observability.metrics import Metrics
 from gateway.observability.usage import Usage
 from gateway.request import RequestView, parse_request
-from gateway.routes.answer import AnswerMeter, ClientWatch, StreamCut, answer_response
+from gateway.routes.answer import (
+    SHUTTING_DOWN,
+    AnswerMeter,
+    ClientWatch,
+    StreamCut,
+    answer_response,
+)
 from gateway.routes.asgi import ClientGone, header, read_body, send_error
 from gateway.routes.state import RuntimeState
 from gateway.scheduling.models import Models
@@ -115,8 +121,12 @@ class InferenceEndpoint:
                 status = await self._serve(scope, receive, send, interrupt, trace, usage, lease)
             except asyncio.CancelledError:
                 reason = interrupt.reason()
-                if reason is None:
-                    raise
+                if reason is None:  # not ours: uvicorn ends what outlived --shutdown-grace
+                    if not parts.state.shutting_down:
+                        raise
+                    reason = ServiceUnavailable(SHUTTING_DOWN + " and the request outlived "
+                                                "--shutdown-grace; retry",
+                                                headers={"retry-after": "1"})
                 if isinstance(reason, GatewayError):
                     raise reason from None
                 status = 499

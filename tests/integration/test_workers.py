@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -486,3 +487,22 @@ def test_a_snapshot_that_counts_another_workers_finished_turns_does_not_move_a_c
              {"role": "user", "content": "And the one from the south berth, when?"}]
     went = b.pick(b_servers, view(turn2))
     assert went.url == home.url, "worker B moved the conversation off its cache"
+
+
+def test_a_port_taken_fails_the_start_leaving_nothing_behind(tmp_path):
+    """The port is bound first: taken, the supervisor exits 3 before it made its shared
+    block or its directory (it used to leave both, and a traceback)."""
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = {name for name in os.listdir("/dev/shm") if name.startswith("pdgw-")}
+        done = subprocess.run(
+            python("-m", "gateway", "--host", HOST, "--port", str(port), "--workers", "2",
+                   "--prefill", f"http://{HOST}:1", "--decode", f"http://{HOST}:2"),
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 3, done.stderr
+    assert "Address already in use" in done.stderr and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
+    assert {name for name in os.listdir("/dev/shm") if name.startswith("pdgw-")} <= before

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -121,3 +122,102 @@ def test_streams_outliving_the_grace_end_with_an_error_event(launched, timing):
     assert exited < grace + 3
     assert not [pid for pid in servers if alive(pid)], "a launched server outlived the gateway"
     assert all(s.outcome.kind == "stream_error" for s in streams), [s.outcome for s in streams]
+
+
+def descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        kids = children(frontier.pop())
+        found += kids
+        frontier += kids
+    return found
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_while_the_launched_servers_start_stops_everything_at_once(tmp_path, workers):
+    """A launched decode takes a minute to start (SGLang loading a model); the operator
+    changes their mind. Until the gateway can answer, its port refuses connections (before:
+    they were accepted and never answered); SIGTERM stops the start, the servers and the
+    gateway within seconds (before: it waited for the servers to be ready, up to the
+    launcher's 300 s)."""
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(f"backend: sim\nprefill: 1\nlog_dir: {tmp_path}/servers\n"
+                        "decode:\n  - {}\n  - args: ['--slow-start', '60']\n")
+    port = free_port()
+    proc = Proc("gateway", python("-m", "gateway", "--launch", "--launch-config", str(topology),
+                                  "--host", HOST, "--port", str(port),
+                                  "--workers", str(workers)), tmp_path)
+    try:
+        wait_until(lambda: "decode-1 starting" in proc.log(), 30, "the slow decode starting")
+        launched = [pid for pid in descendants(proc.popen.pid)
+                    if b"backends.sim" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(launched) == 3, launched
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://{HOST}:{port}/readiness", timeout=2)
+        signalled = time.monotonic()
+        os.kill(proc.popen.pid, signal.SIGTERM)
+        proc.popen.wait(20)
+        assert time.monotonic() - signalled < 5
+        assert not [pid for pid in launched if alive(pid)], "a launched server outlived it"
+    finally:
+        proc.stop()
+
+
+@pytest.mark.timeout(60)
+def test_workers_stop_when_their_supervisor_is_killed(tmp_path):
+    """SIGKILL of the supervisor of `--workers 2 --launch`: its workers stop with it (they
+    used to stay, holding the port and answering 503 for servers that were gone, and the
+    next start on that port failed)."""
+    port = free_port()
+    proc = Proc("gateway", python("-m", "gateway", "--launch", "--host", HOST, "--port",
+                                  str(port), "--workers", "2"), tmp_path)
+    try:
+        proc.wait_http(f"http://{HOST}:{port}/readiness", 60)
+        below = descendants(proc.popen.pid)
+        workers = [pid for pid in below
+                   if b"worker_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 2, workers
+        os.kill(proc.popen.pid, signal.SIGKILL)
+        wait_until(lambda: not [pid for pid in below if alive(pid)], 15,
+                   "every worker and launched server stopped")
+        again = Proc("gateway-again", python("-m", "gateway", "--launch", "--host", HOST,
+                                              "--port", str(port), "--workers", "2"), tmp_path)
+        try:
+            again.wait_http(f"http://{HOST}:{port}/readiness", 60)
+        finally:
+            again.stop()
+    finally:
+        proc.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_cut_by_the_grace_before_its_answer_began_gets_a_json_503(launched):
+    """A decode hangs (SIGSTOP) under requests; SIGTERM; the grace ends before their answers
+    began: each gets a JSON 503 saying why (before: uvicorn's plain-text 500), and the
+    stopped server does not hold the exit for the launcher's 15 s kill grace."""
+    grace = 1.0
+    proc, url = launched(grace)
+    servers = children(proc.popen.pid)
+    decode = next(pid for pid in servers if b"decode" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    os.kill(decode, signal.SIGSTOP)
+    answers: list = []
+
+    def ask() -> None:
+        answers.append(httpx.post(url + "/v1/completions", timeout=30, json={
+            "model": "sim-model", "prompt": "hold on", "max_tokens": 4}))
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # their prefills answered; the decode legs wait on the stopped server
+    signalled = time.monotonic()
+    os.kill(proc.popen.pid, signal.SIGTERM)
+    for thread in threads:
+        thread.join(20)
+    proc.popen.wait(20)
+    assert time.monotonic() - signalled < grace + 5
+    assert [a.status_code for a in answers] == [503] * 3, [a.text for a in answers]
+    for answer in answers:
+        error = answer.json()["error"]
+        assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+    assert not [pid for pid in servers if alive(pid)], "a launched server outlived the gateway"
