@@ -27,6 +27,13 @@ prefill target adds to it, what a pair adds to that (its transfer path, its deco
 admission); a target not yet observed has the fleet's. They start at 1 (the physics, and
 the server's own speed). A forecast made before its prefill reported a speed (the prior's)
 has a factor of its own, learned only from such forecasts (`measured`).
+
+What sets one server or pair apart (the target's, the pair's and the decode's ITL factors,
+not the fleet's or the prior's) fades towards the fleet's unless observations confirm it
+(by 1/e per `FADE` seconds): a pair that looked slow during a passing fault is no longer
+picked, so nothing it does corrects it, and without the fade the objective traffic stayed
+on the other decode for good (docs/SCHEDULING.md). Faded, it comes back within the tie
+band, is picked again, and relearned.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ LOAD_MAX_AGE = 6.0  # seconds a /v1/loads snapshot counts as fresh (three polls 
 ALPHA = 0.2  # weight of a new observation in a learned factor
 CLAMP = math.log(8.0)  # a factor stays within [1/8, 8]
 DECODE_DURATION = 10.0  # seconds a request holds a decode slot, until learned
+FADE = 60.0  # seconds in which an unconfirmed server or pair factor fades by 1/e
+FADE_EVERY = 1.0  # seconds between fades (done as requests are observed: no timer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +130,7 @@ class LatencyModel:
         # its KV pool is held, weighted by the tokens (the pool's turnover time)
         self._held: dict[str, tuple[float, float]] = {}
         self.observed = 0
+        self._faded = time.monotonic()  # when the server and pair factors last faded
         # decode url -> the ITL objectives (seconds) of requests running there: decode
         # protection keeps new requests off a decode whose step would break the tightest
         self._bounds: dict[str, list[float]] = {}
@@ -229,10 +239,11 @@ class LatencyModel:
 
     def observe(self, target_url: str, decode_url: str, predicted: Prediction,
                 ttft: float | None, itl: float | None, duration: float | None = None,
-                tokens: float = 0.0) -> None:
+                tokens: float = 0.0, now: float | None = None) -> None:
         """What one request saw on the pair it was sent to (seconds; None: not seen);
         `tokens`: the KV it held on the decode (prompt and completion)."""
         self.observed += 1
+        self._fade(time.monotonic() if now is None else now)
         if ttft is not None:
             self.learn_ttft(target_url, decode_url, predicted, ttft)
         if itl is not None and itl > 0:
@@ -267,6 +278,17 @@ class LatencyModel:
         key = (target_url, decode_url)
         pair = self._pair.get(key, 0.0)
         self._pair[key] = pair + ALPHA * ((error - own) - pair)
+
+    def _fade(self, now: float) -> None:
+        """Every server and pair factor towards the fleet's, by the time since the last fade."""
+        elapsed = now - self._faded
+        if elapsed < FADE_EVERY:
+            return
+        self._faded = now
+        keep = math.exp(-elapsed / FADE)
+        for table in (self._ttft, self._pair, self._itl):
+            for key in table:
+                table[key] *= keep
 
     def forget_targets(self, present: set[str]) -> None:
         """Drop what was learned of prefill targets that left (and of their pairs)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gateway.errors import BadRequest
@@ -330,3 +332,31 @@ def test_forecasts_on_the_prior_speed_learn_apart_from_the_measured_ones() -> No
     model.learn_ttft("p", "d", known, 1.5 * known.raw_ttft)
     assert model.factors()["fleet"] > 1.0 and model.factors()["prior"] == pytest.approx(6.0,
                                                                                         rel=0.1)
+
+
+def test_a_pair_no_longer_picked_fades_back_within_the_tie_band_of_its_peers() -> None:
+    """A passing fault made one decode's first tokens late: its pair factor rose, so the
+    objective traffic left it and nothing could correct it. Unconfirmed, it fades towards
+    the fleet's (`FADE`), until the pair is a tie again and is picked (before: for good)."""
+    from gateway.policies.slo import NEAR  # noqa: PLC0415 - the policy's tie band
+    model = LatencyModel()
+    p = server("p", load={"prefill_speed": 20_000.0}, age=1.0)
+    slow, fast = server("d1", "decode"), server("d2", "decode")
+    start = time.monotonic()
+    for _ in range(10):  # during the fault: d1's first tokens 3x late, d2's on time
+        guess = model.predict(p, slow, 2000, 0)
+        model.observe("p", "d1", guess, 3 * guess.raw_ttft, None, now=start)
+        guess = model.predict(p, fast, 2000, 0)
+        model.observe("p", "d2", guess, guess.raw_ttft, None, now=start)
+    assert model.predict(p, slow, 2000, 0).ttft > (1 + NEAR) * model.predict(p, fast, 2000,
+                                                                             0).ttft
+    for second in range(1, 21):  # then only d2 is picked, on time, once a second
+        guess = model.predict(p, fast, 2000, 0)
+        model.observe("p", "d2", guess, guess.raw_ttft, None, now=start + second)
+    assert model.predict(p, slow, 2000, 0).ttft > (1 + NEAR) * model.predict(p, fast, 2000,
+                                                                             0).ttft
+    for second in range(21, 121):  # two minutes after the fault it is a tie again
+        guess = model.predict(p, fast, 2000, 0)
+        model.observe("p", "d2", guess, guess.raw_ttft, None, now=start + second)
+    assert model.predict(p, slow, 2000, 0).ttft <= (1 + NEAR) * model.predict(p, fast, 2000,
+                                                                              0).ttft
