@@ -33,7 +33,8 @@ import httpx
 import orjson
 
 from gateway.errors import BadRequest, ServiceUnavailable
-from gateway.request import CHAT, COMPLETIONS, GENERATE, MESSAGES, RequestView
+from gateway.request import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, RequestView
+from gateway.responses.view import messages_of
 
 NEAR = 0.5  # estimates above this share of the context are counted exactly
 TOKENIZE_TIMEOUT = 2.0  # seconds for /v1/tokenize of a short prompt, plus:
@@ -248,6 +249,8 @@ class ContextCheck:
     @staticmethod
     def _tokenize_body(view: RequestView) -> dict[str, Any] | None:
         body = view.body
+        if view.endpoint == RESPONSES:  # the chat SGLang makes of the input (its history)
+            return {"messages": messages_of(body)}
         if view.endpoint == CHAT:
             out = {"messages": body["messages"]}
             for key in ("tools", "chat_template_kwargs", "continue_final_message"):

@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 import httpx
 
-from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
+from gateway.request import CHAT, COMPLETIONS, GENERATE, RESPONSES, RequestView
+from gateway.responses.view import messages_of
 from gateway.tokens.tokenizer import (
     GatewayTokenizer,
     TokenizerError,
@@ -100,6 +101,8 @@ class PromptTokens:
         try:
             if view.endpoint == CHAT:
                 prompts = [await tokenizer.aencode_chat(view.body)]
+            elif view.endpoint == RESPONSES:  # the chat SGLang makes of the input
+                prompts = [await tokenizer.aencode_chat({"messages": messages_of(view.body)})]
             elif view.endpoint == GENERATE:
                 prompts = await tokenizer.aencode_generate(view.body)
             elif view.endpoint == COMPLETIONS:

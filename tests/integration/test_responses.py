@@ -230,3 +230,25 @@ def test_a_failing_decode_is_retried_before_the_first_event(cluster):
         assert cluster.stats(bad)["faults_applied"].get("error_rate", 0) > failed_before
     finally:
         cluster.reset()
+
+
+def test_a_chain_past_half_the_context_is_counted_served_then_refused_by_its_count(tmp_path):
+    """The context check counts a Responses turn as the chat SGLang makes of it (history
+    included): turns that fit are served up to the context, and the one that does not is a
+    400 naming the numbers (before: past half the context nothing counted it, so every turn
+    got a 503 "retry shortly", and so did every retry)."""
+    with sim_cluster(tmp_path, sim_args=["--token-delay", "0.001", "--context-length",
+                                         "4096"]) as c:
+        previous, served = None, []
+        for _ in range(9):  # about 640 tokens a turn: the 7th passes 4096
+            body = {"model": "sim-model", "input": "word " * 500, "max_output_tokens": 4}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            answer = httpx.post(c.gateway + "/v1/responses", json=body, timeout=30)
+            if answer.status_code != 200:
+                break
+            previous = answer.json()["id"]
+            served.append(answer.json()["usage"]["input_tokens"])
+    assert len(served) >= 5 and served[-1] > 3000, served
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == "context_length_exceeded", answer.text
