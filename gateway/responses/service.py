@@ -120,8 +120,9 @@ class Responses:
         try:
             if turn.kept and operation == "save":
                 current = await self.store.get(turn.tenant, turn.rid)
-                if current is not None and history.parse_record(current).get(
-                        "status") == "cancelled":
+                if current is None:  # deleted while it ran: it stays deleted
+                    return
+                if history.parse_record(current).get("status") == "cancelled":
                     status = response["status"] = "cancelled"  # a cancel came first
             await self.store.put(turn.tenant, turn.rid,
                                  history.record_of(response, turn.items, status))

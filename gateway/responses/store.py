@@ -131,20 +131,25 @@ class SQLiteStore:
             count, size = db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
             if count > r.max_count or size > r.max_bytes:
-                self._evict(db, count - r.max_count, size - r.max_bytes)
+                self._evict(db, count - r.max_count, size - r.max_bytes, (tenant, rid))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
 
     @staticmethod
-    def _evict(db: sqlite3.Connection, extra_count: int, extra_bytes: int) -> None:
-        """Delete the oldest records until both limits hold."""
+    def _evict(db: sqlite3.Connection, extra_count: int, extra_bytes: int,
+               written: tuple[str, str]) -> None:
+        """Delete the oldest records until both limits hold, never the one just `written`
+        (as Redis's script: one record over the byte bound is kept alone, not dropped with
+        every other tenant's)."""
         doomed = []
         for tenant, rid, size in db.execute(
                 "SELECT tenant, id, size FROM responses ORDER BY written"):
             if extra_count <= 0 and extra_bytes <= 0:
                 break
+            if (tenant, rid) == written:
+                continue
             doomed.append((tenant, rid))
             extra_count -= 1
             extra_bytes -= size

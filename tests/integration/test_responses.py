@@ -113,6 +113,23 @@ def test_delete_then_retrieve_and_continue_are_404(cluster):
         c.responses.delete(r.id)
 
 
+def test_a_response_deleted_while_it_runs_stays_deleted_when_it_ends(cluster):
+    """DELETE answered `deleted: true` mid-stream; the stream's end must not write it back
+    (before: its final save did, and it could be read and continued for the whole TTL)."""
+    c = client(cluster)
+    with c.responses.create(model="m", input="a long one", max_output_tokens=60,
+                            stream=True) as stream:
+        events = iter(stream)
+        rid = next(events).response.id
+        c.responses.delete(rid)  # (the SDK returns None; a 404 would raise)
+        kinds = [event.type for event in events]
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(rid)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="m", input="next", previous_response_id=rid)
+
+
 def test_store_false_is_not_kept_and_no_server_keeps_it(cluster):
     c = client(cluster)
     r = c.responses.create(model="m", input="ephemeral", store=False, max_output_tokens=4)

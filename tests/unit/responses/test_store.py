@@ -39,6 +39,9 @@ def test_records_are_per_tenant():
     pytest.param(Retention(max_bytes=2500), [1000] * 4, ["r2", "r3"], id="bytes"),
     pytest.param(Retention(max_count=10, max_bytes=10_000), [100] * 4,
                  ["r0", "r1", "r2", "r3"], id="within-limits"),
+    # one record over the byte bound alone: it is kept, the older ones go (before: it went
+    # with them, so its client's next turn found nothing)
+    pytest.param(Retention(max_bytes=2500), [100, 100, 3000], ["r2"], id="one-over-the-bound"),
 ])
 def test_the_oldest_go_first(retention, sizes, kept, monkeypatch):
     clock = iter(range(1000, 2000))
