@@ -32,7 +32,9 @@ class ApiError(Exception):
 
 
 class Gone(ApiError):
-    """The resourceVersion is no longer in the API server's history."""
+    """The resourceVersion is not in the API server's history: expired (410), or ahead of it
+    (504 "Too large resource version": an API server restored from a backup, or one lagging
+    behind the one that served the LIST); either way, LIST again (client-go does)."""
 
 
 def _error_from_status(obj: dict, fallback: int | None, verb: str) -> ApiError:
@@ -42,7 +44,10 @@ def _error_from_status(obj: dict, fallback: int | None, verb: str) -> ApiError:
     message = obj.get("message") if isinstance(obj, dict) else None
     reason = obj.get("reason") if isinstance(obj, dict) else None
     text = f"{verb} pods: {code} {reason or ''} {message or ''}".strip()
-    return (Gone if code == 410 else ApiError)(text, code)
+    causes = (obj.get("details") or {}).get("causes") if isinstance(obj, dict) else None
+    ahead = "Too large resource version" in str(message) or any(
+        isinstance(c, dict) and c.get("reason") == "ResourceVersionTooLarge" for c in causes or ())
+    return (Gone if code == 410 or ahead else ApiError)(text, code)
 
 
 def _raise_for(response: httpx.Response, verb: str) -> None:

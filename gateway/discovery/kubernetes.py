@@ -70,7 +70,8 @@ class KubernetesDiscovery:
                  on_change: Callable[[], None] = lambda: None, rules: PodRules = DEFAULT_RULES,
                  drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, drain_poll: float = 0.1,
                  watch_timeout: float = 60.0, backoff_initial: float = 0.5,
-                 backoff_max: float = 30.0) -> None:
+                 backoff_max: float = 30.0, holding: Callable[[str], object] | None = None
+                 ) -> None:
         unknown = set(selectors) - {"prefill", "decode"}
         if unknown or not selectors:
             raise ValueError("selectors must map 'prefill' and/or 'decode' to a label selector")
@@ -79,6 +80,7 @@ class KubernetesDiscovery:
         self._on_add = on_add
         self._on_remove = on_remove
         self._on_change = on_change
+        self._holding = holding  # url -> the pool's server there now (None: not asked)
         self.drain_timeout = drain_timeout
         self.drain_poll = drain_poll
         self.watches = {
@@ -97,7 +99,8 @@ class KubernetesDiscovery:
     @classmethod
     def from_config(cls, config: GatewayConfig, *, on_add: AddServer,
                     on_remove: RemoveServer, on_change: Callable[[], None] = lambda: None,
-                    transport: httpx.AsyncBaseTransport | None = None) -> KubernetesDiscovery:
+                    transport: httpx.AsyncBaseTransport | None = None,
+                    holding: Callable[[str], object] | None = None) -> KubernetesDiscovery:
         selectors = {role: selector for role, selector in
                      (("prefill", config.prefill_selector), ("decode", config.decode_selector))
                      if selector}
@@ -107,7 +110,7 @@ class KubernetesDiscovery:
         rules = PodRules(default_port=config.k8s_worker_port, model_key=config.k8s_model_label)
         return cls(api, namespace=config.namespace or DEFAULT_NAMESPACE, selectors=selectors,
                    on_add=on_add, on_remove=on_remove, on_change=on_change, rules=rules,
-                   drain_timeout=config.k8s_drain_timeout)
+                   drain_timeout=config.k8s_drain_timeout, holding=holding)
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -242,9 +245,13 @@ class KubernetesDiscovery:
             log.warning("removing %s server %s with %d requests still in flight after %.0fs",
                         member.target.role, url, member.server.in_flight, self.drain_timeout)
         try:
-            result = self._on_remove(url)
-            if inspect.isawaitable(result):
-                await result
+            if self._holding is not None and self._holding(url) is not member.server:
+                log.warning("%s server %s: the server at that address is no longer the pod's "
+                            "(an operator replaced it): left alone", member.target.role, url)
+            else:
+                result = self._on_remove(url)
+                if inspect.isawaitable(result):
+                    await result
         finally:
             if self.members.get(url) is member:
                 del self.members[url]

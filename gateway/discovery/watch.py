@@ -6,7 +6,10 @@ client-go's reflector in small:
     WATCH from it        apply each event; every event (bookmarks too) advances the version
     stream ends          (timeoutSeconds, or the server closed it) WATCH again from there
     410 Gone             (HTTP status or ERROR event) LIST again; the owner's reconcile then
-                         drops pods that vanished while the watch was down
+                         drops pods that vanished while the watch was down (also a version
+                         ahead of the server's, 504 "Too large resource version"); gone
+                         again right after its LIST, with backoff (a lagging watch cache
+                         made it ~1,000 LISTs a second)
     other errors         wait (backoff with jitter), then WATCH again from the last version
 
 The last known targets stay while the API cannot be reached: an API outage does not take
@@ -53,6 +56,8 @@ class PodWatch:
         self.targets: dict[str, Target] = {}  # pod name -> server, ready pods only
         self.resource_version: str | None = None
         self.synced = asyncio.Event()  # set by the first successful LIST
+        self._listed_at = -QUICK_WATCH  # time.monotonic() of the last LIST
+        self._relisting = False  # a watch was gone at once after its LIST (no reset)
         self.lists = 0
         self.watches = 0
 
@@ -68,9 +73,14 @@ class PodWatch:
                 log.info("%s pods: the watch ended at once; watching again in %.2fs",
                          self.role, delay)
             except Gone as exc:
-                log.info("%s pods: %s; listing again", self.role, exc)
                 self.resource_version = None
-                continue
+                if time.monotonic() - self._listed_at >= QUICK_WATCH:
+                    log.info("%s pods: %s; listing again", self.role, exc)
+                    continue
+                self._relisting = True  # gone at once after a LIST: the backoff grows
+                delay = self.backoff.next()
+                log.warning("%s pods: %s right after a LIST; listing again in %.2fs",
+                            self.role, exc, delay)
             except ApiError as exc:
                 delay = self.backoff.next()
                 log.warning("%s pods (namespace %s, selector %r): %s; retrying in %.2fs",
@@ -88,9 +98,11 @@ class PodWatch:
             if target is not None:
                 targets[pod_name(pod)] = target
         self.lists += 1
+        self._listed_at = time.monotonic()
         self.targets = targets
         self.resource_version = version
-        self.backoff.reset()
+        if not self._relisting:
+            self.backoff.reset()
         self.on_change()
         self.synced.set()
 
@@ -126,4 +138,5 @@ class PodWatch:
         version = resource_version(pod)
         if version:
             self.resource_version = version
+        self._relisting = False
         self.backoff.reset()

@@ -212,6 +212,16 @@ class FakeKube:
         self.history.clear()
         self.floor = self.version
 
+    def restore(self, version: int) -> None:
+        """The API server restored from an older backup: its history starts again at
+        `version` (the pods stay as they are now, their own versions rewritten)."""
+        self.version = version
+        self.history.clear()
+        self.floor = 0
+        for pod in self.pods.values():
+            pod["metadata"]["resourceVersion"] = str(version)
+        self.close_watches()
+
     def close_watches(self) -> None:
         for watch in self._watches:
             watch.queue.put_nowait(CLOSE)
@@ -279,6 +289,11 @@ class FakeKube:
             return
         raw = params.get("resourceVersion")
         since = int(raw) if raw else self.version  # "" = from now on
+        if since > self.version:  # ahead of this server's history (an API restored from backup)
+            seen.status = 504
+            await self._status(writer, 504, "Timeout", f"Timeout: Too large resource version: "
+                               f"{since}, current: {self.version}")
+            return
         if since < self.floor:
             seen.status = 410
             if self.gone_as == "status":

@@ -55,7 +55,8 @@ async def discovering(*pods: dict, fake: FakeKube | None = None,
     options = {"drain_poll": 0.02, "backoff_initial": 0.05, "backoff_max": 0.4, **options}
     discovery = KubernetesDiscovery(
         KubeAPI(fake.url, token_file=token_file), namespace="default",
-        selectors=selectors or SELECTORS, on_add=pool.add, on_remove=pool.remove, **options)
+        selectors=selectors or SELECTORS, on_add=pool.add, on_remove=pool.remove,
+        holding=pool.servers.get, **options)
     await discovery.start()
     try:
         if sync:

@@ -337,3 +337,61 @@ def test_stop_cancels_every_task():
         assert url("10.0.1.1") in pool.urls()  # stopping is not removing
 
     run(go())
+
+
+class AlwaysGone(FakeKube):
+    """Every WATCH is older than the server's history (an API replica whose watch cache is
+    behind the one that served the LIST)."""
+
+    async def _answer(self, head, writer):
+        if "watch=1" in head.split("\r\n")[0]:
+            self.floor = self.version + 1
+        return await super()._answer(head, writer)
+
+
+def test_a_watch_gone_right_after_each_list_relists_with_backoff():
+    """(Before: about 1,000 LISTs a second, each with its reconcile.)"""
+    async def go():
+        async with discovering(make_pod("d0", role="decode", ip="10.0.1.1"),
+                               fake=AlwaysGone(), selectors={"decode": "role=decode"},
+                               backoff_initial=0.05, backoff_max=0.4) as (fake, pool, _):
+            before = len(fake.requests("LIST"))
+            await asyncio.sleep(2.0)
+            lists = len(fake.requests("LIST")) - before
+            assert 2 <= lists <= 20, lists  # with a 0.4 s cap: ~5 a second at most
+            assert pool.urls() == {url("10.0.1.1")}  # the known servers stay
+
+    run(go())
+
+
+def test_an_api_server_restored_to_an_older_version_is_listed_again():
+    """The API server comes back from a backup: the watch's version is ahead of its history
+    (504 "Too large resource version"). Discovery lists again and follows the pods as they
+    are now (before: it watched from its old version forever and never saw a change)."""
+    async def go():
+        async with discovering(make_pod("d0", role="decode", ip="10.0.1.1"),
+                               selectors={"decode": "role=decode"}) as (fake, pool, _):
+            await eventually(lambda: fake.watching() == 1, what="watching")
+            fake.delete("d0", quiet=True)
+            fake.add(make_pod("d1", role="decode", ip="10.0.1.2"), quiet=True)
+            fake.restore(10)
+            await eventually(lambda: pool.urls() == {url("10.0.1.2")}, what="listed again")
+            assert any(seen.status == 504 for seen in fake.requests("WATCH"))
+            fake.add(make_pod("d2", role="decode", ip="10.0.1.3"))  # and the watch works
+            await eventually(lambda: url("10.0.1.3") in pool.urls(), what="watched again")
+
+    run(go())
+
+
+def test_a_server_an_operator_put_at_a_pods_address_is_left_alone_when_the_pod_goes():
+    async def go():
+        async with discovering(make_pod("d0", role="decode", ip="10.0.1.1"),
+                               selectors={"decode": "role=decode"}) as (fake, pool, disc):
+            ours = url("10.0.1.1")
+            pool.remove(ours)  # the operator: DELETE, then POST the same URL as their own
+            mine = await pool.add(ours, "decode", None)
+            fake.delete("d0")
+            await eventually(lambda: ours not in disc.members, what="the pod's member gone")
+            assert pool.servers.get(ours) is mine  # not removed (before: it was)
+
+    run(go())
