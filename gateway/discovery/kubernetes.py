@@ -95,6 +95,10 @@ class KubernetesDiscovery:
         self._dirty = asyncio.Event()
         self._idle = asyncio.Event()  # set while nothing is left to reconcile
         self._tasks: list[asyncio.Task] = []
+        # url -> its add (a probe of up to 2 x --probe-timeout): each in a task of its own, so
+        # that a pod whose server never answers holds up no other pod's add or drain (they
+        # waited for it: a deleted decode kept taking requests for 19 s)
+        self._adding: dict[str, asyncio.Task] = {}
 
     @classmethod
     def from_config(cls, config: GatewayConfig, *, on_add: AddServer,
@@ -128,6 +132,7 @@ class KubernetesDiscovery:
     async def stop(self) -> None:
         """Cancel every task (watches, reconcile, drains); registered servers stay."""
         tasks = self._tasks + [m.drain for m in self.members.values() if m.drain is not None]
+        tasks += self._adding.values()
         self._tasks = []
         for task in tasks:
             task.cancel()
@@ -151,7 +156,7 @@ class KubernetesDiscovery:
         # Begin once every role is listed, so a pod both selectors claim is never added.
         await asyncio.gather(*(w.synced.wait() for w in self.watches.values()))
         while True:
-            if not self._dirty.is_set():
+            if not self._dirty.is_set() and not self._adding:
                 self._idle.set()
             await self._dirty.wait()
             self._dirty.clear()
@@ -182,7 +187,7 @@ class KubernetesDiscovery:
         for url, target in desired.items():
             member = self.members.get(url)
             if member is None:
-                if self._refused.get(url) != target.identity:
+                if url not in self._adding and self._refused.get(url) != target.identity:
                     to_add.append(target)
             elif member.target.identity == target.identity:
                 self._keep(member, target)
@@ -194,8 +199,10 @@ class KubernetesDiscovery:
         for url in list(self._refused):
             if url not in desired:
                 del self._refused[url]
-        if to_add:
-            await asyncio.gather(*(self._add(target) for target in to_add))
+        loop = asyncio.get_running_loop()
+        for target in to_add:
+            self._adding[target.url] = loop.create_task(self._add(target),
+                                                        name=f"discovery-add {target.url}")
 
     async def _add(self, target: Target) -> None:
         try:
@@ -206,6 +213,9 @@ class KubernetesDiscovery:
             log.error("pod %s (%s server %s) was not added: %s", target.pod, target.role,
                       target.url, exc)
             return
+        finally:
+            self._adding.pop(target.url, None)
+            self._mark_dirty()  # the pod may have changed meanwhile: reconcile again
         self.members[target.url] = Member(target, server)
         log.warning("pod %s added as %s server %s%s%s", target.pod, target.role, target.url,
                     f" (bootstrap port {target.bootstrap_port})" if target.bootstrap_port

@@ -395,3 +395,30 @@ def test_a_server_an_operator_put_at_a_pods_address_is_left_alone_when_the_pod_g
             assert pool.servers.get(ours) is mine  # not removed (before: it was)
 
     run(go())
+
+
+def test_a_pod_whose_server_never_answers_holds_up_no_other_pods_change():
+    """Adding a pod probes its server (up to 2 x --probe-timeout). One that never answers
+    must not hold up the others: a deleted pod leaves, a new one comes (before: both waited
+    for that probe, and the deleted decode kept taking requests for 19 s)."""
+    async def go():
+        async with discovering(make_pod("d0", role="decode", ip="10.0.1.1"),
+                               selectors={"decode": "role=decode"}) as (fake, pool, disc):
+            hung = url("10.0.1.9")
+            probing = asyncio.Event()
+            added = pool.add
+
+            async def add(address, *args, **kwargs):
+                if address == hung:
+                    probing.set()
+                    await asyncio.sleep(3600)  # its server accepts and never answers
+                return await added(address, *args, **kwargs)
+            disc._on_add = add
+            fake.add(make_pod("stuck", role="decode", ip="10.0.1.9"))
+            await asyncio.wait_for(probing.wait(), 3)
+            fake.delete("d0")
+            fake.add(make_pod("d1", role="decode", ip="10.0.1.2"))
+            await eventually(lambda: pool.urls() == {url("10.0.1.2")}, timeout=2,
+                             what="the other pods' changes applied")
+
+    run(go())
