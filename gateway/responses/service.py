@@ -10,6 +10,7 @@ names it gets 404 (docs/RESPONSES.md, "When the store is down").
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from gateway.responses import history
 from gateway.responses.store import Retention, SQLiteStore, Store, StoreDown
 
 log = logging.getLogger("gateway.responses")
+
+SAVE_AGAIN = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # seconds before each new try of a final save
 
 REFUSED = {
     "background": "background responses are not supported by this gateway: send "
@@ -58,6 +61,7 @@ class Responses:
         self.errors = Counter("gateway_responses_store_errors",
                               "Response store operations that failed, by operation",
                               ["operation"], registry=registry)
+        self._saving: set[asyncio.Task] = set()  # final saves tried again (`keep`)
 
     async def start(self) -> None:
         self.store.on_cancel(self._cancel_here)
@@ -68,6 +72,9 @@ class Responses:
             log.warning("%s", exc.message)
 
     async def stop(self) -> None:
+        for task in list(self._saving):
+            task.cancel()
+        await asyncio.gather(*self._saving, return_exceptions=True)
         await self.store.close()
 
     async def begin(self, tenant: str, raw: bytes | bytearray) -> Turn:
@@ -115,21 +122,44 @@ class Responses:
         return history.parse_record(raw) if raw is not None else None
 
     async def keep(self, turn: Turn, response: dict, operation: str = "save") -> None:
-        """Write the turn's record; a failure is logged and counted, never the client's."""
-        status = None
+        """Write the turn's record; a failure is logged and counted, never the client's. A
+        final save that failed is tried again while the store recovers (`_save_later`)."""
         try:
-            if turn.kept and operation == "save":
-                current = await self.store.get(turn.tenant, turn.rid)
-                if current is None:  # deleted while it ran: it stays deleted
-                    return
-                if history.parse_record(current).get("status") == "cancelled":
-                    status = response["status"] = "cancelled"  # a cancel came first
-            await self.store.put(turn.tenant, turn.rid,
-                                 history.record_of(response, turn.items, status))
-            turn.kept = True
+            await self._write(turn, response, operation)
         except StoreDown as exc:
             self.errors.labels(operation).inc()
             log.warning("response %s not kept: %s", turn.rid, exc.message)
+            if operation == "save" and turn.kept:  # its placeholder says in_progress
+                task = asyncio.get_running_loop().create_task(self._save_later(turn, response))
+                self._saving.add(task)
+                task.add_done_callback(self._saving.discard)
+
+    async def _write(self, turn: Turn, response: dict, operation: str) -> None:
+        status = None
+        if turn.kept and operation == "save":
+            current = await self.store.get(turn.tenant, turn.rid)
+            if current is None:  # deleted while it ran: it stays deleted
+                return
+            if history.parse_record(current).get("status") == "cancelled":
+                status = response["status"] = "cancelled"  # a cancel came first
+        await self.store.put(turn.tenant, turn.rid,
+                             history.record_of(response, turn.items, status))
+        turn.kept = True
+
+    async def _save_later(self, turn: Turn, response: dict) -> None:
+        """The final save, tried again: the record stays in_progress otherwise, and no next
+        turn may follow it (a store paused for 4 s at a turn's end left it so for good)."""
+        for delay in SAVE_AGAIN:
+            await asyncio.sleep(delay)
+            try:
+                await self._write(turn, response, "save")
+            except StoreDown:
+                self.errors.labels("save").inc()
+                continue
+            log.warning("response %s kept after all", turn.rid)
+            return
+        log.error("response %s not kept: the store did not recover within %gs; it stays "
+                  "in_progress", turn.rid, sum(SAVE_AGAIN))
 
     async def cancel(self, tenant: str, rid: str) -> dict | None:
         """Cancel `rid` of `tenant`: its record says cancelled, and its legs are aborted
