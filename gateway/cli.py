@@ -65,8 +65,14 @@ class GatewayServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list | None = None) -> None:
         """A request cut by the end of `--shutdown-grace` is answered in JSON (503) by its
-        endpoint, which reads this flag."""
+        endpoint, which reads this flag. The listeners take the connections queued on the
+        socket, and those are made, before uvicorn tells each connection to finish: one
+        made later would be kept alive, and hold the exit until the grace ends."""
         self.gateway.state.shutting_down = True
+        for server in self.servers:
+            server.close()
+        for server in self.servers:
+            await server.wait_closed()
         await super().shutdown(sockets)
 
     async def startup(self, sockets: list) -> None:

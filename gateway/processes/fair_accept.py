@@ -140,11 +140,15 @@ class FairListener:
             self.loop.add_reader(self.fd, self.accept_ready)
 
     def close(self) -> None:
-        """Stop accepting (the socket stays open: its owner closes it; uvicorn closes the
-        sockets it was given at shutdown)."""
+        """Stop accepting, after taking what the socket's queue holds: those clients have
+        connected, often sent their request too, and closing the socket would reset them
+        (the socket stays open: its owner closes it; uvicorn closes the sockets it was
+        given at shutdown, right after)."""
         if not self.closed:
             self.closed = True
             self.loop.remove_reader(self.fd)
+            self.share, self.batch = None, 1 << 30  # no sibling takes them now: all of them
+            self.accept_ready()
 
     async def wait_closed(self) -> None:
         if self.opening:

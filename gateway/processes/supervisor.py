@@ -147,8 +147,11 @@ class Supervisor:
                     task = loop.create_task(self._restart(worker, name, workdir, delay))
                     restarts.add(task)
                     task.add_done_callback(restarts.discard)
+        self.stopping = True
         for task in list(restarts):  # a worker waiting out its backoff is not started again
             task.cancel()
+        if self.sock is not None:  # the port closes with the workers' copies: while this one
+            self.sock.close()  # stayed, new clients queued on it unserved, then were reset
         await self._stop_all()
         if launcher is not None:
             await launcher.stop()

@@ -52,6 +52,9 @@ from gateway.routes.uvicorn_send import UvicornSend
 from gateway.timers import Timers
 
 INF = float("inf")
+# seconds a connection that has sent nothing yet is given to send its request once the
+# gateway shuts down: a client connected a moment before SIGTERM is answered, not cut off
+FIRST_REQUEST_WAIT = 1.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._stall = None
         self._waiting = False  # in the keep-alive wait between two requests
         self._slot = False  # holds one of the max_connections slots
+        self._closing = False  # the gateway shuts down: the next answer is the last
         self._admitted()  # a slot from the start, if one is free: an idle connection counts
         self._due = self._timers.loop().time() + self._limits.head_timeout
         self._check = self._timers.after(self._limits.period, self._tick)
@@ -149,6 +153,24 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             departure = cycle.scope.get(DEPARTURE)
             if departure is not None:
                 departure()
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful stop closes every connection without an answer in progress,
+        and with it a request on its way: a head half read, bytes not read yet, a client
+        that connected but whose request has not arrived. Those are served, once, with
+        `Connection: close`; only a connection idle between two requests closes at once.
+        The head deadline bounds the wait, `FIRST_REQUEST_WAIT` the wait for bytes."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False  # uvicorn's own: the answer in progress is the last
+            return
+        self._closing = True
+        if self._head_bytes and not self._waiting:  # a head half read
+            return
+        if self._unread() or not self._waiting:  # bytes on the way, or the first request
+            self._due = min(self._due, self._timers.loop().time() + FIRST_REQUEST_WAIT)
+            return
+        self.transport.close()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -263,6 +285,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None:
+            if self._closing:
+                cycle.keep_alive = False
             send = UvicornSend(cycle)
             cycle.scope[DEPARTURE] = Departure()
             cycle.scope[WHOLE] = send.whole

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ def launched(tmp_path):
     """Start `python -m gateway --launch` with a topology of slow-token sims."""
     procs = []
 
-    def start(grace: float) -> tuple[Proc, str]:
+    def start(grace: float, workers: int = 1) -> tuple[Proc, str]:
         topology = tmp_path / "topology.yaml"
         topology.write_text(
             f"backend: sim\nprefill: 1\ndecode: 1\nlog_dir: {tmp_path}/servers\n"
@@ -58,7 +59,8 @@ def launched(tmp_path):
         port = free_port()
         proc = Proc("gateway", python("-m", "gateway", "--launch", "--launch-config",
                                       str(topology), "--host", HOST, "--port", str(port),
-                                      "--shutdown-grace", str(grace)), tmp_path)
+                                      "--shutdown-grace", str(grace),
+                                      "--workers", str(workers)), tmp_path)
         procs.append(proc)
         url = f"http://{HOST}:{port}"
         proc.wait_http(url + "/readiness", 60)
@@ -70,7 +72,8 @@ def launched(tmp_path):
 
 
 def sigterm_during_streams(proc: Proc, url: str, tokens: int):
-    servers = children(proc.popen.pid)
+    servers = [pid for pid in children(proc.popen.pid)
+               if b"backends.sim" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(servers) == 2, f"the launched servers: {servers}"
     streams = [Stream(url, n, tokens) for n in range(STREAMS)]
     for stream in streams:
@@ -80,21 +83,30 @@ def sigterm_during_streams(proc: Proc, url: str, tokens: int):
     signalled = time.monotonic()
     os.kill(proc.popen.pid, signal.SIGTERM)
 
+    unanswered: list[Exception] = []
+
     def refused() -> bool:
+        """A new connection is refused, or served: never queued and left unanswered."""
         try:
             httpx.get(url + "/health", timeout=1)
         except httpx.ConnectError:
             return True
+        except httpx.HTTPError as exc:  # a timeout or a reset
+            unanswered.append(exc)
         return False
 
     closed = wait_until(refused, 5, "new connections are refused after SIGTERM")
+    assert not unanswered, unanswered
     return servers, streams, signalled, closed
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_lets_streams_finish(launched, timing):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_lets_streams_finish(launched, timing, workers):
+    """With --workers the supervisor's copy of the socket kept the port open: a new client
+    was queued, never answered, and reset when the last stream ended."""
     grace = 10.0
-    proc, url = launched(grace)
+    proc, url = launched(grace, workers)
     tokens = 40  # 2 s of streaming
     servers, streams, signalled, closed = sigterm_during_streams(proc, url, tokens)
     code = proc.popen.wait(grace + 10)
@@ -105,8 +117,35 @@ def test_sigterm_lets_streams_finish(launched, timing):
     assert code in (0, -signal.SIGTERM), code  # uvicorn re-raises the signal it handled
     assert exited < grace, "exit waited for the grace period, not for the streams"
     assert not [pid for pid in servers if alive(pid)], "a launched server outlived the gateway"
-    timing("SIGTERM with streams in flight", "listener closed after", closed)
-    timing("SIGTERM with streams in flight", "process exited after", exited)
+    timing(f"SIGTERM with streams in flight, {workers} worker(s)", "listener closed after",
+           closed)
+    timing(f"SIGTERM with streams in flight, {workers} worker(s)", "process exited after",
+           exited)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_client_connected_before_sigterm_is_answered(launched, workers):
+    """A client connects, the gateway gets SIGTERM, the client's request arrives: uvicorn
+    closed every connection without a request in progress, so it got no answer at all
+    ("Server disconnected without sending a response"). It is served, with Connection:
+    close."""
+    proc, url = launched(10.0, workers)
+    client = socket.create_connection((HOST, int(url.rsplit(":", 1)[1])), timeout=10)
+    time.sleep(0.2)  # accepted
+    os.kill(proc.popen.pid, signal.SIGTERM)
+    time.sleep(0.2)  # the workers began their shutdown (within FIRST_REQUEST_WAIT)
+    body = b'{"model": "sim-model", "prompt": "just in", "max_tokens": 2}'
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: "
+                   b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    answer = b""
+    while chunk := client.recv(65536):  # the gateway closes the connection after it
+        answer += chunk
+    client.close()
+    head = answer.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 200"), answer[:300]
+    assert b"connection: close" in head
+    proc.popen.wait(20)
 
 
 @pytest.mark.timeout(60)

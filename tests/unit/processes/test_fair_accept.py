@@ -136,3 +136,25 @@ def test_a_worker_on_the_shared_socket_still_takes_one_per_wake_up():
                                                                     lambda: 0)))
     assert taken == 1  # the siblings may take the others
     assert made == 5  # (here none runs: this worker takes them all, one wake-up each)
+
+
+def test_closing_takes_the_connections_already_queued():
+    """At shutdown the socket closes right after its listener: clients queued on it (their
+    request often sent) were reset. Closing takes them all, on a shared socket too."""
+    async def scenario(share: ConnectionShare | None) -> int:
+        loop = asyncio.get_running_loop()
+        listening = socket.create_server(("127.0.0.1", 0), backlog=256)
+        made: list[float] = []
+        listener = FairListener(loop, listening, lambda: Made(made), share=share)
+        clients = [socket.create_connection(listening.getsockname(), timeout=5)
+                   for _ in range(ACCEPT_BATCH + 6)]
+        listener.close()  # before the loop ran the listener once
+        await listener.wait_closed()
+        for client in clients:
+            client.close()
+        listening.close()
+        return len(made)
+
+    assert asyncio.run(scenario(None)) == ACCEPT_BATCH + 6
+    ahead = ConnectionShare(Column(other=0), 0, lambda: 9)  # would leave them to a sibling
+    assert asyncio.run(scenario(ahead)) == ACCEPT_BATCH + 6
