@@ -164,6 +164,12 @@ class SimConfig:
         return {"prefill": "prefill", "decode": "decode"}.get(self.mode, "unified")
 
     @property
+    def max_req_input_len(self) -> int:
+        """Prompts must be shorter: mirrors TpModelWorker's (managers/tp_worker.py), the
+        context or the KV pool less 1, less 5; reported in /server_info."""
+        return min(self.context_length - 1, self.max_total_tokens - 1) - 5
+
+    @property
     def dp_size(self) -> int:
         """`dp_size` as /server_info reports it: replicas, 1 under attention DP.
 

@@ -105,7 +105,7 @@ async def server_info(request: Request) -> Response:
         "disaggregation_decode_enable_radix_cache": False,
         "kv_events_config": cfg.kv_events.raw if cfg.kv_events else None,
         "max_total_num_tokens": cfg.max_total_tokens,
-        "max_req_input_len": cfg.context_length - 1,
+        "max_req_input_len": cfg.max_req_input_len,
         "kv_events": (state.ranks[0].publisher.describe(cfg.num_dp_ranks)
                       if state.ranks[0].publisher else None),
         "startup_time": state.stats.started,

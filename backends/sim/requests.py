@@ -305,6 +305,11 @@ def _item(config: SimConfig, index: int, rid: str, ids: list[int], text: str | N
     if len(ids) >= context:
         raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's "
                          f"context length ({context} tokens).")
+    # mirrors the scheduler's validate_input_length (managers/utils.py): a tighter bound
+    if len(ids) >= config.max_req_input_len:
+        raise BadRequest(f"Input length ({len(ids)} tokens) exceeds the maximum allowed "
+                         f"length ({config.max_req_input_len} tokens). Use a shorter input "
+                         "or enable --allow-auto-truncate.")
     if sp.get("max_new_tokens") is not None and max_new + len(ids) > context:
         raise BadRequest(
             f"Requested token count exceeds the model's maximum context length of {context} "

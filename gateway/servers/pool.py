@@ -115,6 +115,7 @@ class Server(Counted):
     kv_events: dict | None = None  # the server's KV event publisher (/server_info kv_events)
     load_balance_method: str = "follow_bootstrap_room"  # how the server picks a DP rank
     context_length: int | None = None  # the model's, from /server_info
+    max_input_length: int | None = None  # prompts must be shorter (/server_info)
     priority_scheduling: bool = False  # the server schedules by `priority` (/server_info)
     low_priority_first: bool = False  # ... lower values first
     ranks: list[Rank] = field(default_factory=list)  # DP ranks, when it has more than one
@@ -176,6 +177,7 @@ class Server(Counted):
         self.kv_events = facts.kv_events
         self.load_balance_method = facts.load_balance_method
         self.context_length = facts.context_length
+        self.max_input_length = facts.max_input_length
         self.priority_scheduling = facts.priority_scheduling
         self.low_priority_first = facts.low_priority_first
         if len(self.ranks) != (facts.dp_size if facts.dp_size > 1 else 0):

@@ -32,6 +32,9 @@ class ServerFacts:
     kv_events: dict | None = None
     load_balance_method: str = FOLLOW_ROOM  # how the server picks a DP rank
     context_length: int | None = None
+    # prompts must be shorter: the scheduler's `max_req_input_len` (tp_worker: the context or
+    # the KV pool, less 1, less 5), checked by `validate_input_length` on every server
+    max_input_length: int | None = None
     priority_scheduling: bool = False  # --enable-priority-scheduling (gateway/config/tenants.py)
     low_priority_first: bool = False  # --schedule-low-priority-values-first
 
@@ -111,6 +114,7 @@ def facts_from_info(info: dict, url: str, role: str) -> ServerFacts:
         kv_events=info.get("kv_events") if isinstance(info.get("kv_events"), dict) else None,
         load_balance_method=balance_method_of(info, mode),
         context_length=_positive_int(info.get("context_length")),
+        max_input_length=_positive_int(info.get("max_req_input_len")),
         priority_scheduling=info.get("enable_priority_scheduling") is True,
         low_priority_first=info.get("schedule_low_priority_values_first") is True,
     )

@@ -2,10 +2,16 @@
 once, naming the numbers, instead of going to both legs to fail there; no prompt over the
 limit is forwarded.
 
-The rule is SGLang's (`TokenizerManager._validate_one_request`, without auto-truncation): the
-prompt must be shorter than the context length, and prompt + an explicit `max_new_tokens`
-(`max_tokens`, `max_completion_tokens`) must fit it. The context length is the servers'
-(`/v1/models` `max_model_len`, learned by the probe), of the request's model's servers.
+The rules are SGLang's, without auto-truncation:
+* `TokenizerManager._validate_one_request`: the prompt must be shorter than the context
+  length, and prompt + an explicit `max_new_tokens` (`max_tokens`, `max_completion_tokens`)
+  must fit it;
+* the scheduler's `validate_input_length`: the prompt must be shorter than the server's
+  `max_req_input_len` (`TpModelWorker`: the context length or the KV pool, whichever is
+  smaller, less 1, less 5), a tighter bound: a prompt 5 tokens short of the context passed
+  the first rule, went to both legs, and the prefill refused it.
+Both numbers are the servers' (`/v1/models` `max_model_len` and `/server_info`
+`max_req_input_len`, learned by the probe), the least among the request's model's servers.
 
 Token-id prompts, and a view already counted (`view.lengths`), are checked as they are.
 Otherwise the prompt's size decides first, without tokenizing (docs/RELIABILITY.md, "Context
@@ -27,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import orjson
@@ -44,6 +50,14 @@ SLICE = 1 << 20  # a large prompt goes to /v1/tokenize in slices of this many by
 SCAN_WINDOW = 64 << 10  # bytes of the answer kept from one read to the next while scanning
 # `"count": N` or a batch's `"count": [N, ...]`, whole (the delimiter after it has arrived)
 _COUNT = re.compile(rb'"count"\s*:\s*(\d+(?=[\s,}])|\[[\d\s,]*\])')
+
+
+class Limits(NamedTuple):
+    """What a request's model takes: `context` tokens of prompt + new tokens, and prompts of
+    fewer than `prompt` tokens (at most `context`)."""
+
+    context: int
+    prompt: int
 
 
 class CountUnavailable(ServiceUnavailable):
@@ -84,8 +98,8 @@ def most_tokens(view: RequestView) -> int:
     tokens a character, so it cannot decide to skip the count.)"""
     body = view.body
     cap = view.size
-    if view.endpoint == CHAT:
-        messages = body.get("messages") or ()
+    if view.endpoint in (CHAT, RESPONSES):  # a Responses turn: the chat made of its history
+        messages = body.get("messages") or () if view.endpoint == CHAT else messages_of(body)
         if cap:
             return cap + 8 * len(messages)
         total = 0
@@ -141,52 +155,57 @@ class ContextCheck:
         self.client = client
         self.tokens = tokens  # prompt_tokens.PromptTokens: the served model's tokenizer, if any
 
-    def context_length(self, view: RequestView) -> int | None:
-        """The least context length of the model's usable prefill servers (None: unknown)."""
-        least = None
-        for server in self.models.of(view).servers["prefill"]:
-            context = server.context_length
-            if context and (least is None or context < least) and server.usable:
-                least = context
-        return least
+    def limits(self, view: RequestView) -> Limits | None:
+        """The least context length of the model's usable prefill servers (None: unknown),
+        and the least prompt bound of its usable servers, either role (each validates)."""
+        servers = self.models.of(view).servers
+        contexts = [s.context_length for s in servers["prefill"]
+                    if s.context_length and s.usable]
+        if not contexts:
+            return None
+        context = min(contexts)
+        bounds = [s.max_input_length for role in ("prefill", "decode")
+                  for s in servers[role] if s.max_input_length and s.usable]
+        return Limits(context, min([context, *bounds]))
 
     def check(self, view: RequestView) -> Coroutine[Any, Any, RequestView] | None:
         """Raise BadRequest if `view` cannot fit; None when that is settled here, else the
         coroutine to await that counts the prompt exactly first (a prompt near the limit) and
         returns the view (counted, when the tokenizer here counted it): the usual request
         makes no coroutine."""
-        context = self.context_length(view)
-        if context is None or view.endpoint == MESSAGES:  # the server checks those: SGLang's
+        limits = self.limits(view)
+        if limits is None or view.endpoint == MESSAGES:  # the server checks those: SGLang's
             return None  # 400 comes back in Anthropic's envelope (docs/RELIABILITY.md)
         new = requested_new_tokens(view)
         if view.lengths is not None:
-            _fits(view.lengths, context, new)
+            _fits(view.lengths, limits, new)
             return None
-        self._by_size(view, context, new)
-        if most_tokens(view) + (new or 0) < NEAR * context:
+        self._by_size(view, limits, new)
+        most = most_tokens(view)
+        if most < NEAR * limits.prompt and most + (new or 0) < NEAR * limits.context:
             return None
-        return self._check_counted(view, context, new)
+        return self._check_counted(view, limits, new)
 
     def refuse_by_size(self, view: RequestView) -> None:
         """Raise BadRequest when the prompt's size alone proves it over the context (asked
         before anything is tokenized); nothing else is decided here."""
         if view.lengths is None and self.tokens is not None and self.tokens.token_bytes:
-            context = self.context_length(view)
-            if context is not None:
-                self._by_size(view, context, requested_new_tokens(view))
+            limits = self.limits(view)
+            if limits is not None:
+                self._by_size(view, limits, requested_new_tokens(view))
 
-    def _by_size(self, view: RequestView, context: int, new: int | None) -> None:
+    def _by_size(self, view: RequestView, limits: Limits, new: int | None) -> None:
         tokens = self.tokens
         if tokens is None or not tokens.token_bytes or not tokens.serves(view):
             return
         least = fewest_tokens(view, tokens.token_bytes)
-        if least >= context or (new is not None and least + new > context):
+        if least >= limits.prompt or (new is not None and least + new > limits.context):
             raise BadRequest(f"the prompt has at least {least} tokens (by its size), and "
-                             f"the model's context length is {context} tokens"
+                             f"{_bound(limits)}"
                              + (f" ({new} new tokens asked for)" if new else "")
                              + ": it does not fit", code="context_length_exceeded")
 
-    async def _check_counted(self, view: RequestView, context: int,
+    async def _check_counted(self, view: RequestView, limits: Limits,
                              new: int | None) -> RequestView:
         """`view` counted (with exact lengths when the tokenizer here counted it), checked;
         CountUnavailable when nothing could count it."""
@@ -202,7 +221,7 @@ class ContextCheck:
                 "not be counted in time (no tokenizer for it here, and no server's "
                 "/v1/tokenize answered); retry shortly", code="context_check_unavailable",
                 headers={"Retry-After": RETRY_AFTER})
-        _fits(lengths, context, new)
+        _fits(lengths, limits, new)
         return view
 
     async def _count(self, view: RequestView) -> list[int] | None:
@@ -270,13 +289,20 @@ async def _slices(content: bytes) -> AsyncIterator[bytes]:
         yield content[start:start + SLICE]
 
 
-def _fits(lengths, context: int, new: int | None) -> None:
+def _bound(limits: Limits) -> str:
+    if limits.prompt < limits.context:
+        return (f"the servers take prompts of fewer than {limits.prompt} tokens (their "
+                f"max_req_input_len; the model's context length is {limits.context})")
+    return f"the model's context length is {limits.context} tokens"
+
+
+def _fits(lengths, limits: Limits, new: int | None) -> None:
     """Raise BadRequest naming the numbers when a prompt (plus the new tokens) cannot fit."""
+    context = limits.context
     for prompt in lengths:
-        if prompt >= context:
-            raise BadRequest(f"the prompt has {prompt} tokens, and the model's context "
-                             f"length is {context} tokens: it does not fit",
-                             code="context_length_exceeded")
+        if prompt >= limits.prompt:
+            raise BadRequest(f"the prompt has {prompt} tokens, and {_bound(limits)}: it "
+                             "does not fit", code="context_length_exceeded")
         if new is not None and prompt + new > context:
             raise BadRequest(f"the prompt has {prompt} tokens and {new} new tokens were "
                              f"asked for: {prompt + new} tokens do not fit the model's "
