@@ -281,7 +281,7 @@ class Gateway:
         await self._load_tokenizer()
         self.health = HealthChecker(
             self.pool, self.client, endpoint=c.health_endpoint, interval=c.health_interval,
-            timeout=c.health_timeout, failures=c.health_failures,
+            timeout=c.health_timeout, failures=c.health_failures, reprobe=not c.skip_probe,
             successes=c.health_successes, loads_interval=c.loads_interval,
             on_down=lambda server: self.dispatcher.ledger.rescue(server, "was marked down"))
         self.health.start()

@@ -5,6 +5,13 @@ A server is marked down after `failures` consecutive failed checks and up again 
 seconds under load, so a request that succeeded on the server since the last check also
 counts as a good check: slow is not dead. An unverified server (unreachable at startup) is
 probed for its role and bootstrap port before it is ever marked up.
+
+A server found refusing connections (restarting) is unverified again, and so is one whose
+`/v1/loads` lists another number of DP ranks (restarted between two checks): before, a server
+restarted with another `--dp-size` kept its old ranks here for good (rooms steered to a rank
+it no longer had: failed handshakes, or decodes waiting on the wrong rank until the
+first-progress deadline). One marked down only (slow, not gone) stays verified: panic routing
+may still pick it.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ FIRST_SPEED_POLL = 0.5  # seconds between /v1/loads polls until a busy prefill h
 class HealthChecker:
     def __init__(self, pool: ServerPool, client: httpx.AsyncClient, *, endpoint: str,
                  interval: float, timeout: float, failures: int, successes: int,
-                 loads_interval: float, on_down=None) -> None:
+                 loads_interval: float, on_down=None, reprobe: bool = True) -> None:
         self.pool = pool
         self.client = client
         self.endpoint = endpoint
@@ -36,6 +43,7 @@ class HealthChecker:
         self.successes = successes
         self.loads_interval = loads_interval
         self.on_down = on_down  # called with a server just marked down (rescue its requests)
+        self.reprobe = reprobe  # learn a server's facts again after it restarted (no --skip-probe)
         self._tasks: dict[str, asyncio.Task] = {}
         self._streak: dict[str, int] = {}
         self._loads_task: asyncio.Task | None = None
@@ -72,18 +80,27 @@ class HealthChecker:
             previous = started
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
+    async def _verify(self, server: Server) -> bool:
+        """Learn the server's role, bootstrap port, DP ranks and limits from /server_info."""
+        try:
+            facts = await probe(self.client, server.url, server.role, self.timeout)
+        except RoleMismatch as exc:
+            log.error("%s", exc)
+            server.misconfigured = str(exc)
+            return False
+        except ConnectionError:
+            return False
+        server.apply_facts(facts)
+        self.pool.notify()
+        return True
+
+    def _unverify(self, server: Server) -> None:
+        if self.reprobe and server.verified:
+            server.verified = False  # out of rotation until probed again
+
     async def check(self, server: Server) -> bool:
-        if not server.verified:
-            try:
-                facts = await probe(self.client, server.url, server.role, self.timeout)
-            except RoleMismatch as exc:
-                log.error("%s", exc)
-                server.misconfigured = str(exc)
-                return False
-            except ConnectionError:
-                return False
-            server.apply_facts(facts)
-            self.pool.notify()
+        if not server.verified and not await self._verify(server):
+            return False
         refused = False
         try:
             async with asyncio.timeout(self.timeout):
@@ -93,6 +110,8 @@ class HealthChecker:
             # refused: nothing listens there (a stalled server still accepts connections)
             refused, ok = isinstance(exc, httpx.ConnectError), False
         server.refused = refused
+        if refused:
+            self._unverify(server)
         return ok
 
     def record(self, server: Server, ok: bool, since: float = 0.0) -> None:
@@ -136,5 +155,8 @@ class HealthChecker:
             asked = server.ask_loads()
             async with asyncio.timeout(self.timeout):
                 response = await self.client.get(server.url + "/v1/loads")
-            if response.status_code == 200:
-                server.apply_loads(response.json(), asked)
+            if response.status_code == 200 and server.apply_loads(response.json(), asked) \
+                    and self.reprobe:
+                log.warning("%s server %s lists another number of DP ranks: probing it again",
+                            server.role, server.url)
+                await self._verify(server)

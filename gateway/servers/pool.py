@@ -193,12 +193,14 @@ class Server(Counted):
             rank.load.ask(asked)
         return asked
 
-    def apply_loads(self, data: dict, asked: float | None = None) -> None:
+    def apply_loads(self, data: dict, asked: float | None = None) -> bool:
         """The `/v1/loads` answer to the poll of `ask_loads` (None: now): one entry per DP
-        rank, kept per rank and summed, stamped when asked (the figures are not newer)."""
+        rank, kept per rank and summed, stamped when asked (the figures are not newer).
+        Whether it lists another number of ranks than the server had: it was restarted with
+        another DP size, and its facts must be learned again."""
         loads = data.get("loads") if isinstance(data, dict) else None
         if not isinstance(loads, list):
-            return
+            return False
         answered = time.monotonic()
         now = answered if asked is None else asked
         total = ServerLoad(updated_at=now, answered_at=answered)
@@ -229,6 +231,7 @@ class Server(Counted):
                 self.ranks[rank].load = one
         total.token_usage = max(usages) if usages else 0.0
         self.load = total
+        return bool(usages) and len(usages) != max(1, self.dp_size)
 
     def totals(self) -> tuple[int, int]:
         """In-flight requests and prompt tokens over the whole gateway: this process's, or

@@ -64,4 +64,6 @@ def test_kill_9_under_load(make_rig, timing, role):
     timing(f"kill -9 {role}", "gateway RSS growth, round 1 to 3 (MiB)", rss[-1] - rss[1])
     assert rss[-1] - rss[1] < 5, f"gateway RSS grows round over round (MiB): {rss}"
     assert max(rss) - rss[0] < 15, f"gateway RSS (MiB): {rss}"
-    assert rig.metrics().total("gateway_retries_total") >= ROUNDS
+    # the requests the kill met were retried; since 2026-12-07 a health check that finds the
+    # port refusing takes the server out at once, so fewer requests meet the dead server
+    # (retries no longer measure the kill: the per-round checks above do)
