@@ -4,8 +4,11 @@ For each attempt of the request now running, `{"rid": <upstream rid>}` goes to i
 its decode server, so SGLang ends the generation the way it ends any aborted one (the client
 gets SGLang's own answer with `finish_reason` `abort`). A client-chosen rid is forwarded only
 when it is not a prefix of another request's rid in flight (SGLang's scheduler aborts by
-prefix); otherwise, and for a request not dispatched yet, the gateway stops the request itself
-(`Interrupt`), which closes its upstream connections, and the client gets a 400 "aborted".
+prefix); otherwise, for a request not dispatched yet, and for an Anthropic Messages request
+(SGLang's conversion to a chat drops the rid, and it answers `success` for a rid it does not
+know: the abort did nothing and said it worked), the gateway stops the request itself
+(`Interrupt`), which closes its upstream connections (SGLang aborts a request whose
+connection closed), and the client gets a 400 "aborted" (a stream: an error event).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import orjson
 
 from gateway.dispatch.inflight import InFlight, Tracked
 from gateway.errors import BadRequest
+from gateway.request import MESSAGES
 
 
 class Aborted(BadRequest):
@@ -35,7 +39,8 @@ class Aborts:
         tracked.aborted = True
         attempts = list(tracked.attempts)
         forwardable = attempts and all(
-            self.inflight.prefix_safe(rid, tracked) for a in attempts for rid in a.rid_list)
+            a.view.endpoint != MESSAGES and self.inflight.prefix_safe(rid, tracked)
+            for a in attempts for rid in a.rid_list)
         if not forwardable:
             stopped = tracked.interrupt is not None and tracked.interrupt.fire(
                 Aborted(f"request {tracked.request_id} was aborted"))

@@ -7,6 +7,8 @@ import time
 
 import httpx
 
+from tests.rigs.faults import wait_until
+
 
 def get(cluster, path, **kw):
     return httpx.get(cluster.gateway + path, timeout=30, **kw)
@@ -72,6 +74,37 @@ def test_abort_request_by_rid_stops_a_running_request(fresh):
     meta = result["r"].json()["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
     assert sum(fresh.stats(u)["aborted"] for u in fresh.decode) == 1
+
+
+def test_abort_request_stops_an_anthropic_messages_request(fresh):
+    """SGLang's Anthropic conversion drops the rid, and it answers `success` to an abort of
+    a rid it does not know: the abort did nothing (the request ran to its end) and said it
+    worked. The gateway stops it itself: the client gets a 400 in Anthropic's shape, and the
+    decode's leg is cancelled (its connection closed)."""
+    for url in fresh.decode:
+        httpx.post(url + "/sim/faults", json={"first_token_delay": 10}, timeout=5)
+    received = sum(fresh.stats(u)["received"] for u in fresh.decode)
+    cancelled = sum(fresh.stats(u)["cancelled"] for u in fresh.decode)
+    result = {}
+
+    def run():
+        result["r"] = httpx.post(fresh.gateway + "/v1/messages", timeout=30, json={
+            "model": "sim-model", "max_tokens": 8, "rid": "abort-this-message",
+            "messages": [{"role": "user", "content": "slow one"}]})
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until(lambda: sum(fresh.stats(u)["received"] for u in fresh.decode) > received, 10,
+               "the request reached a decode")
+    r = httpx.post(fresh.gateway + "/abort_request", json={"rid": "abort-this-message"},
+                   timeout=30)
+    thread.join(15)
+    assert r.status_code == 200
+    answer = result["r"]
+    assert answer.status_code == 400, answer.text  # before: 200 after the 10 s delay
+    assert answer.json()["type"] == "error" and "aborted" in answer.json()["error"]["message"]
+    wait_until(lambda: sum(fresh.stats(u)["cancelled"] for u in fresh.decode) > cancelled, 10,
+               "the decode's leg cancelled")
 
 
 def test_metrics_exposed(fresh):
