@@ -160,14 +160,14 @@ class StreamRelay:
             now = loop.time()
             while chunk is not None:
                 out = _merge_events(splitter, merger, chunk) if splitter else chunk
-                if unsuffix is not None:
-                    out = out.replace(unsuffix, b"")
                 if held:
                     out, held = held + out, b""
                 if out and not out.endswith(b"\n\n"):  # hold back a partial event
                     cut = out.rfind(b"\n\n") + 2
                     out, held = (out[:cut], out[cut:]) if cut > 1 else (b"", out)
                 if out:
+                    if unsuffix is not None:  # whole events: a suffix a read cut is whole
+                        out = out.replace(unsuffix, b"")
                     last = out
                     watchdog.since, watchdog.reading = now, False  # handing out
                     if capture is not None:
@@ -188,6 +188,8 @@ class StreamRelay:
                 elif queue.since != started:  # a wait in the decode's queue is no step
                     model.gap(gaps, now - started)
             if rest := _rest(held, splitter, merger, url):
+                if unsuffix is not None:
+                    rest = rest.replace(unsuffix, b"")
                 yield (last := _noted(rest, capture, trace))
             if not (last.endswith(DONE) or _final_event(last)):
                 raise _unfinished(url)

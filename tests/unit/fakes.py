@@ -25,7 +25,8 @@ class FakeServer:
     status: int = 200
     hang: bool = False
     delay: float = 0.0
-    chunks: list[bytes] | None = None  # streaming body chunks
+    # streaming body chunks, or a function of the request's body giving them
+    chunks: list[bytes] | Callable[[dict], list[bytes]] | None = None
     body: Callable[[dict], dict] | None = None
     received: list[dict] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # loop time of each request
@@ -81,8 +82,9 @@ class FakeCluster:
         if server.status >= 400:
             return httpx.Response(server.status, json={"error": {"message": f"{server.role} boom"}})
         if server.chunks is not None and body.get("stream"):
+            chunks = server.chunks(body) if callable(server.chunks) else server.chunks
             return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                  stream=_ChunkStream(server.chunks))
+                                  stream=_ChunkStream(chunks))
         if server.whole is not None and not body.get("stream"):
             return httpx.Response(200, headers={"content-type": "application/json"},
                                   stream=_ChunkStream(server.whole))
@@ -103,6 +105,9 @@ class _ChunkStream(httpx.AsyncByteStream):
                 await asyncio.Event().wait()
             if chunk == b"<error>":
                 raise httpx.ReadError("connection reset")
+            if chunk == b"<pause>":  # what came before arrives as a read of its own
+                await asyncio.sleep(0.05)
+                continue
             yield chunk
 
 

@@ -169,3 +169,28 @@ def test_a_streamed_prefill_cut_before_its_answer_is_retried_not_waited_for():
     assert fakes.servers[D1].cancelled == 1  # the waiting decode leg was stopped
     assert took < 2.0  # not held until the decode's deadline
     assert p1_failures == 1
+
+
+def test_a_client_rid_split_across_two_reads_is_still_cut_from_the_answer():
+    """The servers get the client's rid with a random suffix (rids must be unique there) and
+    the gateway cuts it from the answer. It cut it from each read before joining a partial
+    event to the next read: a suffix split between two reads reached the client."""
+    def split_in_the_rid(body: dict) -> list[bytes]:
+        rid = body["rid"].encode()
+        event = (b'data: {"id":"' + rid + b'","choices":[{"index":0,"delta":'
+                 b'{"content":"a"}}]}\n\n')
+        at = event.index(rid) + len(rid) - 5  # inside the suffix
+        return [event, event[:at], b"<pause>", event[at:], b"data: [DONE]\n\n"]
+
+    fakes = cluster(FakeServer("decode", chunks=split_in_the_rid))
+
+    async def go():
+        async with served_client(fakes) as client:
+            r = await client.post("/v1/chat/completions",
+                                  json={**CHAT, "stream": True, "rid": "client-rid"})
+        assert r.status_code == 200
+        sent = fakes.servers[D1].received[0]["rid"]
+        assert sent.startswith("client-rid") and sent != "client-rid"  # it was suffixed
+        events = [orjson.loads(e[len(b"data: "):]) for e in r.content.split(b"\n\n")[:2]]
+        assert [e["id"] for e in events] == ["client-rid", "client-rid"]
+    run(go())
