@@ -187,9 +187,7 @@ class StreamRelay:
                     gaps.skip -= 1
                 elif queue.since != started:  # a wait in the decode's queue is no step
                     model.gap(gaps, now - started)
-            if rest := _rest(held, splitter, merger, url):
-                if unsuffix is not None:
-                    rest = rest.replace(unsuffix, b"")
+            if rest := _rest(held, splitter, merger, url, unsuffix):
                 yield (last := _noted(rest, capture, trace))
             if not (last.endswith(DONE) or _final_event(last)):
                 raise _unfinished(url)
@@ -287,14 +285,16 @@ def _noted(data: bytes, capture: Capture | None, trace) -> bytes:
 
 
 def _rest(held: bytes, splitter: EventSplitter | None, merger: StreamMerger | None,
-          url: str) -> bytes:
+          url: str, unsuffix: bytes | None) -> bytes:
     """What is left when the server's stream ended: a last event without its blank line
-    (completed, when its data is whole), or nothing. A data line cut short (the server or a
-    proxy closed mid-event) is the decode's failure, never relayed: the client's stream stays
-    well formed, and a resumable one goes on elsewhere."""
+    (completed, when its data is whole, the client rid's suffix cut), or nothing. A data
+    line cut short (the server or a proxy closed mid-event) is the decode's failure, never
+    relayed: the client's stream stays well formed, and a resumable one goes on elsewhere."""
     if not _whole_data(held + (splitter.rest() if splitter else b""), url):
         return b""
     rest = held + (_merge_events(splitter, merger, b"\n\n") if splitter else b"")
+    if unsuffix is not None:
+        rest = rest.replace(unsuffix, b"")
     return rest if rest.endswith(b"\n\n") else rest + b"\n\n"
 
 
