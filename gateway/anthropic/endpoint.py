@@ -4,10 +4,10 @@
   PD dispatch, usage), given this path's parser (`view.parse_messages`) and Anthropic's error
   envelope (`errors.py`) for everything the gateway refuses or fails.
 * `POST /v1/messages/count_tokens`: not a PD request; relayed to one usable server of the
-  model (decode first, as `/v1/tokenize` is), whose SGLang counts the prompt its chat template
-  makes (`AnthropicServing.handle_count_tokens`). The gateway does not count it itself: its
-  tokenizer renders OpenAI chats, and a count that differed from the server's would be wrong
-  the one time it matters (a prompt near the context limit).
+  model (decodes first, as `/v1/tokenize` is, the first one in turn), whose SGLang counts the
+  prompt its chat template makes (`AnthropicServing.handle_count_tokens`). The gateway does
+  not count it itself: its tokenizer renders OpenAI chats, and a count that differed from the
+  server's would be wrong the one time it matters (a prompt near the context limit).
 
 Both accept the key as `x-api-key` (what the Anthropic SDK sends) or `Authorization: Bearer`
 (`admission/auth.py`).
@@ -15,6 +15,7 @@ Both accept the key as `x-api-key` (what the Anthropic SDK sends) or `Authorizat
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import httpx
@@ -34,6 +35,7 @@ from gateway.upstream.client import upstream_message
 
 COUNT_PATH = "/v1/messages/count_tokens"
 TOKENIZE_BYTES_PER_S = 4 << 20  # a server's tokenizer is given a second per 4 MiB of prompt
+FIRST_TRY_S = 1.0  # a count takes milliseconds: a server silent this long is likely hung
 
 
 async def send_anthropic_error(send: Send, err: GatewayError, request_id: str | None) -> None:
@@ -58,17 +60,24 @@ class CountParts:
     auth: Auth
     models: Models
     client: httpx.AsyncClient  # the control client (probes, health, relays)
-    timeout: float  # per server, plus a second per 4 MiB of body
+    timeout: float  # for the whole count, plus a second per 4 MiB of body
     max_body_bytes: int
     bodies: BodyBudget  # the in-flight body budget, as the inference endpoints charge it
+    first_try: float = FIRST_TRY_S  # one server's head start before the next is asked too
 
 
 class CountTokens:
-    """`/v1/messages/count_tokens`, relayed to the first usable server of the model that
-    answers (a 5xx or a connection error moves to the next; none: 503)."""
+    """`/v1/messages/count_tokens`, relayed to a usable server of the model: the decodes, then
+    the prefills, each list starting one further on per request (so a hung server is first for
+    few counts, and no one server takes them all). A server that answers a 5xx or fails to
+    connect hands over at once; one silent for `first_try` (1 s, plus a second per 4 MiB of
+    body) keeps its request but the next server is asked too (a hedge), and the first answer
+    below 500 wins. The whole count ends by `timeout` (--probe-timeout, 10 s; plus the body's
+    seconds): then, or with every server failed, 503."""
 
     def __init__(self, parts: CountParts) -> None:
         self.parts = parts
+        self.turn = 0  # rotates the first server asked
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = request_id_of(scope)
@@ -97,26 +106,60 @@ class CountTokens:
         check_messages(body)
         model, upstream = parts.models.lookup(name)
         content = bytes(raw) if upstream is None else orjson.dumps({**body, "model": upstream})
-        return await self._ask(model.usable("decode") + model.usable("prefill"), content)
+        self.turn += 1
+        servers = [w for role in ("decode", "prefill")
+                   for w in _rotated(model.usable(role), self.turn)]
+        return await self._ask(servers, content)
 
     async def _ask(self, servers: list, content: bytes) -> tuple[int, bytes]:
+        """The first answer below 500 of `servers`, asked in order, hedged as the class says."""
         parts = self.parts
-        timeout = parts.timeout + len(content) / TOKENIZE_BYTES_PER_S
+        extra = len(content) / TOKENIZE_BYTES_PER_S
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + parts.timeout + extra
+        waiting, asked = list(servers), set()
         last = "no usable server"
-        for server in servers:
-            try:
-                response = await parts.client.post(
-                    server.url + COUNT_PATH, content=content, timeout=timeout,
-                    headers={"content-type": "application/json"})
-            except httpx.HTTPError as exc:
-                last = f"{server.url}: {type(exc).__name__}"
-                continue
-            if response.status_code < 500:
-                return response.status_code, response.content
-            last = (f"{server.url} answered {response.status_code}: "
-                    f"{upstream_message(response.content)}")
+        try:
+            while waiting or asked:
+                if waiting:  # the first, or the one after a failure or a silent head start
+                    asked.add(asyncio.create_task(self._post(waiting.pop(0).url, content,
+                                                             deadline - loop.time())))
+                left = deadline - loop.time()
+                if left <= 0:
+                    last = f"no answer in {parts.timeout + extra:.1f} s"
+                    break
+                done, asked = await asyncio.wait(
+                    asked, timeout=min(left, parts.first_try + extra) if waiting else left,
+                    return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    answer = task.result()
+                    if isinstance(answer, tuple):
+                        return answer
+                    last = answer
+        finally:  # the slower servers' requests end with the count
+            for task in asked:
+                task.cancel()
+            await asyncio.gather(*asked, return_exceptions=True)
         raise ServiceUnavailable(f"no server could count the tokens: {last}",
                                  headers={"retry-after": "1"})
+
+    async def _post(self, url: str, content: bytes, timeout: float) -> tuple[int, bytes] | str:
+        """One server's answer (status, body) if below 500, else why not."""
+        try:
+            response = await self.parts.client.post(
+                url + COUNT_PATH, content=content, timeout=max(timeout, 0.001),
+                headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            return f"{url}: {type(exc).__name__}"
+        if response.status_code < 500:
+            return response.status_code, response.content
+        return f"{url} answered {response.status_code}: {upstream_message(response.content)}"
+
+
+def _rotated(servers: list, turn: int) -> list:
+    """`servers` starting at the `turn`-th (modulo their number)."""
+    k = turn % len(servers) if servers else 0
+    return servers[k:] + servers[:k]
 
 
 def messages_endpoints(inference: InferenceParts, gateway) -> dict:

@@ -1,9 +1,15 @@
 """A `/v1/messages` body as a `RequestView`: checked once, its routing key the conversation.
 
-The checks are the ones SGLang's `AnthropicMessagesRequest` (entrypoints/anthropic/protocol.py)
-makes before any work: `model` a string, `max_tokens` a positive integer, `messages` a
-non-empty list of `user`/`assistant`/`system` turns whose content is a string or a list of
-typed blocks. A body SGLang would refuse is refused here (400), so it takes no slot and no leg.
+The checks are the ones SGLang 0.5.23 makes before any work (entrypoints/anthropic/): its
+pydantic models in `protocol.py` (`AnthropicMessagesRequest`: `model` a string, `max_tokens` a
+positive integer, `messages` a non-empty list of `user`/`assistant`/`system` turns whose content
+is a string or a list of typed blocks, each block's fields, a `tool_result`'s nested blocks,
+`stop_sequences`, `tools`, `tool_choice`) and the refusals of `AnthropicServing.
+_convert_to_chat_completion_request` (a `tool_choice` no custom tool can meet, `redacted_thinking`
+in an assistant turn). A body SGLang would refuse is refused here (400), so it takes no slot and
+no leg. Left to the server (its 400 comes back in Anthropic's envelope): `thinking`,
+`output_config`, the sampling numbers, server tools' optional fields, and the chat request the
+conversion makes (a user turn of tool calls alone fails SGLang's chat model).
 
 The routing key is the conversation as SGLang converts it to chat
 (`AnthropicServing._convert_to_chat_completion_request`): the system prompt first, then each
@@ -13,6 +19,8 @@ so a conversation's next turn extends its previous turn's key and finds its pref
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -43,8 +51,6 @@ def parse_messages(endpoint: str, raw: bytes | bytearray) -> RequestView:
     return view
 
 
-
-
 def check(body: dict) -> None:
     """Raise BadRequest naming the first field SGLang would refuse."""
     model = body.get("model")
@@ -53,11 +59,16 @@ def check(body: dict) -> None:
     tokens = body.get("max_tokens")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
         raise BadRequest("'max_tokens' is required and must be a positive integer")
+    for name in ("stop_sequences", "betas"):  # Optional[list[str]] in AnthropicMessagesRequest
+        _field(body, name, _STRS, optional=True)
+    _field(body, "metadata", _OBJ, optional=True)
     check_messages(body)
 
 
 def check_messages(body: dict) -> None:
-    """The `messages` (and `system`) of a messages or count_tokens body."""
+    """What a messages and a count_tokens body share: `messages`, `system`, `tools`,
+    `tool_choice` (`AnthropicCountTokensRequest` has them all, and SGLang converts it as a
+    messages request, with the same refusals)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
@@ -65,24 +76,142 @@ def check_messages(body: dict) -> None:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise BadRequest(f"'messages[{i}].role' must be one of 'user', 'assistant', "
                              "'system'")
-        _content(message.get("content"), f"messages[{i}].content")
+        content = message.get("content")
+        _content(content, f"messages[{i}].content")
+        # _convert_assistant_thinking_blocks: its bytes are Anthropic's to decrypt
+        if message["role"] == "assistant" and isinstance(content, list) and any(
+                block["type"] == "redacted_thinking" for block in content):
+            raise BadRequest(f"'messages[{i}]': Anthropic redacted_thinking history is not "
+                             "supported")
     system = body.get("system")
     if system is not None:
-        _content(system, "system")
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
-        raise BadRequest("'tools' must be a list of objects")
+        _content(system, "system", converted=False)
+    _tool_choice(body.get("tool_choice"), _custom_tools(body.get("tools")))
 
 
-def _content(content: Any, where: str) -> None:
+# -- protocol.py's models, as plain checks ------------------------------------------------------
+
+Check = tuple[Callable[[Any], bool], str]  # a value's test, and what the message says it must be
+_STR: Check = (lambda v: isinstance(v, str), "a string")
+_OBJ: Check = (lambda v: isinstance(v, dict), "an object")
+_STR_OR_OBJ: Check = (lambda v: isinstance(v, (str, dict)), "a string or an object")
+_STRS: Check = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                "a list of strings")
+_OBJS: Check = (lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+                "a list of objects")
+_TRUTHS = {"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"}
+_BOOL: Check = (lambda v: isinstance(v, bool) or (type(v) in (int, float) and v in (0, 1))
+                or (isinstance(v, str) and v.lower() in _TRUTHS), "a boolean")  # pydantic lax
+REQUIRED, OPTIONAL, DEFAULT = "required", "optional", "default"  # DEFAULT: absent, never null
+# AnthropicContentBlock's members: each field pydantic checks, how, and whether it may be absent
+BLOCKS: dict[str, dict[str, tuple[Check, str]]] = {
+    "text": {"text": (_STR, REQUIRED)},
+    "image": {"source": (_STR_OR_OBJ, OPTIONAL)},
+    "tool_use": {"id": (_STR, REQUIRED), "name": (_STR, REQUIRED), "input": (_OBJ, DEFAULT)},
+    "tool_result": {"tool_use_id": (_STR, OPTIONAL), "id": (_STR, OPTIONAL),
+                    "is_error": (_BOOL, OPTIONAL)},  # content: nested blocks, in _content
+    "tool_reference": {"name": (_STR, OPTIONAL), "tool_name": (_STR, OPTIONAL),
+                       "id": (_STR, OPTIONAL)},
+    "search_result": {"source": (_STR_OR_OBJ, OPTIONAL), "title": (_STR, OPTIONAL),
+                      "content": (_OBJS, OPTIONAL)},
+    "thinking": {"thinking": (_STR, REQUIRED), "signature": (_STR, OPTIONAL)},
+    "redacted_thinking": {"data": (_STR, OPTIONAL)},
+}
+# AnthropicTool's server-tool families (_tool_discriminator): type prefix, the names allowed,
+# whether `name` must be given (the others default it)
+SERVER_TOOLS = {"web_search_": (("web_search",), False), "computer_": (("computer",), False),
+                "bash_": (("bash",), False),
+                "text_editor_": (("str_replace_editor", "str_replace_based_edit_tool"), True)}
+CHOICES = ("auto", "any", "tool", "none")  # AnthropicToolChoice.type
+
+
+def _field(obj: dict, name: str, check: Check, where: str = "", optional: bool = False,
+           required: bool = False) -> None:
+    """One field as pydantic checks it: absent is fine unless `required`, null only if
+    `optional`, else the value must pass `check`."""
+    if name not in obj:
+        if required:
+            raise BadRequest(f"'{where}{name}' is required")
+        return
+    value = obj[name]
+    if value is None and optional:
+        return
+    if not check[0](value):
+        raise BadRequest(f"'{where}{name}' must be {check[1]}")
+
+
+def _content(content: Any, where: str, converted: bool = True) -> None:
+    """`Union[str, list[AnthropicContentBlock]]`, a tool_result's content nested likewise;
+    `converted`: SGLang converts these blocks (a turn's; of `system` it reads text only)."""
     if isinstance(content, str):
         return
     if not isinstance(content, list):
         raise BadRequest(f"'{where}' must be a string or a list of content blocks")
     for j, block in enumerate(content):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise BadRequest(f"'{where}[{j}]' must be an object with a string 'type'")
+        kind = block.get("type") if isinstance(block, dict) else None
+        fields = BLOCKS.get(kind) if isinstance(kind, str) else None
+        if fields is None:
+            raise BadRequest(f"'{where}[{j}]' must be a content block: an object whose 'type' "
+                             f"is one of {', '.join(BLOCKS)}")
+        for name, (test, need) in fields.items():
+            _field(block, name, test, f"{where}[{j}].", need == OPTIONAL, need == REQUIRED)
+        if kind == "tool_result" and block.get("content") is not None:
+            _content(block["content"], f"{where}[{j}].content", converted)
+        if kind == "search_result" and converted and any(  # _text_from_search_result joins
+                part.get("type") == "text" and part.get("text")  # these texts
+                and not isinstance(part["text"], str) for part in block.get("content") or ()):
+            raise BadRequest(f"'{where}[{j}].content': a text part's 'text' must be a string")
+
+
+def _custom_tools(tools: Any) -> set[str]:
+    """`tools` as `list[AnthropicTool]` checks it; the names of its custom tools (the ones
+    SGLang forwards: server tools are dropped)."""
+    if tools is None:
+        return set()
+    if not isinstance(tools, list):
+        raise BadRequest("'tools' must be a list of objects")
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]."
+        if not isinstance(tool, dict):
+            raise BadRequest(f"'tools[{i}]' must be an object")
+        kind = tool.get("type")
+        family = next((p for p in SERVER_TOOLS if isinstance(kind, str) and kind.startswith(p)),
+                      None)
+        if family is not None:  # AnthropicWebSearchTool and its kin
+            if not re.fullmatch(re.escape(family) + r"\d{8}", kind):
+                raise BadRequest(f"'{where}type' must be {family}YYYYMMDD")
+            allowed, required = SERVER_TOOLS[family]
+            _field(tool, "name", (allowed.__contains__, f"one of {', '.join(allowed)}"), where,
+                   required=required)
+        elif kind not in (None, "custom"):  # AnthropicCustomTool.type: Optional[Literal]
+            raise BadRequest(f"'{where}type' must be 'custom' or a server tool's type")
+        else:
+            _field(tool, "name", _STR, where, required=True)
+            _field(tool, "input_schema", _OBJ, where, required=True)
+            _field(tool, "strict", _BOOL, where)
+            names.add(tool["name"])
+        _field(tool, "description", _STR, where, optional=True)
+        _field(tool, "defer_loading", _BOOL, where, optional=True)
+    return names
+
+
+def _tool_choice(choice: Any, custom: set[str]) -> None:
+    """`AnthropicToolChoice`, then the conversion's rule: `any` or `tool` need a custom tool
+    to call, and `tool` one of that name (a server tool cannot be chosen)."""
+    if choice is None:
+        return
+    if not isinstance(choice, dict) or choice.get("type") not in CHOICES:
+        raise BadRequest(f"'tool_choice' must be an object whose 'type' is one of "
+                         f"{', '.join(CHOICES)}")
+    _field(choice, "name", _STR, "tool_choice.", optional=True)
+    _field(choice, "disable_parallel_tool_use", _BOOL, "tool_choice.")
+    kind = choice["type"]
+    if kind in ("any", "tool") and not custom:
+        raise BadRequest(f"tool_choice={kind!r} requires at least one custom tool")
+    if kind == "tool" and choice.get("name") not in custom:
+        raise BadRequest(f"tool_choice references tool {choice.get('name')!r} but it is not "
+                         "in the tools list")
 
 
 def _text(content: Any) -> str:
