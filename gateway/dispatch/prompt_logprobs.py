@@ -1,7 +1,9 @@
 """Merge the prompt logprobs that only the prefill server holds into the decode answer.
 
-In PD mode the prefill computes the prompt, so `meta_info.input_token_logprobs` (native API)
-and the prompt part of OpenAI completions logprobs with `echo` live in the prefill's answer.
+In PD mode the prefill computes the prompt, so the native API's prompt logprobs
+(`meta_info.input_token_logprobs`, and with `top_logprobs_num` or `token_ids_logprob`
+`input_top_logprobs` and `input_token_ids_logprobs`) and the prompt part of OpenAI
+completions logprobs with `echo` live in the prefill's answer.
 The client must get them in front of the decode's own entries, in every streamed chunk that
 carries them and in the final JSON.
 """
@@ -16,13 +18,16 @@ from gateway.request import COMPLETIONS, GENERATE
 from gateway.sse import data_objects
 
 LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+# the native API's per-prompt-token lists, aligned: each one the prefill sends is merged (only
+# the first was: a client asking for top logprobs got prompt tokens without their top ones)
+INPUT_LISTS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
 def prefill_parts(endpoint: str, body: bytes) -> dict[int, Any]:
     """Index -> what the prefill knows about the prompt of item `index`.
 
-    For /generate: the `input_token_logprobs` list. For completions: the prompt entries of
-    the choice's `logprobs` (all entries but the prefill's single generated token).
+    For /generate: the `INPUT_LISTS` it sent, by name. For completions: the prompt entries
+    of the choice's `logprobs` (all entries but the prefill's single generated token).
     """
     items: list[dict]
     if body.lstrip()[:5] == b"data:":
@@ -36,7 +41,8 @@ def prefill_parts(endpoint: str, body: bytes) -> dict[int, Any]:
             meta = item.get("meta_info") or {}
             index = item.get("index", position)
             if index not in parts and meta.get("input_token_logprobs") is not None:
-                parts[index] = meta["input_token_logprobs"]
+                parts[index] = {key: meta[key] for key in INPUT_LISTS
+                                if isinstance(meta.get(key), list)}
         elif endpoint == COMPLETIONS:
             for choice in item.get("choices") or []:
                 index = choice.get("index", 0)
@@ -56,11 +62,12 @@ def _prompt_slice(values: list | None, generated: int) -> list:
     return values[: len(values) - generated] if generated else list(values)
 
 
-def merge_generate_item(item: dict, prompt_logprobs: list | None) -> None:
-    if prompt_logprobs is None:
+def merge_generate_item(item: dict, prompt_lists: dict[str, list] | None) -> None:
+    if prompt_lists is None:
         return
     meta = item.setdefault("meta_info", {})
-    meta["input_token_logprobs"] = prompt_logprobs + (meta.get("input_token_logprobs") or [])
+    for key, prompt in prompt_lists.items():
+        meta[key] = prompt + (meta.get(key) or [])
 
 
 def merge_completion(obj: dict, parts: dict[int, Any], seen: set[int] | None = None) -> None:

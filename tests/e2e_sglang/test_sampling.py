@@ -198,8 +198,9 @@ def assert_same_item(got: dict, want: dict) -> None:
             continue
         assert [t[1] for t in meta[key]] == [t[1] for t in ref[key]], key
         assert_logprobs_close([t[0] for t in meta[key]], [t[0] for t in ref[key]])
-    if "output_top_logprobs" in ref:
-        assert len(meta["output_top_logprobs"]) == len(ref["output_top_logprobs"])
+    for key in ("output_top_logprobs", "input_top_logprobs"):  # the prompt's: the prefill's
+        if key in ref:
+            assert len(meta[key]) == len(ref[key]), key
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])

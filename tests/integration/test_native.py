@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import orjson
+import pytest
 
 
 def post(cluster, path, body, **kw):
@@ -74,6 +75,21 @@ def test_streamed_logprobs_carry_prefill_prompt_part(fresh):
     for obj in objects:
         ids = [t[1] for t in obj["meta_info"]["input_token_logprobs"]]
         assert ids[: len(ref["input_token_logprobs"])] == [t[1] for t in ref["input_token_logprobs"]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_top_logprobs_carry_the_prefill_part_too(fresh, stream):
+    """With `top_logprobs_num`, each prompt token's top logprobs come from the prefill as
+    well (`input_top_logprobs`): only `input_token_logprobs` was merged, so the two lists
+    the client got were of different lengths."""
+    body = {"text": "count the tokens here", "return_logprob": True, "logprob_start_len": 0,
+            "top_logprobs_num": 2, "stream": stream, "sampling_params": {"max_new_tokens": 4}}
+    answer = post(fresh, "/generate", body)
+    meta = (sse_objects(answer.content)[-1] if stream else answer.json())["meta_info"]
+    ref = null_generate(fresh, {**body, "stream": False})["meta_info"]
+    assert len(ref["input_top_logprobs"]) == len(ref["input_token_logprobs"]) > 0
+    assert meta["input_top_logprobs"] == ref["input_top_logprobs"]
+    assert len(meta["input_token_logprobs"]) == len(meta["input_top_logprobs"])
 
 
 def test_each_request_used_new_rooms(fresh):
