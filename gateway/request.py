@@ -159,6 +159,10 @@ def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
         if not params or not all(isinstance(p, dict) for p in params):
             raise BadRequest("'sampling_params' list must hold objects")
         n = _n(params[0].get("n"), "sampling_params.n")
+        # GenerateReqInput._normalize_parallel_sampling: one n for every item (the gateway
+        # forced n = 1 on each: a second item's n was silently taken from the first)
+        if any(p.get("n", 1) != params[0].get("n", 1) for p in params):
+            raise BadRequest("'sampling_params' items must all ask for the same 'n'")
     else:
         n = _n((params or {}).get("n"), "sampling_params.n")
     batch: int | None

@@ -76,6 +76,9 @@ def test_logprob_merge_flags():
         (GENERATE, b'{"text": "x", "sampling_params": 3}', "sampling_params"),
         (GENERATE, b'{"text": "x", "sampling_params": {"n": 0}}', "sampling_params.n"),
         (GENERATE, b'{"text": "x", "bootstrap_room": 5}', "assigned by the gateway"),
+        (GENERATE, b'{"text": ["a", "b"], "sampling_params": [{"n": 3}, {"n": 1}]}',
+         "same 'n'"),
+        (GENERATE, b'{"text": ["a", "b"], "sampling_params": [{}, {"n": 2}]}', "same 'n'"),
         (CHAT, b'{"messages": []}', "'messages'"),
         (CHAT, b'{"messages": [{"content": "x"}]}', "role"),
         (CHAT, b'{"messages": [{"role": "user", "content": 5}]}', "content"),
@@ -85,7 +88,8 @@ def test_logprob_merge_flags():
         (COMPLETIONS, b'{"prompt": "x", "model": 1}', "'model'"),
     ],
     ids=["empty", "bad-json", "not-object", "no-text", "text-int", "text-empty", "ids-str",
-         "stream-str", "params-int", "n-zero", "client-room", "no-messages", "no-role",
+         "stream-str", "params-int", "n-zero", "client-room", "mixed-n", "mixed-n-default",
+         "no-messages", "no-role",
          "content-int", "n-str", "prompt-int", "logprobs-str", "model-int"],
 )
 def test_bad_input(endpoint, raw, message):
