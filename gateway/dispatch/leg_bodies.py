@@ -22,7 +22,7 @@ import orjson
 from gateway.config.tenants import KEEP, forwarded_priority
 from gateway.dispatch.attempt import make_rids
 from gateway.errors import BadRequest
-from gateway.observability.answer_tokens import usage_forced
+from gateway.observability.answer_tokens import leg_stream_options
 from gateway.request import DP_FIELDS, PD_FIELDS, RESPONSES, RequestView
 from gateway.servers.pool import Server
 from gateway.upstream.base import Body
@@ -96,10 +96,9 @@ def leg_bodies(view: RequestView, prefill: Server, decode: Server, rooms: int | 
         own["bootstrap_host"] = [prefill.bootstrap_host] * count
         own["bootstrap_port"] = [prefill.bootstrap_port] * count
     own["bootstrap_room"] = rooms
-    if usage_forced(view):  # an OpenAI stream's usage event (kept from the client)
-        own["stream_options"] = {"include_usage": True}
-    elif body.get("stream_options") is not None:
-        own["stream_options"] = body["stream_options"]
+    options = leg_stream_options(view)  # an OpenAI stream's usage event, kept from the client
+    if options is not None:
+        own["stream_options"] = options
     rid, rids, unsuffix = make_rids(body.get("rid"), count)
     own["rid"] = rid
     if view.endpoint == RESPONSES:  # SGLang's rid there is `request_id` (serving_responses.py)

@@ -13,7 +13,7 @@ continued stream uses, gateway/dispatch/failover.py); the prompt's are the reque
 
 from __future__ import annotations
 
-from gateway.observability.answer_tokens import usage_forced
+from gateway.observability.answer_tokens import client_asks_usage, usage_forced
 from gateway.request import CHAT, GENERATE, RequestView
 from gateway.sse import DONE, frame
 
@@ -41,9 +41,7 @@ def closing_events(view: RequestView, seen: list[dict], finished: bool,
 
 
 def _wants_usage(view: RequestView) -> bool:
-    options = view.body.get("stream_options")
-    return usage_forced(view) or (isinstance(options, dict)
-                                  and bool(options.get("include_usage")))
+    return usage_forced(view) or client_asks_usage(view.body)
 
 
 def _native_final(view: RequestView, seen: list[dict]) -> dict:

@@ -15,10 +15,12 @@ So the gateway never parses the JSON of every streamed chunk: a whole answer is 
 the key `"completion_tokens"` (a byte search, no parse), a single stream's last two chunks
 are scanned at its end, and only two kinds of stream pay a substring test per chunk:
 
-* an OpenAI stream whose client did not set `stream_options`: the gateway asks both legs for
-  the usage event (`ask_for_usage`: the prefill's gives the prompt and cached tokens, the
-  decode's the completion tokens) and takes it out of what the client receives
-  (`StreamTokens.feed`), so the client sees exactly the stream it asked for;
+* an OpenAI stream whose client did not ask for usage (no `stream_options`, or without
+  `include_usage`): the gateway asks both legs for the usage event (`leg_stream_options`:
+  the prefill's gives the prompt and cached tokens, the decode's the completion tokens) and
+  takes it out of what the client receives (`StreamTokens.feed`), so the client sees exactly
+  the stream it asked for. (Until 2026-12-07 a client that sent `stream_options` without
+  `include_usage` was not asked for it: its tokens went uncounted, by tenant and key alike);
 * a native stream of several items (a batch, or n > 1): each chunk holding a final event
   (`"finish_reason":{`) is scanned for that item's count.
 
@@ -44,16 +46,32 @@ TAIL_LIMIT = 1 << 16  # bytes of a stream's end that are scanned for its final f
 _USAGE_EVENT = (CHAT, COMPLETIONS)  # streams with a usage event (Responses: response.completed)
 
 
+_LAX_TRUE = {"1", "on", "t", "true", "y", "yes"}  # what pydantic's lax bool reads as true
+
+
+def client_asks_usage(body: dict) -> bool:
+    """`stream_options.include_usage`, read as SGLang's request model reads it."""
+    options = body.get("stream_options")
+    value = options.get("include_usage") if isinstance(options, dict) else None
+    return value is True or (type(value) in (int, float) and value == 1) or (
+        isinstance(value, str) and value.lower() in _LAX_TRUE)
+
+
 def usage_forced(view: RequestView) -> bool:
-    """An OpenAI stream without `stream_options`: the gateway asks for the usage event and
-    keeps it from the client."""
-    return view.stream and view.endpoint in _USAGE_EVENT and "stream_options" not in view.body
+    """An OpenAI stream whose client did not ask for usage: the gateway asks for the usage
+    event and keeps it from the client."""
+    return view.stream and view.endpoint in _USAGE_EVENT and not client_asks_usage(view.body)
 
 
-def ask_for_usage(view: RequestView, body: dict) -> None:
-    """Add `stream_options.include_usage` to the body both legs get, when `usage_forced`."""
-    if usage_forced(view):
-        body["stream_options"] = {"include_usage": True}
+def leg_stream_options(view: RequestView) -> object:
+    """The `stream_options` both legs get (None: none). Forced, the client's own options
+    plus `include_usage`, without `continuous_usage_stats` (usage in every chunk: more to
+    take out than the one event; SGLang gives it only with `include_usage` anyway)."""
+    options = view.body.get("stream_options")
+    if not usage_forced(view):
+        return options
+    return {**(options if isinstance(options, dict) else {}), "include_usage": True,
+            "continuous_usage_stats": False}
 
 
 # the key, JSON whitespace, a colon, whitespace, the integer (a C-level scan, no parse);

@@ -104,6 +104,10 @@ def traffic(gateway: str) -> tuple[Tally, Counter]:
                      {**chat, "stream": True, "stream_options": {"include_usage": True}})
         tally.openai("beta", sse_objects(again.content)[-1]["usage"])
         tally.openai("beta", sse_objects(again.content)[-1]["usage"])  # greedy: `plain` too
+        declined = post("beta", "/v1/chat/completions",  # counted all the same (was not)
+                        {**chat, "stream": True, "stream_options": {"include_usage": False}})
+        assert all(obj.get("usage") is None for obj in sse_objects(declined.content))
+        tally.openai("beta", sse_objects(again.content)[-1]["usage"])  # the same, greedy
         tally.openai("beta", post("beta", "/v1/completions",
                                   {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4})
                      .json()["usage"])

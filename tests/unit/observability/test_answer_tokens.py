@@ -7,9 +7,9 @@ import pytest
 
 from gateway.observability.answer_tokens import (
     StreamTokens,
-    ask_for_usage,
     completion_final,
     completion_total,
+    leg_stream_options,
     usage_forced,
 )
 from gateway.request import parse_request
@@ -72,19 +72,24 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": 
     ("completions", {"model": "m", "prompt": "q", "stream": True}, True),
     ("chat", {**CHAT, "stream": False}, False),
     ("chat", {**CHAT, "stream_options": {"include_usage": True}}, False),
-    ("chat", {**CHAT, "stream_options": {"include_usage": False}}, False),
+    ("chat", {**CHAT, "stream_options": {"include_usage": "yes"}}, False),
+    ("chat", {**CHAT, "stream_options": {"include_usage": False}}, True),
+    ("chat", {**CHAT, "stream_options": {}}, True),
+    ("chat", {**CHAT, "stream_options": {"continuous_usage_stats": True}}, True),
     ("generate", {"text": "q", "stream": True}, False),
-], ids=["chat-stream", "completions-stream", "not-a-stream", "client-asked",
-        "client-declined", "native"])
-def test_usage_is_asked_for_only_where_the_client_did_not_say(endpoint, body, forced):
+], ids=["chat-stream", "completions-stream", "not-a-stream", "client-asked", "client-asked-lax",
+        "client-declined", "empty-options", "continuous-only", "native"])
+def test_usage_is_asked_for_wherever_the_client_did_not_ask(endpoint, body, forced):
+    """A client that declined the usage event (or sent options without it) used to be left
+    alone: its streamed tokens went uncounted (by tenant and key: metering)."""
     v = view(endpoint, body)
     assert usage_forced(v) is forced
-    sent = dict(v.body)
-    ask_for_usage(v, sent)
+    sent = leg_stream_options(v)
     if forced:
-        assert sent == {**v.body, "stream_options": {"include_usage": True}}
+        assert sent == {**(body.get("stream_options") or {}), "include_usage": True,
+                        "continuous_usage_stats": False}
     else:
-        assert sent == v.body
+        assert sent == body.get("stream_options")
 
 
 def test_a_forced_usage_event_is_counted_and_kept_from_the_client():
