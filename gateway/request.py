@@ -134,6 +134,19 @@ def _bool(body: dict, name: str) -> bool:
     return value
 
 
+def _logprobs(body: dict, batch: int | None, n: int) -> bool:
+    """`return_logprob`: a boolean, or for a batch of single samples one per prompt
+    (GenerateReqInput._normalize_logprob_params); whether any prompt asks for logprobs."""
+    value = body.get("return_logprob")
+    if not isinstance(value, list):
+        return _bool(body, "return_logprob")
+    if batch is None or n > 1 or len(value) != batch \
+            or not all(isinstance(v, bool) for v in value):
+        raise BadRequest("'return_logprob' must be a boolean, or for a batch of single "
+                         "samples a list of one boolean per prompt")
+    return any(value)
+
+
 def _n(value: Any, name: str) -> int:
     if value is None:
         return 1
@@ -198,7 +211,7 @@ def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
     return RequestView(
         endpoint=GENERATE, body=body, stream=stream, batch_size=batch, n=n,
         routing_text=routing_text, routing_tokens=routing_tokens, prompt_tokens=tokens,
-        model=model, logprob_merge=_bool(body, "return_logprob"), lengths=lengths,
+        model=model, logprob_merge=_logprobs(body, batch, n), lengths=lengths,
     )
 
 

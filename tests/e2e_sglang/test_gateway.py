@@ -63,6 +63,24 @@ def test_generate_stream_batch_and_logprobs(sglang_cluster: SglangCluster) -> No
         assert a[0] == pytest.approx(b[0], abs=0.05)
 
 
+def test_a_batch_with_logprobs_per_prompt(sglang_cluster: SglangCluster) -> None:
+    """`return_logprob` as one boolean per prompt (GenerateReqInput._normalize_logprob_params):
+    the gateway refused the list with a 400 SGLang does not give."""
+    body = {"text": PROMPTS[:2], "sampling_params": GREEDY, "return_logprob": [True, False],
+            "logprob_start_len": 0}
+    got = post(sglang_cluster.gateway + "/generate", body)
+    want = post(sglang_cluster.null_url + "/generate", body).json()
+    assert got.status_code == 200, got.text
+    items = got.json()
+    assert [i["output_ids"] for i in items] == [i["output_ids"] for i in want]
+    for item, ref in zip(items, want, strict=True):
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            assert (key in item["meta_info"]) == (key in ref["meta_info"]), key
+            if key in ref["meta_info"]:
+                assert [t[1] for t in item["meta_info"][key]] == \
+                    [t[1] for t in ref["meta_info"][key]], key
+
+
 def test_openai_endpoints_equal_plain_server(sglang_cluster: SglangCluster) -> None:
     gw = openai.OpenAI(base_url=sglang_cluster.gateway + "/v1", api_key="x", max_retries=0,
                        timeout=120)

@@ -58,6 +58,9 @@ def test_token_routing_key():
 def test_logprob_merge_flags():
     assert view(GENERATE, {"text": "x", "return_logprob": True}).logprob_merge
     assert not view(GENERATE, {"text": "x"}).logprob_merge
+    assert view(GENERATE, {"text": ["x", "y"], "return_logprob": [False, True]}).logprob_merge
+    assert not view(GENERATE, {"text": ["x", "y"], "return_logprob": [False, False]}) \
+        .logprob_merge
     assert view(COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}).logprob_merge
     assert not view(COMPLETIONS, {"prompt": "x", "logprobs": 1}).logprob_merge
 
@@ -79,6 +82,10 @@ def test_logprob_merge_flags():
         (GENERATE, b'{"text": ["a", "b"], "sampling_params": [{"n": 3}, {"n": 1}]}',
          "same 'n'"),
         (GENERATE, b'{"text": ["a", "b"], "sampling_params": [{}, {"n": 2}]}', "same 'n'"),
+        (GENERATE, b'{"text": "a", "return_logprob": [true]}', "return_logprob"),
+        (GENERATE, b'{"text": ["a", "b"], "return_logprob": [true]}', "return_logprob"),
+        (GENERATE, b'{"text": ["a", "b"], "return_logprob": [true, false], '
+                   b'"sampling_params": {"n": 2}}', "return_logprob"),
         (CHAT, b'{"messages": []}', "'messages'"),
         (CHAT, b'{"messages": [{"content": "x"}]}', "role"),
         (CHAT, b'{"messages": [{"role": "user", "content": 5}]}', "content"),
@@ -89,6 +96,7 @@ def test_logprob_merge_flags():
     ],
     ids=["empty", "bad-json", "not-object", "no-text", "text-int", "text-empty", "ids-str",
          "stream-str", "params-int", "n-zero", "client-room", "mixed-n", "mixed-n-default",
+         "logprob-list-single", "logprob-list-short", "logprob-list-n2",
          "no-messages", "no-role",
          "content-int", "n-str", "prompt-int", "logprobs-str", "model-int"],
 )
