@@ -70,8 +70,9 @@ def leg_stream_options(view: RequestView) -> object:
     options = view.body.get("stream_options")
     if not usage_forced(view):
         return options
-    return {**(options if isinstance(options, dict) else {}), "include_usage": True,
-            "continuous_usage_stats": False}
+    forced = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    forced.pop("continuous_usage_stats", None)
+    return forced
 
 
 # the key, JSON whitespace, a colon, whitespace, the integer (a C-level scan, no parse);
