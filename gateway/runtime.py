@@ -291,7 +291,7 @@ class Gateway:
         if c.prefill_selector or c.decode_selector:
             self.discovery = KubernetesDiscovery.from_config(
                 c, on_add=self.register, on_remove=self.unregister,
-                on_change=self.pool.notify, holding=self.pool.get)
+                on_change=self.pool.notify, holding=self.pool.get, control=self.siblings.control)
             await self.discovery.start()
 
     async def _probe_all(self) -> None:

@@ -9,11 +9,21 @@ the pods stand for (desired) with the servers discovery registered (members), by
                                      server.in_flight is 0, or after `drain_timeout`,
                                      on_remove(url)
     draining member desired again    the drain is cancelled and the server takes work again
+                                     (unless the operator had drained it: it stays drained)
     same URL, another pod            the old server is drained and removed, then the new
                                      pod is added (a reused IP is a new server)
     same pod, another model label    the server's model is renamed in place, on_change()
                                      (the label goes to on_add too, before the probe: it
                                      wins over the server's served_model_name)
+
+An operator's drain (`POST /admin/servers/drain`) of a discovered server is the pod's until
+the operator undrains it: if the pod leaves (unready) and comes back, the same pod (uid) is
+added again drained; a new pod at that address starts undrained.
+
+With `--workers N` (`control` given), each worker tells the supervisor what it added and
+removed, and a worker started again first adds the servers its siblings have (the
+supervisor's replay, `Control.found`), before its first LIST: during an API outage it serves
+them instead of none; once the API answers, reconciling drops those whose pod is gone.
 
 Reconciling is idempotent: it can run after every event, or twice, with the same result.
 Servers discovery did not add (static `--prefill`/`--decode`, the admin API) are never
@@ -29,6 +39,7 @@ touched; a pod whose URL is already taken, or that the gateway refuses (its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -44,6 +55,7 @@ if TYPE_CHECKING:
     import httpx
 
     from gateway.config.settings import GatewayConfig
+    from gateway.processes.control_channel import Control
     from gateway.servers.pool import Server
 
 log = logging.getLogger("gateway.discovery")
@@ -62,6 +74,7 @@ class Member:
     server: Server
     drain: asyncio.Task | None = None
     removing: bool = False
+    held: bool = False  # the operator had drained it when discovery's drain began
 
 
 class KubernetesDiscovery:
@@ -70,8 +83,8 @@ class KubernetesDiscovery:
                  on_change: Callable[[], None] = lambda: None, rules: PodRules = DEFAULT_RULES,
                  drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, drain_poll: float = 0.1,
                  watch_timeout: float = 60.0, backoff_initial: float = 0.5,
-                 backoff_max: float = 30.0, holding: Callable[[str], object] | None = None
-                 ) -> None:
+                 backoff_max: float = 30.0, holding: Callable[[str], object] | None = None,
+                 control: Control | None = None) -> None:
         unknown = set(selectors) - {"prefill", "decode"}
         if unknown or not selectors:
             raise ValueError("selectors must map 'prefill' and/or 'decode' to a label selector")
@@ -81,6 +94,7 @@ class KubernetesDiscovery:
         self._on_remove = on_remove
         self._on_change = on_change
         self._holding = holding  # url -> the pool's server there now (None: not asked)
+        self._control = control  # --workers: the channel to the supervisor
         self.drain_timeout = drain_timeout
         self.drain_poll = drain_poll
         self.watches = {
@@ -99,12 +113,14 @@ class KubernetesDiscovery:
         # that a pod whose server never answers holds up no other pod's add or drain (they
         # waited for it: a deleted decode kept taking requests for 19 s)
         self._adding: dict[str, asyncio.Task] = {}
+        self._held: dict[str, str] = {}  # url -> uid of the operator-drained pod that left
 
     @classmethod
     def from_config(cls, config: GatewayConfig, *, on_add: AddServer,
                     on_remove: RemoveServer, on_change: Callable[[], None] = lambda: None,
                     transport: httpx.AsyncBaseTransport | None = None,
-                    holding: Callable[[str], object] | None = None) -> KubernetesDiscovery:
+                    holding: Callable[[str], object] | None = None,
+                    control: Control | None = None) -> KubernetesDiscovery:
         selectors = {role: selector for role, selector in
                      (("prefill", config.prefill_selector), ("decode", config.decode_selector))
                      if selector}
@@ -114,14 +130,16 @@ class KubernetesDiscovery:
         rules = PodRules(default_port=config.k8s_worker_port, model_key=config.k8s_model_label)
         return cls(api, namespace=config.namespace or DEFAULT_NAMESPACE, selectors=selectors,
                    on_add=on_add, on_remove=on_remove, on_change=on_change, rules=rules,
-                   drain_timeout=config.k8s_drain_timeout, holding=holding)
+                   drain_timeout=config.k8s_drain_timeout, holding=holding, control=control)
 
     # -- life cycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start watching; returns at once (readiness waits for usable servers anyway)."""
+        """Start watching; returns at once (readiness waits for usable servers anyway), or,
+        in a worker started again, once the servers its siblings found are added."""
         if self._tasks:
             return
+        await self._adopt()
         loop = asyncio.get_running_loop()
         for role, watch in self.watches.items():
             log.warning("discovering %s servers: pods in namespace %s matching %r",
@@ -140,6 +158,25 @@ class KubernetesDiscovery:
         for member in self.members.values():
             member.drain = None
         await self.api.aclose()
+
+    async def _adopt(self) -> None:
+        """Add the servers the other workers' discovery has (the supervisor's replay), as
+        members: the first reconcile keeps those whose pod is still ready, drains the rest."""
+        names = {f.name for f in dataclasses.fields(Target)}
+        targets = []
+        for found in (self._control.found.values() if self._control is not None else ()):
+            try:
+                target = Target(**{k: v for k, v in found.items() if k in names})
+            except TypeError:
+                continue
+            if target.role in self.watches and target.url not in self.members:
+                targets.append(target)
+                if found.get("draining"):
+                    self._held[target.url] = target.uid
+        if targets:
+            log.warning("starting from the %d servers the other workers discovered",
+                        len(targets))
+            await asyncio.gather(*(self._add(target) for target in targets))
 
     async def wait_synced(self) -> None:
         """Until every role's first LIST has been applied to the gateway."""
@@ -220,6 +257,16 @@ class KubernetesDiscovery:
         log.warning("pod %s added as %s server %s%s%s", target.pod, target.role, target.url,
                     f" (bootstrap port {target.bootstrap_port})" if target.bootstrap_port
                     else "", f" of model {server.model}" if server.model else "")
+        if self._held.pop(target.url, None) == target.uid:  # the same pod, back
+            server.draining = True
+            log.warning("pod %s: %s stays drained, as the operator left it (undrain it with "
+                        "POST /admin/servers/undrain)", target.pod, target.url)
+        self._tell({"op": "add", **dataclasses.asdict(target), "draining": server.draining})
+
+    def _tell(self, found: dict) -> None:
+        """With --workers: the supervisor keeps it for the workers it starts again."""
+        if self._control is not None:
+            self._control.tell_found(found)
 
     def _keep(self, member: Member, target: Target) -> None:
         member.target = target
@@ -231,13 +278,16 @@ class KubernetesDiscovery:
         if member.drain is not None and not member.removing:
             member.drain.cancel()
             member.drain = None
-            member.server.draining = False
+            # the operator's drain stays, unless the operator undrained it meanwhile
+            member.server.draining = member.held and member.server.draining
             log.warning("pod %s is ready again: %s server %s takes requests again",
                         target.pod, target.role, target.url)
 
     def _drain(self, member: Member, reason: str) -> None:
         if member.drain is not None:
             return
+        # draining already and not broken by a failed role switch: the operator drained it
+        member.held = member.server.draining and member.server.misconfigured is None
         member.server.draining = True
         log.warning("%s; draining %s server %s (%d requests in flight)", reason,
                     member.target.role, member.target.url, member.server.in_flight)
@@ -265,5 +315,8 @@ class KubernetesDiscovery:
         finally:
             if self.members.get(url) is member:
                 del self.members[url]
+            if member.held and member.server.draining:  # kept for the pod's return
+                self._held[url] = member.target.uid
+            self._tell({"op": "remove", "url": url})
             log.warning("%s server %s removed", member.target.role, url)
             self._mark_dirty()  # a new pod may be waiting for this address

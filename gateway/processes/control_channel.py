@@ -10,8 +10,10 @@ request an `/abort_request` names). Per-request figures go through shared memory
                            {"ask": n, "msg": msg}          ask every other worker
                            {"reply": n, "to": w, "result"} answer a question
                            {"ready": true}                 serving
+                           {"found": server}               discovery added or removed it
     supervisor -> worker   {"msg": msg} | {"ask": n, "from": w, "msg": msg}
                            {"answers": n, "results": [...]}
+                           {"found": server}               a server discovery knows (replay)
                            {"synced": true}                the admin changes so far were sent
 
 Messages told to all (admin changes) are applied in the order sent: a server's add, whose probe
@@ -21,6 +23,13 @@ once it applied them (`Control.synced`). So a worker started again after a crash
 server set its siblings have, not the command line's: a server an operator removed stays
 removed, a drained one drained, a switched one in its new role, one a failed switch took out
 out.
+
+Kubernetes discovery runs in every worker, each with its own watch, so what it finds is not
+relayed; but each worker tells the hub what its discovery added (pod, URL, role, drained or
+not) and removed, and the hub replays the latest set, as `found` lines, to a worker it
+attaches. That worker's discovery starts from it (`Control.found`) and reconciles it with the
+pods once the Kubernetes API answers: a worker started again during an API outage serves the
+servers its siblings serve, not none (docs/WORKERS.md).
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ class Control:
         self._numbers = itertools.count(1)
         self._last_tell: asyncio.Task | None = None  # tells are applied one after another
         self._synced = asyncio.Event()
+        self.found: dict[str, dict] = {}  # url -> a server the other workers' discovery has
 
     def on(self, kind: str, handler: Handler) -> None:
         """Run `handler(msg)` for messages of `kind` from other workers; what it returns
@@ -82,6 +92,11 @@ class Control:
     def tell_all(self, msg: dict) -> None:
         """Deliver `msg` to every other worker (fire and forget)."""
         self._send({"all": msg})
+
+    def tell_found(self, server: dict) -> None:
+        """Tell the hub what discovery added (`op` "add", the pod's target) or removed, for
+        the workers it will start again."""
+        self._send({"found": server})
 
     async def synced(self, timeout: float = SYNC_TIMEOUT) -> None:
         """Until the admin changes made before this worker started are applied here."""
@@ -118,6 +133,8 @@ class Control:
                 future = self._pending.get(obj["answers"])
                 if future is not None and not future.done():
                     future.set_result(obj.get("results") or [])
+            elif isinstance(obj.get("found"), dict) and "url" in obj["found"]:
+                self.found[obj["found"]["url"]] = obj["found"]  # before "synced" (replay)
             elif "msg" in obj and "ask" in obj:
                 asyncio.get_running_loop().create_task(self._handle(obj))
             elif "msg" in obj or obj.get("synced"):
@@ -155,12 +172,15 @@ class Hub:
         self._asks: dict[tuple[int, int], dict] = {}
         self.on_ready = on_ready  # told each time a worker says it serves
         self._servers: dict[str, dict[str, dict]] = {}  # url -> its latest admin changes
+        self._found: dict[str, dict] = {}  # url -> what discovery last added there
 
     async def attach(self, worker: int, sock: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=sock)
         self.writers[worker] = writer
         for msg in self.replay():
             self._write(worker, {"msg": msg})
+        for server in self._found.values():
+            self._write(worker, {"found": server})
         self._write(worker, {"synced": True})
         asyncio.get_running_loop().create_task(self._read(worker, reader))
 
@@ -174,8 +194,22 @@ class Hub:
         op = msg.get("op")
         if op in ("add", "remove"):
             self._servers[url] = {"member": msg}
+            self._found.pop(url, None)  # the operator's server now, not discovery's
         elif op in ("drain", "undrain", "take_out"):  # take_out: until removed and added
             self._servers.setdefault(url, {})["broken" if op == "take_out" else "drain"] = msg
+            if op != "take_out" and url in self._found:  # the operator's drain outlives
+                self._found[url] = {**self._found[url], "draining": op == "drain"}  # a blip
+
+    def remember_found(self, server: dict) -> None:
+        """Keep what discovery added at a URL (the latest worker to tell wins: at rest the
+        workers agree), or forget it once removed."""
+        url = server.get("url")
+        if not isinstance(url, str):
+            return
+        if server.get("op") == "add":
+            self._found[url] = server
+        else:
+            self._found.pop(url, None)
 
     def replay(self) -> list[dict]:
         """The admin changes that bring a worker started from the command line to its
@@ -220,6 +254,8 @@ class Hub:
         if obj.get("ready"):
             self.ready.add(worker)
             self.on_ready(worker)
+        elif isinstance(obj.get("found"), dict):
+            self.remember_found(obj["found"])
         elif "all" in obj:
             if isinstance(obj["all"], dict):
                 self.remember(obj["all"])

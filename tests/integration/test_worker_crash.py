@@ -244,3 +244,88 @@ def test_a_worker_in_its_restart_backoff_holds_up_neither_another_restart_nor_si
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.popen.wait(timeout=10) == 0
     assert time.monotonic() - stopping < 4, "SIGTERM waited for a restart backoff"
+
+
+@pytest.fixture
+def discovered(tmp_path):
+    """A prefill and 3 decodes as pods of the fake Kubernetes API; 2 workers discovering
+    them. Yields the gateway, its Proc, the fake API and the servers' URLs."""
+    from tests.discovery.fakekube import ThreadedFakeKube, make_pod  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        kube = stack.enter_context(ThreadedFakeKube())
+        port, boot = free_port(), free_port()
+        urls = [f"http://{HOST}:{port}"]
+        stack.enter_context(running("prefill", sim("prefill", port, boot), tmp_path,
+                                    urls[0] + "/health"))
+        pods = [make_pod("p0", role="prefill", ip=HOST, annotations={
+            "sglang.ai/port": str(port), "sglang.ai/bootstrap-port": str(boot)})]
+        for i in range(3):
+            dport = free_port()
+            urls.append(f"http://{HOST}:{dport}")
+            stack.enter_context(running(f"decode{i}", sim("decode", dport), tmp_path,
+                                        urls[-1] + "/health"))
+            pods.append(make_pod(f"d{i}", role="decode", ip=HOST,
+                                 annotations={"sglang.ai/port": str(dport)}))
+        for pod in pods:
+            kube.call(kube.fake.add, pod)
+        gw_port = free_port()
+        gateway = f"http://{HOST}:{gw_port}"
+        proc = stack.enter_context(running("gateway", python(
+            "-m", "gateway", "--host", HOST, "--port", str(gw_port), "--workers", "2",
+            "--k8s-api-server", kube.url, "--namespace", "default",
+            "--prefill-selector", "app=sglang,role=prefill",
+            "--decode-selector", "app=sglang,role=decode"), tmp_path, None))
+        deadline = time.monotonic() + 60
+        while "workers serving" not in proc.log() or len(listed(gateway)) < 4:
+            assert time.monotonic() < deadline, "the gateway did not discover the pods"
+            time.sleep(0.1)
+        yield {"gateway": gateway, "proc": proc, "kube": kube, "urls": urls}
+
+
+def listed(gateway: str) -> dict[str, bool]:
+    """URL -> draining, as the worker answering this new connection has it."""
+    with contextlib.suppress(httpx.TransportError), httpx.Client(timeout=5) as client:
+        return {s["url"]: s["draining"]
+                for s in client.get(gateway + "/admin/servers").json()["servers"]}
+    return {}
+
+
+def test_workers_started_again_during_an_api_outage_serve_the_discovered_servers(discovered):
+    """The Kubernetes API goes down, a pod is deleted meanwhile, and both workers crash one
+    after the other: the workers started again serve what the others had discovered (with
+    the operator's drain) until the API answers, then drop the deleted pod. Before, a worker
+    started again served no server until its first LIST (503 "no usable prefill and decode
+    server" for every request it took, readiness 503)."""
+    gateway, proc, kube = discovered["gateway"], discovered["proc"], discovered["kube"]
+    prefill, kept, deleted, drained = discovered["urls"]
+    with httpx.Client(timeout=10) as client:
+        assert client.post(gateway + "/admin/servers/drain",
+                           json={"url": drained, "timeout": 0}).status_code == 200
+    kube.call(kube.fake.fail_next, "LIST", 503, 100_000)  # the API is down from here
+    kube.call(kube.fake.fail_next, "WATCH", 503, 100_000)
+    kube.call(kube.fake.close_watches)
+    kube.call(kube.fake.delete, "d1")
+    for gone in worker_pids(proc.popen.pid):  # one after the other: a sibling serves
+        os.kill(gone, signal.SIGKILL)
+        restarted(proc, gone, 30)
+    deadline = time.monotonic() + 30
+    while True:  # every answer now comes from a worker started again
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(gateway + "/readiness", timeout=2).status_code == 200:
+                break
+        assert time.monotonic() < deadline, "no worker started again serves"
+        time.sleep(0.1)
+    everything = {prefill: False, kept: False, deleted: False, drained: True}
+    for _ in range(8):  # a new connection each: both workers
+        assert listed(gateway) == everything
+    for i in range(8):
+        with httpx.Client(timeout=20) as client:
+            assert client.post(gateway + "/generate", json={
+                "text": f"during the outage {i}", "sampling_params": {"max_new_tokens": 2}},
+            ).status_code == 200
+    kube.call(kube.fake.failures.clear)  # the API answers: the deleted pod leaves
+    while any(listed(gateway) != {prefill: False, kept: False, drained: True}
+              for _ in range(6)):
+        assert time.monotonic() < deadline + 30, listed(gateway)
+        time.sleep(0.2)
