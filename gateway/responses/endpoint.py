@@ -8,7 +8,8 @@ routing on the whole conversation, both legs with their bootstrap fields, retrie
 first event and the relay are the chat path's. What it sends is watched on the way out: the
 final response (the whole JSON answer, or a stream's `response.completed`, `.incomplete` or
 `.failed` event) is kept BEFORE those bytes go to the client, so a client that sends its next
-turn as soon as it has this one finds it.
+turn as soon as it has this one finds it. The final save and a cancel race for the record
+(service.py): when the cancel won, the client is sent the final response as `cancelled`.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class AnswerWatch:
         self.done = False
         self.restore = restorer(turn)
         self.head: Message | None = None  # a whole answer's head, sent with its body
+        self.held = b""  # a stream's event not yet complete
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -160,14 +162,14 @@ class AnswerWatch:
                 return None
             body = b"".join(self.parts)
             self.parts.clear()
+        else:
+            body = self._complete_events(body, more)
+            if not body and more:
+                return None
         if self.restore is not None:
             body = self.restore(body)
         if not self.done:
-            final = self._final_event(body) if self.stream else self._whole(body)
-            if final is not None:
-                self.done = True
-                if self.turn.store:
-                    await self.responses.keep(self.turn, final)
+            body = await self._keep_final(body)
         if self.head is not None:
             headers = [(k, v) for k, v in self.head.get("headers", ())
                        if k != b"content-length"]
@@ -176,18 +178,46 @@ class AnswerWatch:
             self.head = None
         return {"type": "http.response.body", "body": body, "more_body": more}
 
-    def _final_event(self, chunk: bytes) -> dict | None:
-        for _, _, obj in parsed(self.splitter, chunk):
+    def _complete_events(self, chunk: bytes, more: bool) -> bytes:
+        """The events `chunk` completes, with the start held from before: an event cut by
+        a chunk waits for its end, so the final one is kept, and rewritten if a cancel won,
+        before any byte of it goes out."""
+        data = self.held + chunk
+        if not more:
+            self.held = b""
+            return data
+        cut = max((i + len(sep) for sep in (b"\n\n", b"\r\n\r\n")
+                   if (i := data.rfind(sep)) >= 0), default=0)
+        self.held = data[cut:]
+        return data[:cut]
+
+    async def _keep_final(self, body: bytes) -> bytes:
+        """Keep the final response if `body` carries it; when a cancel won the record first,
+        the client is sent it cancelled, as GET and the cancel's answer say."""
+        found = self._final_event(body) if self.stream else self._whole(body)
+        if found is None:
+            return body
+        self.done = True
+        payload, outer, final = found
+        if not self.turn.store or await self.responses.keep(self.turn, final) != "cancelled":
+            return body
+        final["status"] = "cancelled"
+        return body.replace(payload, orjson.dumps(outer), 1)
+
+    def _final_event(self, chunk: bytes) -> tuple[bytes, dict, dict] | None:
+        """(its data, the event, its response) of the final event `chunk` carries."""
+        for _, payload, obj in parsed(self.splitter, chunk):
             if isinstance(obj, dict) and obj.get("type") in FINAL_TYPES:
                 response = obj.get("response")
-                return response if isinstance(response, dict) else None
+                return (payload, obj, response) if isinstance(response, dict) else None
         return None
 
     @staticmethod
-    def _whole(body: bytes) -> dict | None:
+    def _whole(body: bytes) -> tuple[bytes, dict, dict] | None:
         try:
             answer = orjson.loads(body)
         except orjson.JSONDecodeError:
             return None
-        return answer if isinstance(answer, dict) and answer.get("object") == "response" \
-            else None
+        if isinstance(answer, dict) and answer.get("object") == "response":
+            return body, answer, answer
+        return None

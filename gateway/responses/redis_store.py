@@ -58,6 +58,15 @@ end
 return 1
 """
 
+# _PUT only if the stored record's status is ARGV[8] (0 otherwise): the status read and the
+# write in one script, so no other writer (a cancel, a turn's final save) comes between
+_SWAP = """
+local current = redis.call('GET', ARGV[7] .. ARGV[1])
+if not current then return 0 end
+local ok, stored = pcall(cjson.decode, current)
+if not ok or type(stored) ~= 'table' or stored['status'] ~= ARGV[8] then return 0 end
+""" + _PUT
+
 # KEYS: index, sizes, total. ARGV: member, prefix. 1 when the record existed.
 _DELETE = """
 local member, prefix = ARGV[1], ARGV[2]
@@ -86,6 +95,7 @@ class RedisStore:
                                            health_check_interval=10)
         self._keys = (prefix + "index", prefix + "sizes", prefix + "total")
         self._put = self.client.register_script(_PUT)
+        self._swap = self.client.register_script(_SWAP)
         self._delete = self.client.register_script(_DELETE)
         self._callback = None
         self._follower: asyncio.Task | None = None
@@ -114,11 +124,17 @@ class RedisStore:
     async def get(self, tenant: str, rid: str) -> bytes | None:
         return await self._call(self.client.get(self.prefix + member(tenant, rid)))
 
-    async def put(self, tenant: str, rid: str, record: bytes) -> None:
+    def _args(self, tenant: str, rid: str, record: bytes) -> list:
         r = self.retention
-        await self._call(self._put(keys=self._keys, args=[
-            member(tenant, rid), record, int(r.ttl * 1000), time.time(), r.max_count,
-            r.max_bytes, self.prefix]))
+        return [member(tenant, rid), record, int(r.ttl * 1000), time.time(), r.max_count,
+                r.max_bytes, self.prefix]
+
+    async def put(self, tenant: str, rid: str, record: bytes) -> None:
+        await self._call(self._put(keys=self._keys, args=self._args(tenant, rid, record)))
+
+    async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
+        args = self._args(tenant, rid, record) + [expected]
+        return bool(await self._call(self._swap(keys=self._keys, args=args)))
 
     async def delete(self, tenant: str, rid: str) -> bool:
         return bool(await self._call(self._delete(keys=self._keys,

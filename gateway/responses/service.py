@@ -121,11 +121,13 @@ class Responses:
             raise
         return history.parse_record(raw) if raw is not None else None
 
-    async def keep(self, turn: Turn, response: dict, operation: str = "save") -> None:
+    async def keep(self, turn: Turn, response: dict, operation: str = "save") -> str | None:
         """Write the turn's record; a failure is logged and counted, never the client's. A
-        final save that failed is tried again while the store recovers (`_save_later`)."""
+        final save that failed is tried again while the store recovers (`_save_later`).
+        The status the record holds now (None: not kept): a final save that a cancel came
+        before says `cancelled`, and so does `response` then (what the client is sent)."""
         try:
-            await self._write(turn, response, operation)
+            return await self._write(turn, response, operation)
         except StoreDown as exc:
             self.errors.labels(operation).inc()
             log.warning("response %s not kept: %s", turn.rid, exc.message)
@@ -133,18 +135,27 @@ class Responses:
                 task = asyncio.get_running_loop().create_task(self._save_later(turn, response))
                 self._saving.add(task)
                 task.add_done_callback(self._saving.discard)
+            return None
 
-    async def _write(self, turn: Turn, response: dict, operation: str) -> None:
-        status = None
-        if turn.kept and operation == "save":
-            current = await self.store.get(turn.tenant, turn.rid)
-            if current is None:  # deleted while it ran: it stays deleted
-                return
-            if history.parse_record(current).get("status") == "cancelled":
-                status = response["status"] = "cancelled"  # a cancel came first
-        await self.store.put(turn.tenant, turn.rid,
-                             history.record_of(response, turn.items, status))
-        turn.kept = True
+    async def _write(self, turn: Turn, response: dict, operation: str) -> str | None:
+        if not (turn.kept and operation == "save"):
+            await self.store.put(turn.tenant, turn.rid, history.record_of(response, turn.items))
+            turn.kept = True
+            return response.get("status")
+        # the final save and a cancel each change the in_progress record, atomically: the
+        # first wins, and the other finds the record finished
+        if await self.store.swap(turn.tenant, turn.rid, "in_progress",
+                                 history.record_of(response, turn.items)):
+            return response.get("status")
+        current = await self.store.get(turn.tenant, turn.rid)
+        if current is None:  # deleted while it ran: it stays deleted
+            return None
+        status = history.parse_record(current).get("status")
+        if status == "cancelled":  # a cancel came first: what was made is kept, cancelled
+            response["status"] = "cancelled"
+            await self.store.swap(turn.tenant, turn.rid, "cancelled",
+                                  history.record_of(response, turn.items))
+        return status
 
     async def _save_later(self, turn: Turn, response: dict) -> None:
         """The final save, tried again: the record stays in_progress otherwise, and no next
@@ -163,7 +174,8 @@ class Responses:
 
     async def cancel(self, tenant: str, rid: str) -> dict | None:
         """Cancel `rid` of `tenant`: its record says cancelled, and its legs are aborted
-        wherever it runs. The response as it now stands, or None when there is none."""
+        wherever it runs. The response as it now stands, or None when there is none. A
+        response that finished first (its final save won the record) is returned as it is."""
         record = await self.read(tenant, rid, "cancel")
         if record is None:
             if self.running.get(rid) != tenant:
@@ -171,13 +183,23 @@ class Responses:
             await self.abort(rid)  # running, not stored (store=false)
             return {"id": rid, "object": "response", "status": "cancelled", "output": []}
         response = record["response"]
-        if record.get("status") in history.TERMINAL:
-            return response  # finished: a cancel changes nothing (as SGLang's)
-        response["status"] = "cancelled"
-        await self.store.put(tenant, rid, history.record_of(
-            response, record.get("input") or [], "cancelled"))
-        await self.abort(rid)
-        return response
+        if record.get("status") not in history.TERMINAL:
+            response["status"] = "cancelled"
+            try:
+                won = await self.store.swap(tenant, rid, "in_progress", history.record_of(
+                    response, record.get("input") or [], "cancelled"))
+            except StoreDown:
+                self.errors.labels("cancel").inc()
+                raise
+            if won:
+                await self.abort(rid)
+                return response
+            record = await self.read(tenant, rid, "cancel")  # it finished meanwhile
+            if record is None:
+                return None
+            response = record["response"]
+        response["status"] = record.get("status") or response.get("status")
+        return response  # finished: a cancel changes nothing (as SGLang's)
 
     async def abort(self, rid: str) -> None:
         """Abort the legs of `rid`: here, in a sibling worker, or in another replica."""

@@ -49,6 +49,11 @@ class Store(Protocol):
 
     async def put(self, tenant: str, rid: str, record: bytes) -> None: ...
 
+    async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
+        """Write `record` only if the stored one's status is `expected`, in one atomic step
+        (True: written). A turn's final save and a cancel both change an in_progress record:
+        a read, then a write, would let each overwrite the other."""
+
     async def delete(self, tenant: str, rid: str) -> bool: ...
 
     async def announce_cancel(self, rid: str) -> None:
@@ -67,6 +72,15 @@ CREATE TABLE IF NOT EXISTS responses (
     tenant TEXT NOT NULL, id TEXT NOT NULL, written REAL NOT NULL, size INTEGER NOT NULL,
     record BLOB NOT NULL, PRIMARY KEY (tenant, id));
 CREATE INDEX IF NOT EXISTS responses_written ON responses (written);
+"""
+
+# one statement, so no writer comes between the status read and the write; a record that is
+# not JSON has no status (CASE: json_extract would raise on it)
+_SWAP = """
+UPDATE responses SET written = ?, size = ?, record = ?
+WHERE tenant = ? AND id = ? AND written > ?
+  AND CASE WHEN json_valid(CAST(record AS TEXT))
+      THEN json_extract(CAST(record AS TEXT), '$.status') END = ?
 """
 
 
@@ -121,21 +135,41 @@ class SQLiteStore:
         await self._run(self._put, tenant, rid, record)
 
     def _put(self, tenant: str, rid: str, record: bytes) -> None:
+        def insert(db: sqlite3.Connection, now: float) -> bool:
+            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+                       (tenant, rid, now, len(record), record))
+            return True
+        self._write(tenant, rid, insert)
+
+    async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
+        return await self._run(self._swap, tenant, rid, expected, record)
+
+    def _swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
+        def update(db: sqlite3.Connection, now: float) -> bool:
+            cur = db.execute(_SWAP, (now, len(record), record, tenant, rid,
+                                     now - self.retention.ttl, expected))
+            return cur.rowcount == 1
+        return self._write(tenant, rid, update)
+
+    def _write(self, tenant: str, rid: str, change) -> bool:
+        """Run `change(db, now)` and the retention bounds in one write transaction (BEGIN
+        IMMEDIATE: the `--workers` sharing the file wait for each other)."""
         db, r = self._open(), self.retention
         now = time.time()
         db.execute("BEGIN IMMEDIATE")
         try:
-            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
-                       (tenant, rid, now, len(record), record))
-            db.execute("DELETE FROM responses WHERE written <= ?", (now - r.ttl,))
-            count, size = db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
-            if count > r.max_count or size > r.max_bytes:
-                self._evict(db, count - r.max_count, size - r.max_bytes, (tenant, rid))
+            written = change(db, now)
+            if written:
+                db.execute("DELETE FROM responses WHERE written <= ?", (now - r.ttl,))
+                count, size = db.execute(
+                    "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
+                if count > r.max_count or size > r.max_bytes:
+                    self._evict(db, count - r.max_count, size - r.max_bytes, (tenant, rid))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        return written
 
     @staticmethod
     def _evict(db: sqlite3.Connection, extra_count: int, extra_bytes: int,

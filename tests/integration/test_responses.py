@@ -269,3 +269,32 @@ def test_a_chain_past_half_the_context_is_counted_served_then_refused_by_its_cou
     assert len(served) >= 5 and served[-1] > 3000, served
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["code"] == "context_length_exceeded", answer.text
+
+
+def test_a_stream_whose_cancel_won_ends_cancelled_as_its_record_and_the_cancel_say(cluster):
+    """The cancel wins the record while the turn runs: the stream's last event (SGLang's
+    answer to the abort) reaches the client as `cancelled`, which GET and the cancel's own
+    answer also say (before: the client read `failed` while the others said cancelled)."""
+    c = client(cluster)
+    seen: dict = {}
+    started = threading.Event()
+
+    def run() -> None:
+        with c.responses.stream(model="m", input="cancel me", max_output_tokens=3000) as s:
+            for event in s:
+                if event.type == "response.created":
+                    seen["id"] = event.response.id
+                elif event.type == "response.output_text.delta":
+                    started.set()
+                elif event.type in ("response.completed", "response.incomplete",
+                                    "response.failed"):
+                    seen["last"] = event.response.status
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    assert started.wait(20)
+    answered = c.responses.cancel(seen["id"]).status
+    worker.join(20)
+    assert not worker.is_alive()  # ended long before its 3000 tokens (30 s)
+    record = c.responses.retrieve(seen["id"]).status
+    assert (seen.get("last"), answered, record) == ("cancelled",) * 3

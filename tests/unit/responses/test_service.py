@@ -19,11 +19,18 @@ class FlakyStore(SQLiteStore):
         super().__init__(None, Retention())
         self.down = 0
 
-    async def put(self, tenant: str, rid: str, record: bytes) -> None:
+    def _refuse(self) -> None:
         if self.down:
             self.down -= 1
             raise StoreDown("the store is paused")
+
+    async def put(self, tenant: str, rid: str, record: bytes) -> None:
+        self._refuse()
         await super().put(tenant, rid, record)
+
+    async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
+        self._refuse()
+        return await super().swap(tenant, rid, expected, record)
 
 
 def status_of(store: FlakyStore, rid: str):

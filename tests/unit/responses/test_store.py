@@ -91,3 +91,49 @@ def test_an_unusable_path_is_store_down(tmp_path):
     with pytest.raises(StoreDown) as down:
         run(store.start())
     assert down.value.status == 503 and down.value.headers["retry-after"]
+
+
+IN_PROGRESS = b'{"status":"in_progress","output":[]}'
+
+
+def test_two_writers_swap_an_in_progress_record_and_exactly_one_wins(tmp_path):
+    """A turn's final save and a cancel, each through its own connection to one file (two
+    `--workers`): both ask for the in_progress record; one gets it, the other is told so."""
+    path = str(tmp_path / "responses.sqlite3")
+    done, cancelled = b'{"status":"completed","output":[1]}', b'{"status":"cancelled"}'
+
+    async def work():
+        one, two = SQLiteStore(path, Retention()), SQLiteStore(path, Retention())
+        await one.start()
+        await two.start()
+        try:
+            outcomes = []
+            for i in range(20):
+                await one.put("t", f"r{i}", IN_PROGRESS)
+                won = await asyncio.gather(one.swap("t", f"r{i}", "in_progress", done),
+                                           two.swap("t", f"r{i}", "in_progress", cancelled))
+                outcomes.append((won, await two.get("t", f"r{i}")))
+            return outcomes
+        finally:
+            await one.close()
+            await two.close()
+
+    for won, kept in run(work()):
+        assert sorted(won) == [False, True]
+        assert kept == (done if won[0] else cancelled)
+
+
+@pytest.mark.parametrize("stored, expected, written", [
+    pytest.param(IN_PROGRESS, "in_progress", True, id="status-as-expected"),
+    pytest.param(b'{"status":"completed"}', "in_progress", False, id="finished-first"),
+    pytest.param(None, "in_progress", False, id="deleted"),
+    pytest.param(b"not json", "in_progress", False, id="not-a-record"),
+])
+def test_a_swap_writes_only_over_the_expected_status(stored, expected, written):
+    async def work(s):
+        if stored is not None:
+            await s.put("t", "r", stored)
+        return await s.swap("t", "r", expected, b'{"status":"new"}'), await s.get("t", "r")
+
+    assert run(_with(SQLiteStore(None, Retention()), work)) == (
+        written, b'{"status":"new"}' if written else stored)
