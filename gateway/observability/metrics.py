@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.observability.metric_buffer import BufferedCounter, BufferedHistogram, MetricBuffer
@@ -42,6 +42,7 @@ class Metrics:
         self._tenant_metrics(own)
         registry.register(PoolCollector(pool))
         self.buffer = MetricBuffer()  # the per-request updates (observability/metric_buffer.py)
+        self._tallies: list[Tally] = []  # counts kept elsewhere, published as counters
 
     def _request_metrics(self, own: CollectorRegistry | None) -> None:
         """Requests answered, their latency and the admission wait."""
@@ -108,6 +109,10 @@ class Metrics:
         self.disconnects = Counter(
             "gateway_client_disconnects", "Clients that went away before the answer ended",
             ["endpoint"], registry=own)
+        self.panic_picks = Counter(
+            "gateway_panic_picks", "Servers picked with no fully usable one of their role "
+            "(their breakers open or half-open, or all marked down by health checks)",
+            ["role"], registry=own)
         self.trace_spans_dropped = Counter(
             "gateway_trace_spans_dropped", "Trace spans not exported (tracing on), by reason: "
             "queue_full, export_failed", ["reason"], registry=own)
@@ -181,6 +186,8 @@ class Metrics:
 
     def flush(self) -> None:
         """Publish what the request path buffered (before any read of the registry)."""
+        for tally in self._tallies:
+            tally.publish()
         self.buffer.flush()
 
     async def run_flusher(self, interval: float = 1.0) -> None:
@@ -190,8 +197,13 @@ class Metrics:
             self.flush()
 
     def watch_scheduler(self, scheduler) -> None:
-        """Gauges of the scheduler's own state (quarantined pairs, panic picks)."""
+        """Gauges of the scheduler's own state (quarantined pairs), and its panic picks as a
+        counter: `scheduler.panics` is this process's count since it started, so exported as
+        it is a scrape answered by another worker, or after a restart, read a smaller value;
+        its growth goes to `gateway_panic_picks` (multiprocess files with `--workers`: summed
+        over the workers, a dead worker's part kept) at every flush."""
         self.registry.register(SchedulerCollector(scheduler))
+        self._tallies.append(Tally(scheduler.panics, self.panic_picks))
 
 
     def watch_rebalance(self, figures) -> None:
@@ -206,6 +218,25 @@ class Metrics:
     def watch_admission(self, admission) -> None:
         """Gauges of the admission queue (read at scrape time: this process's queue)."""
         self.registry.register(AdmissionCollector(admission))
+
+
+class Tally:
+    """A dict of running counts kept by another part ({label: count}), published as the
+    growth of a labelled counter since the last publish."""
+
+    def __init__(self, counts: dict[str, int], counter: Counter) -> None:
+        self.counts = counts
+        self.counter = counter
+        self.published: dict[str, int] = {}
+        for label in counts:  # shown at 0 from the start
+            counter.labels(label)
+
+    def publish(self) -> None:
+        for label, count in list(self.counts.items()):
+            grown = count - self.published.get(label, 0)
+            if grown > 0:
+                self.counter.labels(label).inc(grown)
+            self.published[label] = count
 
 
 class AdmissionCollector(Collector):
@@ -285,7 +316,7 @@ class RebalanceCollector(Collector):
 
 
 class SchedulerCollector(Collector):
-    """Quarantined pairs and panic-mode picks, read from the scheduler at scrape time."""
+    """Quarantined pairs, read from the scheduler at scrape time."""
 
     def __init__(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -296,13 +327,7 @@ class SchedulerCollector(Collector):
             labels=["prefill", "decode"])
         for prefill, decode in self.scheduler.pairs.quarantined():
             quarantined.add_metric([prefill, decode], 1)
-        panics = CounterMetricFamily(
-            "gateway_panic_picks", "Servers picked with no fully usable one of their role "
-            "(their breakers open or half-open, or all marked down by health checks)",
-            labels=["role"])
-        for role, count in self.scheduler.panics.items():
-            panics.add_metric([role], count)
-        yield from (quarantined, panics)
+        yield quarantined
 
 
 class PoolCollector(Collector):
