@@ -179,9 +179,12 @@ def serve(config, sockets: list | None = None, worker=None) -> int:
             print(f"gateway: startup failed: {exc}", file=sys.stderr)
             return EXIT_STARTUP_FAILURE
     tune_gc()
+    refusals = app.state.gateway.metrics.protocol_refusals
     server = GatewayServer(uvicorn.Config(
         app, host=config.host.strip("[]"), port=config.port, loop="uvloop",
-        http=guarded_protocol(limits, app.state.gateway.timers), ws="none", lifespan="on",
+        http=guarded_protocol(limits, app.state.gateway.timers,
+                              lambda reason: refusals.labels(reason).inc()),
+        ws="none", lifespan="on",
         log_level=config.log_level,
         access_log=False, proxy_headers=False, server_header=False,
         timeout_graceful_shutdown=config.shutdown_grace, backlog=BACKLOG,

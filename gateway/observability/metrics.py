@@ -113,6 +113,11 @@ class Metrics:
             "gateway_panic_picks", "Servers picked with no fully usable one of their role "
             "(their breakers open or half-open, or all marked down by health checks)",
             ["role"], registry=own)
+        self.protocol_refusals = Counter(
+            "gateway_protocol_refusals", "Connections the HTTP protocol answered and closed "
+            "itself (malformed, url_too_long, headers_too_large, connection_limit) or closed at "
+            "a deadline (head_timeout, body_timeout): never seen by the app",
+            ["reason"], registry=own)
         self.trace_spans_dropped = Counter(
             "gateway_trace_spans_dropped", "Trace spans not exported (tracing on), by reason: "
             "queue_full, export_failed", ["reason"], registry=own)

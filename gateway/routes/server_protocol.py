@@ -26,7 +26,11 @@ slot while all are taken is answered 503 `service_unavailable` with `Retry-After
 connection closed.
 
 Refusals (400 for a request httptools cannot parse, 414, 431, 503) answer in the gateway's
-error shape and close the connection. Everything else (parsing, flow control, keep-alive,
+error shape and close the connection. Each refusal, and each connection closed at its head
+or body deadline, is counted by reason (`gateway_protocol_refusals_total`: the app never
+sees them, so slowloris or a junk flood showed nowhere). uvicorn logs "Invalid HTTP request
+received." for every request it cannot parse, ours refused too: a flood of junk wrote a log
+line each; `QuietRefusals` lets one through a minute, with the count it held back. Everything else (parsing, flow control, keep-alive,
 pipelining) stays uvicorn's. The limits are tested at the socket level in tests/security/.
 
 The deadlines, and uvicorn's own keep-alive wait, cost nothing per request: each phase (head,
@@ -41,7 +45,10 @@ phase and per keep-alive wait cost about a tenth of the gateway's CPU per reques
 
 from __future__ import annotations
 
+import logging
 import select
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -78,6 +85,10 @@ class ServerLimits:
         return min(1.0, self.head_timeout, self.body_timeout, self.keep_alive) / 4
 
 
+REFUSED = {400: "malformed", 414: "url_too_long", 431: "headers_too_large",
+           503: "connection_limit"}  # the counter's reasons
+INVALID = "Invalid HTTP request received."  # uvicorn's warning, one per unparsable request
+QUIET_FOR = 60.0  # seconds between two of those warnings let through
 REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
 BUSY_RETRY_AFTER = b"1"  # seconds: a slot frees when a connection closes
@@ -113,6 +124,28 @@ class ConnectionSlots:
         self.taken = 0
 
 
+class QuietRefusals(logging.Filter):
+    """Lets uvicorn's "Invalid HTTP request received." through once per `QUIET_FOR` seconds,
+    saying how many it held back (the counter has them all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held, self.last = 0, float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != INVALID:
+            return True
+        now = time.monotonic()
+        if now - self.last < QUIET_FOR:
+            self.held += 1
+            return False
+        if self.held:
+            record.msg = f"{INVALID} ({self.held} more in the last {QUIET_FOR:.0f} s, not "
+            record.msg += "logged: gateway_protocol_refusals_total counts them)"
+        self.held, self.last = 0, now
+        return True
+
+
 class _Refused(Exception):
     """Raised inside a parser callback to stop parsing a request over the limits."""
 
@@ -124,6 +157,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _limits: ServerLimits
     _timers: Timers
     _slots: ConnectionSlots
+    _refused_as: Callable[[str], None]  # counts a refusal by reason
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -207,6 +241,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app sees http.disconnect
+            self._refused_as("body_timeout")
+        elif not self._waiting and not self._closing:  # the keep-alive wait is no refusal
+            self._refused_as("head_timeout")
         self.transport.close()
 
     def _unread(self) -> bool:
@@ -227,6 +264,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Write a refusal in the gateway's error shape and close the connection."""
         self._refused = True
         self._due = INF
+        self._refused_as(REFUSED[status])
         data = orjson.dumps(body or error_body(message, "invalid_request_error", str(status)))
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
@@ -303,8 +341,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._phase(self._limits.keep_alive)
 
 
-def guarded_protocol(limits: ServerLimits, timers: Timers) -> type[HttpToolsProtocol]:
-    """A `GuardedHttpToolsProtocol` class bound to `limits` and the gateway's `timers`
-    (uvicorn instantiates it per connection)."""
+def guarded_protocol(limits: ServerLimits, timers: Timers,
+                     refused_as: Callable[[str], None] = lambda reason: None
+                     ) -> type[HttpToolsProtocol]:
+    """A `GuardedHttpToolsProtocol` class bound to `limits`, the gateway's `timers` and the
+    refusal counter `refused_as` (uvicorn instantiates it per connection); uvicorn's warning
+    for each unparsable request quietened (once per process)."""
+    errors = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, QuietRefusals) for f in errors.filters):
+        errors.addFilter(QuietRefusals())
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
-                {"_limits": limits, "_timers": timers, "_slots": ConnectionSlots()})
+                {"_limits": limits, "_timers": timers, "_slots": ConnectionSlots(),
+                 "_refused_as": staticmethod(refused_as)})
