@@ -157,22 +157,16 @@ class ContextCheck:
 
     def limits(self, view: RequestView) -> Limits | None:
         """The least context length of the model's usable prefill servers (None: unknown),
-        and the least prompt bound of its servers, either role (each validates)."""
+        and the least prompt bound of its usable servers, either role (each validates)."""
         servers = self.models.of(view).servers
-        context = None
-        for server in servers["prefill"]:
-            length = server.context_length
-            if length and (context is None or length < context) and server.usable:
-                context = length
-        if context is None:
+        contexts = [s.context_length for s in servers["prefill"]
+                    if s.context_length and s.usable]
+        if not contexts:
             return None
-        prompt = context  # every request asks: loops, not lists (the servers of a model agree)
-        for role in ("prefill", "decode"):
-            for server in servers[role]:
-                bound = server.max_input_length
-                if bound and bound < prompt:
-                    prompt = bound
-        return Limits(context, prompt)
+        context = min(contexts)
+        bounds = [s.max_input_length for role in ("prefill", "decode")
+                  for s in servers[role] if s.max_input_length and s.usable]
+        return Limits(context, min([context, *bounds]))
 
     def check(self, view: RequestView) -> Coroutine[Any, Any, RequestView] | None:
         """Raise BadRequest if `view` cannot fit; None when that is settled here, else the
