@@ -3,12 +3,12 @@
 What each costs the servers, and who may ask (the role is in app.ROUTES):
 * `/health`, `/readiness`, `/metrics`: answered from the gateway's own state, open to probes
   and scrapers. A `/metrics` page is shared by every scrape for `METRICS_COST_RATIO` (20)
-  times what it took to render, at most `METRICS_TTL` (1 s; single flight,
+  times what it took to render, at most `METRICS_TTL` (0.25 s; single flight,
   routes/info_cache.py): rendering takes at most 1/21 of the event loop however often it is
   scraped (rendered for each scrape, two tight scrape loops cut the requests served by three
   quarters), and a cheap page stays fresh for probes and tests that poll a gauge (measured
-  under load: about 3 ms to render, kept 60 ms; with `--workers 2`, about 30 ms, kept 0.6 s).
-  Prometheus scrapes every 15 s or more: a page a second old costs it nothing.
+  under load: about 3 ms to render, kept 60 ms; with `--workers 2`, about 30 ms, kept 0.25 s).
+  Prometheus scrapes every 15 s or more: a page a quarter second old costs it nothing.
 * `/health_generate`: a real one-token PD generation, open to probes, but through a cache:
   at most one generation per `--info-cache-ttl` seconds however many callers ask.
 * `/server_info` (and `/v1/models`, `/model_info` in routes/models.py): inference callers;
@@ -37,7 +37,8 @@ from gateway.request import RequestView, parse_request
 from gateway.routes.fleet import Fleet
 from gateway.routes.state import RuntimeState
 
-METRICS_TTL = 1.0  # seconds a rendered /metrics page is reused, at most
+METRICS_TTL = 0.25  # seconds a rendered /metrics page is reused, at most (tests and probes
+# read a gauge right after an action: a page a second old misled the DP e2e test)
 METRICS_COST_RATIO = 20.0  # ... and at most this many times what it took to render
 HEALTH_PROBE = b'{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}'
 

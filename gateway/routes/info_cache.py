@@ -4,7 +4,7 @@ Endpoints that make the servers work (`/health_generate` runs a real generation,
 asks every server) are open to probes or to every inference caller; through this cache a flood
 of callers costs the servers one computation per `ttl` seconds, and concurrent callers wait for
 the one computation in progress instead of starting their own. `/metrics` (open to scrapers,
-rendered on the event loop) is kept the same way, for 20 times its rendering, at most a second.
+rendered on the event loop) is kept the same way, for 20 times its rendering, at most 0.25 s.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ Answer = tuple[int, bytes]  # (status, JSON body) of a cached endpoint
 class InfoCaches:
     """The cache of each endpoint's answer, by name: made on its first use (with the
     computation given then, and its own `ttl` and `cost_ratio` if given: /metrics keeps a page
-    for at most a second, not for `--info-cache-ttl`), closed when the gateway stops."""
+    for at most 0.25 s, not for `--info-cache-ttl`), closed when the gateway stops."""
 
     def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl = ttl
