@@ -29,6 +29,7 @@ from gateway.admission.auth import ADMIN, INFERENCE, PUBLIC, Auth, Role
 from gateway.admission.body_budget import BodyBudget
 from gateway.anthropic.endpoint import messages_endpoints
 from gateway.config.settings import GatewayConfig
+from gateway.reach import LOGIT_PROCESSOR, MEDIA_URLS
 from gateway.request import ENDPOINT_PATHS, RESPONSES
 from gateway.responses import stored
 from gateway.responses.endpoint import ResponsesEndpoint
@@ -137,7 +138,10 @@ def inference_parts(gw: Gateway) -> InferenceParts:
         context=gw.context, inflight=gw.inflight, admission=gw.admission, usage=gw.usage,
         metrics=gw.metrics, timers=gw.timers, tracing=gw.tracing, state=gw.state,
         serve=gw.serve, max_body_bytes=c.max_body_bytes, max_items=c.max_items,
-        bodies=BodyBudget(c.max_inflight_body_bytes, c.max_body_bytes), slo=gw.slo)
+        bodies=BodyBudget(c.max_inflight_body_bytes, c.max_body_bytes), slo=gw.slo,
+        allowed=frozenset(name for name, flag in ((MEDIA_URLS, c.allow_media_urls),
+                                                  (LOGIT_PROCESSOR, c.allow_custom_logit_processor))
+                          if flag))
 
 
 def guarded(handler: Handler, role: Role | tuple[Role, ...], auth: Auth, parts: Any) -> Endpoint:

@@ -8,11 +8,13 @@ make SGLang expand the request into items, and every item needs its own bootstra
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from gateway import reach
 from gateway.dispatch.inflight import client_rids
 from gateway.errors import BadRequest
 
@@ -59,6 +61,8 @@ class RequestView:
     priority: int = 1  # class index: 0 interactive, 1 standard, 2 batch (config_tenants.py)
     session: bytes | None = None  # the session header's id, for session affinity
     slo: Any = None  # the SLO ticket (gateway/slo/ticket.py), set by the endpoint's gate
+    # what the body makes the servers do that the operator must allow (gateway/reach.py)
+    needs: frozenset[str] = reach.NOTHING
     size: int = 0  # bytes of the body as the client sent it (0: not from a client's bytes)
     # (body, the client's bytes of it): the legs forward those bytes as they are while the
     # view's body is that one (a derived view with another body encodes its own)
@@ -121,6 +125,9 @@ def parse_request(endpoint: str, raw: bytes | bytearray) -> RequestView:
     else:
         view = _completions_view(body, stream, model)
     view.size, view.source = len(raw), (body, raw)  # (the view is new: nobody holds it yet)
+    needs = reach.generate_fields(body) if endpoint == GENERATE else reach.openai_fields(body)
+    if needs:
+        view.needs = view.needs | needs
     rids = client_rids(body.get("rid"), view.batch_size)
     return dataclasses.replace(view, rids=rids) if rids is not None else view
 
@@ -162,9 +169,13 @@ def _is_token_list(value: Any) -> bool:
 
 
 def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None) and body.get("input_embeds") is None:
-        raise BadRequest("exactly one of 'text' or 'input_ids' is required")
+    text, input_ids, embeds = body.get("text"), body.get("input_ids"), body.get("input_embeds")
+    # GenerateReqInput._validate_inputs refuses all three (text and input_ids alone: here)
+    if (text is None) == (input_ids is None) and (embeds is None or text is not None):
+        raise BadRequest("one of 'text', 'input_ids' or 'input_embeds' is required (text and "
+                         "input_ids not both)")
+    if embeds is not None and (text is not None or input_ids is not None):
+        _embeds(embeds, prompt=False)  # unused then, but parsed by SGLang all the same
     params = body.get("sampling_params")
     if params is not None and not isinstance(params, (dict, list)):
         raise BadRequest("'sampling_params' must be an object or a list of objects")
@@ -200,12 +211,7 @@ def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
         else:
             raise BadRequest("'input_ids' must be a non-empty list of ints or of int lists")
     else:
-        embeds = body["input_embeds"]
-        if not isinstance(embeds, list) or not embeds:
-            raise BadRequest("'input_embeds' must be a non-empty list")
-        single = isinstance(embeds[0], list) and embeds[0] and not isinstance(embeds[0][0], list)
-        batch = None if single else len(embeds)
-        tokens = len(embeds)
+        batch, tokens = _embeds(embeds, prompt=True)
     if isinstance(params, list) and len(params) != (batch or 1):
         raise BadRequest("'sampling_params' list length must equal the batch size")
     return RequestView(
@@ -213,6 +219,49 @@ def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
         routing_text=routing_text, routing_tokens=routing_tokens, prompt_tokens=tokens,
         model=model, logprob_merge=_logprobs(body, batch, n), lengths=lengths,
     )
+
+
+_NUMBERS = frozenset((float, int, bool))
+
+
+def _embeds(embeds: Any, prompt: bool) -> tuple[int | None, int]:
+    """`input_embeds` as SGLang takes it: its batch size (None: one prompt) and its rows (a
+    token each), or BadRequest. Mirrors `GenerateReqInput.input_embeds`'s type,
+    `List[List[List[float]]] | List[List[float]]` (managers/io_struct.py; FastAPI's pydantic
+    parse, 400), and, when the embeddings are the prompt, `_determine_batch_size`'s read of
+    `input_embeds[0][0]` (an IndexError, 500, on an empty list or first row)."""
+    if _rows(embeds):
+        batch, rows = None, len(embeds)
+    elif isinstance(embeds, list) and all(map(_rows, embeds)):
+        batch, rows = len(embeds), sum(map(len, embeds))
+    else:
+        raise BadRequest("'input_embeds' must be a list of rows of numbers (one prompt), or a "
+                         "list of such lists (a batch)")
+    if prompt and not (embeds and embeds[0]):
+        raise BadRequest("'input_embeds' must hold a first prompt with a first row")
+    return batch, rows
+
+
+def _rows(value: Any) -> bool:
+    """A `List[List[float]]` as pydantic's lax float takes it: numbers, booleans, and strings
+    that read as a float once stripped, in ASCII (its own parser's, not Python's digits)."""
+    if type(value) is not list or not all(type(row) is list for row in value):
+        return False
+    kinds = set(map(type, itertools.chain.from_iterable(value)))  # (C loops: rows can be long)
+    if kinds <= _NUMBERS:
+        return True
+    return kinds <= _NUMBERS | {str} and all(
+        _float_text(x) for row in value for x in row if type(x) is str)
+
+
+def _float_text(text: str) -> bool:
+    if not text.strip().isascii():
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def render_messages(messages: list[dict]) -> str:
@@ -230,6 +279,7 @@ def _chat_view(body: dict, stream: bool, model: str | None) -> RequestView:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
+    fetches = False  # a part names media by URL (gateway/reach.py)
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'")
@@ -241,11 +291,13 @@ def _chat_view(body: dict, stream: bool, model: str | None) -> RequestView:
                 if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
                     raise BadRequest(f"'messages[{i}].content[{j}]' must be an object whose "
                                      "'text', if any, is a string")
+                fetches |= reach.part(part, f"messages[{i}].content[{j}]")
     text = render_messages(messages)
     return RequestView(
         endpoint=CHAT, body=body, stream=stream, batch_size=None, n=_n(body.get("n"), "n"),
         routing_text=text, routing_tokens=None, prompt_tokens=len(text) // 4 + 1,
         model=model, logprob_merge=False,
+        needs=frozenset((reach.MEDIA_URLS,)) if fetches else reach.NOTHING,
     )
 
 

@@ -4,8 +4,9 @@
   PD dispatch, usage), given this path's parser (`view.parse_messages`) and Anthropic's error
   envelope (`errors.py`) for everything the gateway refuses or fails.
 * `POST /v1/messages/count_tokens`: not a PD request; relayed to one usable server of the
-  model (decodes first, as `/v1/tokenize` is, the first one in turn), whose SGLang counts the
-  prompt its chat template makes (`AnthropicServing.handle_count_tokens`). The gateway does
+  model, asked in turn as the context check asks `/v1/tokenize` (`tokens/ask_in_turn.py`),
+  whose SGLang counts the prompt its chat template makes
+  (`AnthropicServing.handle_count_tokens`). The gateway does
   not count it itself: its tokenizer renders OpenAI chats, and a count that differed from the
   server's would be wrong the one time it matters (a prompt near the context limit).
 
@@ -15,8 +16,8 @@ Both accept the key as `x-api-key` (what the Anthropic SDK sends) or `Authorizat
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 import orjson
@@ -31,11 +32,11 @@ from gateway.request import MESSAGES, json_object
 from gateway.routes.asgi import ClientGone, read_body, send_bytes
 from gateway.routes.inference import InferenceEndpoint, InferenceParts, request_id_of
 from gateway.scheduling.models import Models
+from gateway.servers.pool import Server
+from gateway.tokens.ask_in_turn import HEAD_START_S, InTurn, NoAnswer
 from gateway.upstream.client import upstream_message
 
 COUNT_PATH = "/v1/messages/count_tokens"
-TOKENIZE_BYTES_PER_S = 4 << 20  # a server's tokenizer is given a second per 4 MiB of prompt
-FIRST_TRY_S = 1.0  # a count takes milliseconds: a server silent this long is likely hung
 
 
 async def send_anthropic_error(send: Send, err: GatewayError, request_id: str | None) -> None:
@@ -63,21 +64,19 @@ class CountParts:
     timeout: float  # for the whole count, plus a second per 4 MiB of body
     max_body_bytes: int
     bodies: BodyBudget  # the in-flight body budget, as the inference endpoints charge it
-    first_try: float = FIRST_TRY_S  # one server's head start before the next is asked too
+    first_try: float = HEAD_START_S  # one server's head start before the next is asked too
 
 
 class CountTokens:
-    """`/v1/messages/count_tokens`, relayed to a usable server of the model: the decodes, then
-    the prefills, each list starting one further on per request (so a hung server is first for
-    few counts, and no one server takes them all). A server that answers a 5xx or fails to
-    connect hands over at once; one silent for `first_try` (1 s, plus a second per 4 MiB of
-    body) keeps its request but the next server is asked too (a hedge), and the first answer
-    below 500 wins. The whole count ends by `timeout` (--probe-timeout, 10 s; plus the body's
-    seconds): then, or with every server failed, 503."""
+    """`/v1/messages/count_tokens`, relayed to a usable server of the model, asked in turn
+    (`InTurn`: decodes, then prefills, rotated per request; a 5xx or no connection hands over
+    at once, `first_try` of silence asks the next too) and the first answer below 500 wins.
+    The whole count ends by `timeout` (--probe-timeout, 10 s; plus a second per 4 MiB of
+    body): then, or with every server failed, 503."""
 
     def __init__(self, parts: CountParts) -> None:
         self.parts = parts
-        self.turn = 0  # rotates the first server asked
+        self.in_turn = InTurn(parts.first_try)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = request_id_of(scope)
@@ -106,60 +105,27 @@ class CountTokens:
         check_messages(body)
         model, upstream = parts.models.lookup(name)
         content = bytes(raw) if upstream is None else orjson.dumps({**body, "model": upstream})
-        self.turn += 1
-        servers = [w for role in ("decode", "prefill")
-                   for w in _rotated(model.usable(role), self.turn)]
-        return await self._ask(servers, content)
-
-    async def _ask(self, servers: list, content: bytes) -> tuple[int, bytes]:
-        """The first answer below 500 of `servers`, asked in order, hedged as the class says."""
-        parts = self.parts
-        extra = len(content) / TOKENIZE_BYTES_PER_S
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + parts.timeout + extra
-        waiting, asked = list(servers), set()
-        last = "no usable server"
         try:
-            while waiting or asked:
-                if waiting:  # the first, or the one after a failure or a silent head start
-                    asked.add(asyncio.create_task(self._post(waiting.pop(0).url, content,
-                                                             deadline - loop.time())))
-                left = deadline - loop.time()
-                if left <= 0:
-                    last = f"no answer in {parts.timeout + extra:.1f} s"
-                    break
-                done, asked = await asyncio.wait(
-                    asked, timeout=min(left, parts.first_try + extra) if waiting else left,
-                    return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    answer = task.result()
-                    if isinstance(answer, tuple):
-                        return answer
-                    last = answer
-        finally:  # the slower servers' requests end with the count
-            for task in asked:
-                task.cancel()
-            await asyncio.gather(*asked, return_exceptions=True)
-        raise ServiceUnavailable(f"no server could count the tokens: {last}",
-                                 headers={"retry-after": "1"})
+            return await self.in_turn.ask(self.in_turn.servers(model), partial(self._post, content),
+                                          parts.timeout, len(content))
+        except NoAnswer as exc:
+            raise ServiceUnavailable(f"no server could count the tokens: {exc}",
+                                     headers={"retry-after": "1"}) from None
 
-    async def _post(self, url: str, content: bytes, timeout: float) -> tuple[int, bytes] | str:
-        """One server's answer (status, body) if below 500, else why not."""
+    async def _post(self, content: bytes, server: Server) -> tuple[int, bytes]:
+        """One server's answer (status, body) if below 500, else NoAnswer saying why. (The
+        count's deadline bounds it: `InTurn.ask` cancels it then.)"""
+        url = server.url
         try:
             response = await self.parts.client.post(
-                url + COUNT_PATH, content=content, timeout=max(timeout, 0.001),
+                url + COUNT_PATH, content=content, timeout=None,
                 headers={"content-type": "application/json"})
         except httpx.HTTPError as exc:
-            return f"{url}: {type(exc).__name__}"
+            raise NoAnswer(f"{url}: {type(exc).__name__}") from None
         if response.status_code < 500:
             return response.status_code, response.content
-        return f"{url} answered {response.status_code}: {upstream_message(response.content)}"
-
-
-def _rotated(servers: list, turn: int) -> list:
-    """`servers` starting at the `turn`-th (modulo their number)."""
-    k = turn % len(servers) if servers else 0
-    return servers[k:] + servers[:k]
+        raise NoAnswer(f"{url} answered {response.status_code}: "
+                       f"{upstream_message(response.content)}")
 
 
 def messages_endpoints(inference: InferenceParts, gateway) -> dict:

@@ -8,8 +8,9 @@ is a string or a list of typed blocks, each block's fields, a `tool_result`'s ne
 _convert_to_chat_completion_request` (a `tool_choice` no custom tool can meet, `redacted_thinking`
 in an assistant turn). A body SGLang would refuse is refused here (400), so it takes no slot and
 no leg. Left to the server (its 400 comes back in Anthropic's envelope): `thinking`,
-`output_config`, the sampling numbers, server tools' optional fields, and the chat request the
-conversion makes (a user turn of tool calls alone fails SGLang's chat model).
+`output_config` and the sampling numbers, server tools' optional fields. Of the chat request
+the conversion makes, what SGLang's chat model refuses is refused here too: a user turn whose
+tool calls come with no content (`_calls_alone`).
 
 The routing key is the conversation as SGLang converts it to chat
 (`AnthropicServing._convert_to_chat_completion_request`): the system prompt first, then each
@@ -25,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from gateway import reach
 from gateway.dispatch.inflight import client_rids
 from gateway.errors import BadRequest
 from gateway.request import DP_FIELDS, PD_FIELDS, RequestView, json_object, render_messages
@@ -43,9 +45,11 @@ def parse_messages(endpoint: str, raw: bytes | bytearray) -> RequestView:
         raise BadRequest("'stream' must be a boolean")
     check(body)
     text = render_messages(conversation(body))
+    fetches = reach.items_fetch(body["messages"], "messages")  # (a file path: 400)
     view = RequestView(endpoint=endpoint, body=body, stream=stream, batch_size=None, n=1,
                        routing_text=text, routing_tokens=None, prompt_tokens=len(text) // 4 + 1,
-                       model=body["model"], logprob_merge=False)
+                       model=body["model"], logprob_merge=False,
+                       needs=frozenset((reach.MEDIA_URLS,)) if fetches else reach.NOTHING)
     view.size, view.source = len(raw), (body, raw)
     view.rids = client_rids(body.get("rid"), None)
     return view
@@ -83,10 +87,50 @@ def check_messages(body: dict) -> None:
                 block["type"] == "redacted_thinking" for block in content):
             raise BadRequest(f"'messages[{i}]': Anthropic redacted_thinking history is not "
                              "supported")
+        if message["role"] == "user" and isinstance(content, list) and _calls_alone(content):
+            raise BadRequest(f"'messages[{i}]': a user turn's tool_use blocks need a text, "
+                             "image or search_result block after its last tool_result: "
+                             "tool calls alone make a user chat message without content")
     system = body.get("system")
     if system is not None:
         _content(system, "system", converted=False)
     _tool_choice(body.get("tool_choice"), _custom_tools(body.get("tools")))
+
+
+# -- the chat message a user turn's blocks become ---------------------------------------------
+
+
+def _calls_alone(blocks: list[dict]) -> bool:
+    """Whether SGLang's conversion (`AnthropicServing._convert_to_chat_completion_request`)
+    makes of this user turn a chat message of `tool_calls` without `content`, which
+    `ChatCompletionRequest` refuses (openai/protocol.py: `ChatCompletionMessageUserParam`
+    requires `content`; only the generic roles may omit it). The conversion puts a turn's
+    `tool_use` blocks in its message's `tool_calls`, and its content parts after the last
+    `tool_result` (each flushes the parts before it, `_emit_user_message`) in `content`."""
+    if not any(block["type"] == "tool_use" for block in blocks):
+        return False
+    last = max((j for j, block in enumerate(blocks) if block["type"] == "tool_result"),
+               default=-1)
+    return not any(map(_makes_part, blocks[last + 1:]))
+
+
+def _makes_part(block: dict) -> bool:
+    """Whether the conversion makes a content part of this block of a turn: a text (its
+    `text`, a string, is never None), an image whose source it can read
+    (`_convert_anthropic_image_source_to_openai_part`), a search result with some text
+    (`_text_from_search_result`); thinking, tool calls, tool results, references make none."""
+    kind, source = block["type"], block.get("source")
+    if kind == "text":
+        return True
+    if kind == "image":
+        if not isinstance(source, dict):
+            return False
+        return bool(source.get("data") if source.get("type") == "base64" else source.get("url"))
+    if kind != "search_result":
+        return False
+    cited = (source.get("url") or source.get("text")) if isinstance(source, dict) else source
+    return bool(block.get("title") or cited or any(
+        part.get("type") == "text" and part.get("text") for part in block.get("content") or ()))
 
 
 # -- protocol.py's models, as plain checks ------------------------------------------------------

@@ -196,6 +196,13 @@ class GatewayConfig:
         "call this gateway by (the Host header) on admin and abort routes while no admin key "
         "is set: a DNS-rebinding guard (docs/SECURITY.md, 'Browsers'); inference takes any Host",
         kind="list", aliases=("--allowed-host",))
+    allow_media_urls: bool = _opt(
+        False, "let bodies name images, video and audio by http(s) URL, which the servers "
+        "then fetch from inside the cluster (inline data: URIs are always taken; paths on "
+        "the servers' disks never: docs/SECURITY.md, 'What a body may make the servers do')")
+    allow_custom_logit_processor: bool = _opt(
+        False, "let bodies carry `custom_logit_processor`, a pickled callable the servers run "
+        "when started with --enable-custom-logit-processor: only for trusted callers")
     rate_limit: Annotated[float, Field(ge=0, le=1e6)] = _opt(
         0.0, "requests/s allowed per API key (0 = unlimited)")
     rate_burst: Annotated[int, Field(ge=1, le=1_000_000)] = _opt(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import orjson
 
+from gateway import reach
 from gateway.dispatch.inflight import client_rids
 from gateway.errors import BadRequest
 from gateway.request import DP_FIELDS, PD_FIELDS, RequestView, render_messages
@@ -32,9 +33,11 @@ def parse_responses(endpoint: str, raw: bytes | bytearray) -> RequestView:
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string")
     text = render_messages(messages_of(body))
+    fetches = reach.items_fetch(body.get("input"), "input")  # (a file path: 400)
     view = RequestView(endpoint=endpoint, body=body, stream=stream, batch_size=None, n=1,
                        routing_text=text, routing_tokens=None, prompt_tokens=len(text) // 4 + 1,
-                       model=model, logprob_merge=False)
+                       model=model, logprob_merge=False,
+                       needs=frozenset((reach.MEDIA_URLS,)) if fetches else reach.NOTHING)
     view.size, view.source = len(raw), (body, raw)
     view.rids = client_rids(body.get("rid"), None)
     return view

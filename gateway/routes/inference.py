@@ -43,6 +43,7 @@ from gateway.dispatch.relay import SlowClient
 from gateway.errors import BadRequest, GatewayError, ServiceUnavailable
 from gateway.observability.metrics import Metrics
 from gateway.observability.usage import Usage
+from gateway.reach import refuse_unallowed
 from gateway.request import RequestView, parse_request
 from gateway.routes.answer import (
     SHUTTING_DOWN,
@@ -83,6 +84,7 @@ class InferenceParts:
     max_body_bytes: int
     max_items: int
     bodies: BodyBudget  # the bytes of bodies in flight (admission/body_budget.py)
+    allowed: frozenset[str]  # what the operator lets bodies make the servers do (reach.py)
     slo: Any = None  # slo.gate.SloGate: objectives, and the early refusal of certain misses
 
 
@@ -160,6 +162,8 @@ class InferenceEndpoint:
                           await read_body(scope, receive, parts.max_body_bytes,
                                           buffer=True, lease=lease))
         view.priority, view.session = ticket.klass, ticket.session  # completing the new view
+        if view.needs:
+            refuse_unallowed(view.needs, parts.allowed)  # 403: a URL to fetch, code to run
         parts.usage.parsed(usage, view)  # counted under its model, even when refused
         view = parts.models.resolve(view)  # 404 model_not_found
         items = view.room_count

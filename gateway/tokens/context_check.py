@@ -23,14 +23,15 @@ check"):
 * within, proven by bytes: a token covers at least one byte, so a prompt whose byte bound
   (`most_tokens`, at most the body's own size) stays under `NEAR` of the limit fits: passed;
 * in between, counted exactly: by the served model's tokenizer when it is here, else by one
-  server's `/v1/tokenize` (chat template included), within a deadline that grows with the
-  prompt. When nothing could count it (no tokenizer for it, no server answered in time), the
-  request is refused with 503 and Retry-After (`CountUnavailable`), never forwarded unchecked.
+  server's `/v1/tokenize` (chat template included), the servers asked in turn
+  (`ask_in_turn.InTurn`, as count_tokens asks them: rotated, a silent one hedged after a
+  second) within a deadline that grows with the prompt. When nothing could count it (no
+  tokenizer for it, no server answered in time), the request is refused with 503 and
+  Retry-After (`CountUnavailable`), never forwarded unchecked.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, NamedTuple
@@ -41,10 +42,11 @@ import orjson
 from gateway.errors import BadRequest, ServiceUnavailable
 from gateway.request import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, RequestView
 from gateway.responses.view import messages_of
+from gateway.servers.pool import Server
+from gateway.tokens.ask_in_turn import InTurn, NoAnswer
 
 NEAR = 0.5  # estimates above this share of the context are counted exactly
-TOKENIZE_TIMEOUT = 2.0  # seconds for /v1/tokenize of a short prompt, plus:
-TOKENIZE_BYTES_PER_S = 4 << 20  # a server's tokenizer is given a second per 4 MiB of prompt
+TOKENIZE_TIMEOUT = 2.0  # seconds for /v1/tokenize of a short prompt, plus a second per 4 MiB
 RETRY_AFTER = "2"
 SLICE = 1 << 20  # a large prompt goes to /v1/tokenize in slices of this many bytes
 SCAN_WINDOW = 64 << 10  # bytes of the answer kept from one read to the next while scanning
@@ -154,6 +156,7 @@ class ContextCheck:
         self.models = models  # gateway/scheduling/models.py: the request's model and its servers
         self.client = client
         self.tokens = tokens  # prompt_tokens.PromptTokens: the served model's tokenizer, if any
+        self.in_turn = InTurn()  # the servers asked to count a prompt, in turn
 
     def limits(self, view: RequestView) -> Limits | None:
         """The least context length of the model's usable prefill servers (None: unknown),
@@ -231,29 +234,26 @@ class ContextCheck:
         body = self._tokenize_body(view)
         if body is None or self.client is None:
             return None
-        model = self.models.of(view)
         content = orjson.dumps(body)
+        servers = self.in_turn.servers(self.models.of(view))
         try:
-            async with asyncio.timeout(TOKENIZE_TIMEOUT + len(content) / TOKENIZE_BYTES_PER_S):
-                for server in model.usable("decode") + model.usable("prefill"):
-                    count = await self._ask(server.url, content)
-                    if count is not None:
-                        return count
-        except TimeoutError:
-            pass
-        return None
+            return await self.in_turn.ask(servers, lambda server: self._ask(server, content),
+                                          TOKENIZE_TIMEOUT, len(content))
+        except NoAnswer:
+            return None
 
-    async def _ask(self, url: str, content: bytes) -> list[int] | None:
-        """The `count` of one server's /v1/tokenize answer. The answer also lists every
-        token id (SGLang's `tokens` comes first: tens of MB for a huge prompt, hundreds as
-        Python ints), so it is scanned as it streams in, never held or parsed whole."""
+    async def _ask(self, server: Server, content: bytes) -> list[int]:
+        """The `count` of one server's /v1/tokenize answer, else NoAnswer. The answer also
+        lists every token id (SGLang's `tokens` comes first: tens of MB for a huge prompt,
+        hundreds as Python ints), so it is scanned as it streams in, never held or parsed
+        whole."""
         headers = {"content-length": str(len(content)), "content-type": "application/json"}
         body = _slices(content) if len(content) > SLICE else content
         try:
-            async with self.client.stream("POST", url + "/v1/tokenize", content=body,
+            async with self.client.stream("POST", server.url + "/v1/tokenize", content=body,
                                           headers=headers) as response:
                 if response.status_code != 200:
-                    return None
+                    raise NoAnswer(f"{server.url} answered {response.status_code}")
                 window = b""
                 async for chunk in response.aiter_bytes():
                     window = window[-SCAN_WINDOW:] + chunk
@@ -261,9 +261,9 @@ class ContextCheck:
                     if found is not None:
                         count = orjson.loads(found.group(1))
                         return [count] if isinstance(count, int) else count
-        except (httpx.HTTPError, orjson.JSONDecodeError):
-            return None
-        return None
+        except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+            raise NoAnswer(f"{server.url}: {type(exc).__name__}") from None
+        raise NoAnswer(f"{server.url}: no count in its answer")
 
     @staticmethod
     def _tokenize_body(view: RequestView) -> dict[str, Any] | None:

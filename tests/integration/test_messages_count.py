@@ -1,6 +1,7 @@
 """count_tokens behind a server that accepts and never answers, over real loopback sockets: the
-count is answered by the next server after the silent one's head start (FIRST_TRY_S, 1 s), not
-after the count's whole timeout (30 s here; --probe-timeout in the gateway)."""
+count is answered by the next server after the silent one's head start
+(`tokens/ask_in_turn.HEAD_START_S`, 1 s), not after the count's whole timeout (30 s here;
+--probe-timeout in the gateway)."""
 
 from __future__ import annotations
 

@@ -36,6 +36,10 @@ BODIES = {
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}, TEXT]},
         {"role": "user", "content": "go on"}]},
+    # SGLang's conversion makes a user chat message of tool calls without content, which its
+    # ChatCompletionRequest refuses: the server's 400 came back after both legs were sent
+    "user-turn-of-tool_use-alone": {"messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {}}]}]},
 }
 
 

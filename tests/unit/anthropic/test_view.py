@@ -4,7 +4,8 @@ that SGLang accepts is not: each case pairs the two, a field apart (no sockets).
 SGLang's rules: the pydantic models of entrypoints/anthropic/protocol.py (content blocks, a
 `tool_result`'s nested blocks, `stop_sequences`, `tool_choice`, `tools`) and the refusals of
 `AnthropicServing._convert_to_chat_completion_request` (`tool_choice` without a matching custom
-tool, `redacted_thinking` history in an assistant turn).
+tool, `redacted_thinking` history in an assistant turn), and of the chat request it makes, what
+`ChatCompletionRequest` refuses (a user message of tool calls without content).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def turns(role: str, blocks: list[dict]) -> dict:
 
 TEXT = {"type": "text", "text": "a"}
 REDACTED = [{"type": "redacted_thinking", "data": "xyz"}, TEXT]
+CALL = {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "x"}}
+RESULT = result("found")[0]
+THINKING = {"type": "thinking", "thinking": "t"}
 
 # (refused, accepted): the accepted twin differs in the one thing SGLang objects to
 CASES = {
@@ -64,6 +68,20 @@ CASES = {
     "tool-without-input_schema": (body(tools=[{"name": "f"}]), body(tools=TOOLS)),
     "redacted_thinking-in-assistant-turn": (turns("assistant", REDACTED),
                                             turns("user", REDACTED)),
+    # a user turn's tool calls with no content part after its last tool_result make a user
+    # chat message without content, which SGLang's ChatCompletionRequest refuses
+    "user-turn-of-tool_use-alone": (body([CALL]), body([CALL, TEXT])),
+    "tool_use-alone-in-a-user-not-an-assistant-turn": (body([CALL, CALL]),
+                                                        turns("assistant", [CALL])),
+    "user-turn-text-flushed-by-a-later-tool_result": (body([TEXT, CALL, RESULT]),
+                                                       body([CALL, RESULT, TEXT])),
+    "user-turn-tool_use-with-an-unreadable-image": (
+        body([CALL, {"type": "image", "source": {"type": "base64", "data": ""}}]),
+        body([CALL, {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}}])),
+    "user-turn-tool_use-with-an-empty-search_result": (
+        body([CALL, {"type": "search_result", "content": [{"type": "text", "text": ""}]}]),
+        body([CALL, {"type": "search_result", "source": {"url": "http://x"}}])),
+    "user-turn-tool_use-with-thinking-only": (body([THINKING, CALL]), body([THINKING, CALL, TEXT])),
 }
 
 
@@ -81,3 +99,11 @@ def test_count_tokens_body_with_a_malformed_tool_result_is_refused(inner):
     """count_tokens shares these checks (`AnthropicCountTokensRequest` nests the same blocks)."""
     with pytest.raises(BadRequest):
         check_messages({"model": "m", "messages": [{"role": "user", "content": result(inner)}]})
+
+
+def test_count_tokens_body_of_a_user_turn_of_tool_calls_alone_is_refused():
+    """count_tokens converts the body as a messages request: the same chat model refuses it."""
+    turn = {"role": "user", "content": [CALL]}
+    with pytest.raises(BadRequest) as caught:
+        check_messages({"model": "m", "messages": [turn]})
+    assert "tool_use" in caught.value.message

@@ -18,7 +18,7 @@ from gateway.tokens.tokenizer import load_tokenizer
 from tests.unit.fakes import FakeCluster, FakeServer
 from tests.unit.fakes import served_gateway as gateway
 
-P1, D1 = "http://127.0.0.1:30000", "http://127.0.0.1:30001"
+P1, D1, D2 = "http://127.0.0.1:30000", "http://127.0.0.1:30001", "http://127.0.0.1:30003"
 CONTEXT = 100
 TEXTS = ["hello world " * 50, "語" * 300, "ab" * 400, " " * 700, "a\u0301" * 200,
          "<|user|>" * 40 + "x" * 17 * 30, "".join(chr(c) for c in range(32, 2000))]
@@ -103,6 +103,35 @@ def test_a_near_limit_prompt_nothing_can_count_is_refused_not_forwarded(monkeypa
     assert not fake.servers[D1].received and not fake.servers[P1].received
     short, _ = post(fake, {"text": "short"})  # far below the limit: no count needed
     assert short.status_code == 200
+
+
+def test_a_hung_server_first_in_line_hands_the_count_to_the_next():
+    """The servers are asked in turn as count_tokens asks them (`ask_in_turn.InTurn`): a
+    decode whose /v1/tokenize hangs is first for one count of two, and is hedged after its
+    head start (1 s), the next decode's count deciding. Before, they were asked one after the
+    other, the first always first: the hung one held every count to the deadline (503)."""
+    info = {"context_length": CONTEXT}
+    fake = FakeCluster({P1: FakeServer("prefill", info=info), D1: FakeServer("decode", info=info),
+                        D2: FakeServer("decode", info=info)})
+    handle, hung = fake.handle, []
+
+    async def scripted(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/tokenize" and str(request.url).startswith(D1):
+            hung.append(request)
+            await asyncio.Event().wait()
+        return await handle(request)
+
+    fake.handle = scripted
+
+    async def go():
+        async with gateway(fake) as (client, _):
+            return [await client.post("/generate", json={"text": "x" * 260}) for _ in range(2)]
+
+    answers = asyncio.run(asyncio.wait_for(go(), 20))
+    assert [r.status_code for r in answers] == [400, 400], answers[0].text
+    assert all("the prompt has 130 tokens" in r.json()["error"]["message"] for r in answers)
+    assert len(hung) == 1 and fake.servers[D2].tokenized == 2
+    assert not fake.servers[D1].received and not fake.servers[D2].received
 
 
 def test_a_large_prompt_is_counted_by_a_server_in_one_deadline():
