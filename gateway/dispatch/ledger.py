@@ -115,7 +115,8 @@ class Ledger:
         p_url, d_url = attempt.prefill.url, attempt.decode.url
         if ok is False:
             if attempt.pair_verdict is None:
-                attempt.pair_verdict = "pair" if pairs.record_failure(p_url, d_url) else "server"
+                booked = pairs.record_failure(p_url, d_url, (attempt.prefill, attempt.decode))
+                attempt.pair_verdict = "pair" if booked else "server"
             if attempt.pair_verdict == "pair":
                 self.metrics.child(attempt.prefill, self.metrics.pair_failures, d_url,
                                    url_first=True).inc()

@@ -12,6 +12,11 @@ restarted with another `--dp-size` kept its old ranks here for good (rooms steer
 it no longer had: failed handshakes, or decodes waiting on the wrong rank until the
 first-progress deadline). One marked down only (slow, not gone) stays verified: panic routing
 may still pick it.
+
+A server found back (marked up again, or verified again after it refused connections) counts
+a comeback (`Server.comebacks`), which ends the quarantines of its pairs (health/pairs.py):
+with one prefill, a dead decode's failures are booked on its pair, and without this the
+decode, back and healthy, got no request until the pair's cooldown (10 s) was over.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class HealthChecker:
         except ConnectionError:
             return False
         server.apply_facts(facts)
+        server.comebacks += 1  # a new process (or the first contact): new transfer sessions
         self.pool.notify()
         return True
 
@@ -129,6 +135,7 @@ class HealthChecker:
         elif not server.healthy and streak >= self.successes and server.verified:
             server.healthy = True
             server.breaker.reset()
+            server.comebacks += 1  # its pairs' quarantines end: the next pick probes them
             log.warning("%s server %s marked UP", server.role, server.url)
 
     async def _poll_loads(self) -> None:

@@ -17,12 +17,28 @@ After `threshold` pair failures in a row the pair is quarantined: the scheduler 
 those two servers while another partner is usable. After `cooldown` seconds one probe request
 may use the pair again; its success clears the quarantine, its failure renews it (the cooldown
 doubles, up to `max_cooldown`).
+
+A quarantine ends early when one of its servers comes back (`Server.comebacks`: its health
+checks marked it up again, or probed it again after it refused connections). The pair's
+verdict was "the servers work, the pair does not"; a server whose own health checks failed
+meanwhile was the one at fault after all, which the pair rule could not see with a single
+prefill (the prefill works with the other decode, and the dead decode has no other partner
+to prove it at fault, so its every failure is booked on the pair). The next pick then probes
+the pair at once, one request, as after a cooldown: its success clears the quarantine, its
+failure renews it with the cooldown doubled. Without it, a restarted decode, healthy again
+within a health check, got nothing for the rest of the cooldown (8.5 s of 10 in
+tests/reliability/test_decode_return.py). A pair broken while both servers pass their health
+checks (a dead transfer session) is not touched: neither server comes back from anything.
+The failures stay booked on the pair, so the decode's breaker stays closed (the documented
+reason above holds).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+from gateway.servers.pool import Server
 
 Key = tuple[str, str]
 
@@ -34,6 +50,8 @@ class _Pair:
     cooldown: float = 0.0
     probing: bool = False
     quarantines: int = 0
+    servers: tuple[Server, ...] = ()  # the pair's servers, when the caller named them
+    comebacks: int = 0  # their comebacks when quarantined: a later one ends the quarantine
 
 
 class PairHealth:
@@ -65,9 +83,11 @@ class PairHealth:
         if self._pairs:  # healthy again (a probe succeeded)
             self._pairs.pop((prefill, decode), None)
 
-    def record_failure(self, prefill: str, decode: str) -> bool:
+    def record_failure(self, prefill: str, decode: str,
+                       servers: tuple[Server, Server] | None = None) -> bool:
         """A failed attempt of the pair; True when it is the pair's fault (both servers
-        succeed with other partners), so the servers' breakers should not hear of it."""
+        succeed with other partners), so the servers' breakers should not hear of it.
+        `servers`: the pair's two servers, whose comebacks end its quarantine."""
         now = self._clock()
         p_works, p_fails = self._elsewhere(prefill, decode, now)
         d_works, d_fails = self._elsewhere(decode, prefill, now)
@@ -80,6 +100,8 @@ class PairHealth:
             return False
         if pair is None:
             pair = self._pairs[(prefill, decode)] = _Pair()
+        if servers is not None:
+            pair.servers = servers
         pair.failures += 1
         if pair.probing or pair.failures >= self.threshold:
             self._quarantine(pair, now)
@@ -91,6 +113,7 @@ class PairHealth:
         pair.quarantined_until = now + pair.cooldown
         pair.probing = False
         pair.quarantines += 1
+        pair.comebacks = _comebacks(pair)
 
     def _elsewhere(self, url: str, partner: str, now: float) -> tuple[bool, bool]:
         """Whether the server's last outcome with some other partner, recently, was a
@@ -108,7 +131,8 @@ class PairHealth:
         pair = self._pairs.get((prefill, decode))
         if pair is None or not pair.quarantined_until:
             return False
-        return pair.probing or self._clock() < pair.quarantined_until
+        return pair.probing or (self._clock() < pair.quarantined_until
+                                and _comebacks(pair) == pair.comebacks)
 
     def partners(self, prefill: str, decodes: list) -> list:
         """The `decodes` not `blocked` with `prefill`: all of them, the list itself, while no
@@ -149,3 +173,8 @@ class PairHealth:
                  if pair.quarantined_until else None,
                  "probing": pair.probing, "quarantines": pair.quarantines}
                 for (p, d), pair in self._pairs.items()]
+
+
+def _comebacks(pair: _Pair) -> int:
+    """How often the pair's servers were found back so far (0 when not named)."""
+    return sum(server.comebacks for server in pair.servers)

@@ -120,8 +120,8 @@ async def add_server(request: Request, parts: AdminParts) -> Response:
     if model is not None and (not isinstance(model, str) or not model):
         raise BadRequest("'model' must be a model name")
     server = await parts.register(url, role, port, require_probe=True, model=model)
-    parts.siblings.admin_change("add", url, role=role, bootstrap_port=server.bootstrap_port,
-                             model=model)
+    parts.siblings.admin_change("add", url, role=role, bootstrap_port=port,  # (the
+                             model=model)  # operator's: the others learn one themselves)
     return JSONResponse({"server": server.snapshot()}, status_code=201)
 
 

@@ -89,7 +89,7 @@ class Rank(Counted):
         return self.totals()
 
 
-# slots: a Server holds 31 fields, past the 30 keys up to which CPython 3.11 shares an
+# slots: a Server holds 33 fields, past the 30 keys up to which CPython 3.11 shares an
 # instance dict's keys; with a dict every attribute read of a server got slower (about 1% of
 # a request's instructions, docs/BENCHMARKS.md "Where the instructions went")
 @dataclass(eq=False, slots=True)
@@ -125,6 +125,13 @@ class Server(Counted):
     trailing_tokens: int = 0
     attempts: set = field(default_factory=set)  # attempts waiting on this server now (rescue)
     suspect_until: float = 0.0  # a request here timed out without progress: avoid until then
+    # times its health checks found it back (marked up again, or probed again after it
+    # refused connections: restarted); a pair quarantined before that is probed at once
+    # (gateway/health/pairs.py)
+    comebacks: int = 0
+    # the operator gave its bootstrap port (else the one its /server_info says is kept, and
+    # learned again when it is probed again: restarted, it may listen on another)
+    port_given: bool = field(default=False, init=False)
     shared: object = None  # processes.shared_state.ServerShare with --workers: counts summed
     metric_children: dict = field(default_factory=dict)  # labelled metrics, resolved once
     # as a scheduling target (like a Rank): the server it belongs to, its own; no DP rank.
@@ -135,6 +142,7 @@ class Server(Counted):
     def __post_init__(self) -> None:
         self.bootstrap_host = bootstrap_host_of(self.url)
         self.server = self
+        self.port_given = self.bootstrap_port is not None
 
     @property
     def usable(self) -> bool:
@@ -170,7 +178,7 @@ class Server(Counted):
 
     def apply_facts(self, facts: ServerFacts) -> None:
         """Adopt what the server says of itself; a port given by the operator wins."""
-        if self.role == "prefill" and self.bootstrap_port is None:
+        if self.role == "prefill" and not self.port_given:
             self.bootstrap_port = facts.bootstrap_port
         self.model = self.model or facts.model
         self.dp_size = facts.dp_size

@@ -16,6 +16,16 @@ what each role needs (`gateway_desired_servers`, with rebalancing off too), and,
   in the last hour (refused attempts count: a server that keeps saying no is not asked
   again and again).
 
+One more case is not a pressure: every prefill of a model down (none of them `serving`:
+health checks failed, refusing connections, taken out; not drained by an operator) serves
+nothing, and reads as an idle
+role. When that has lasted a whole window and at least two decodes serve (so the decodes
+keep the minimum, never below 1), one decode is switched to prefill, reason `prefill_down`,
+within the same cool-down and hourly budget (`without_prefill`). A model with no prefill at
+all configured is not this case. Down, not slow: a request success counts as a good health
+check (health/checker.py), so a slow prefill stays serving; and a window (10 s by default)
+is longer than a health check needs to mark one down, shorter than an SGLang restart.
+
 The server moved is the one cheapest to drain: fewest requests of ours in flight, then the
 least KV in use (the cache it would lose; SGLang drops its radix cache on a flip). Each
 attempt is one log line with the pressures that caused it and one count of
@@ -93,6 +103,18 @@ def decide(history: list[Pressure], window: float, minimum: int) -> Move | None:
     return None
 
 
+def without_prefill(servers: list[Server], since: float | None, now: float, window: float,
+                    minimum: int) -> Move | None:
+    """A decode to prefill when every prefill has been down (`since`) for a whole `window`
+    and the decodes that serve can spare one, keeping `minimum` (never below 1) (pure)."""
+    if since is None or now - since < window:
+        return None
+    decodes = sum(1 for s in servers if s.role == "decode" and s.serving)
+    if decodes <= max(1, minimum):
+        return None
+    return Move("decode", "prefill", "prefill_down")
+
+
 def cheapest(servers: list[Server]) -> Server:
     """The server whose drain costs least: fewest of ours in flight, least KV in use."""
     return min(servers, key=lambda s: (s.totals()[0] + len(s.attempts), s.load.used_tokens,
@@ -118,6 +140,7 @@ class Rebalancer:
         self.pressures: dict[tuple[str, str], float] = {}
         self.attempts: deque[float] = deque()  # monotonic times of the last hour's attempts
         self.ended: float | None = None  # when the last attempt ended: the cool-down's start
+        self.stranded: dict[str | None, float] = {}  # model -> since when no prefill serves
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -155,6 +178,7 @@ class Rebalancer:
                 chosen = (model, move)
         for model in [m for m in self.history if m not in by_model]:
             del self.history[model], self.gauges[model]
+            self.stranded.pop(model, None)
         if chosen is None or not self._may_switch(now):
             return None
         model, move = chosen
@@ -176,7 +200,22 @@ class Rebalancer:
         history.append(pressure)
         while len(history) > 1 and now - history[1].at >= o.window:
             history.popleft()  # keep just one reading at or before the window's start
-        return decide(list(history), o.window, o.minimum) if self.decides else None
+        if not self.decides:
+            return None
+        since = self._stranded(model, servers, now)  # at every reading, whatever is decided
+        return decide(list(history), o.window, o.minimum) or \
+            without_prefill(servers, since, now, o.window, o.minimum)
+
+    def _stranded(self, model: str | None, servers: list[Server], now: float) -> float | None:
+        """Since when the model's prefills, known but none serving, have all been down
+        (None while one serves, or none is known). One an operator drains, healthy, is not
+        down: taken out of traffic on purpose, it is not for a decode to stand in for."""
+        prefills = [s for s in servers if s.role == "prefill"]
+        if not prefills or any(s.serving or (s.draining and s.healthy and s.misconfigured is None)
+                               for s in prefills):
+            self.stranded.pop(model, None)
+            return None
+        return self.stranded.setdefault(model, now)
 
     def _may_switch(self, now: float) -> bool:
         while self.attempts and now - self.attempts[0] >= HOUR:

@@ -295,8 +295,8 @@ class RoleSwitcher:
                         f"({exc.message}); it is out of the pool: add it again when it does",
                         code="role_switch_unverified") from None
                 await asyncio.sleep(VERIFY_EVERY)
-        p.tell("add", server.url, role=role, bootstrap_port=fresh.bootstrap_port,
-               model=server.model)
+        p.tell("add", server.url, role=role, bootstrap_port=None,  # (learned: each worker's
+               model=server.model)  # own probe reads it, and reads it again after a restart)
         return fresh
 
 

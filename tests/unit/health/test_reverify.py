@@ -20,7 +20,7 @@ class Restarting:
     """A prefill at URL answering as a server of `dp` ranks, or refusing connections."""
 
     def __init__(self, dp: int) -> None:
-        self.dp, self.down, self.probed = dp, False, 0
+        self.dp, self.down, self.probed, self.port = dp, False, 0, 8998
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if self.down:
@@ -29,7 +29,7 @@ class Restarting:
         if path == "/server_info":
             self.probed += 1
             return httpx.Response(200, json={"disaggregation_mode": "prefill",
-                                             "disaggregation_bootstrap_port": 8998,
+                                             "disaggregation_bootstrap_port": self.port,
                                              "served_model_name": "m", "dp_size": self.dp})
         if path == "/v1/loads":
             return httpx.Response(200, json={"loads": [
@@ -37,8 +37,8 @@ class Restarting:
         return httpx.Response(200)
 
 
-def run(server_dp: int, scenario) -> Server:
-    server = Server(URL, "prefill")
+def run(server_dp: int, scenario, given_port: int | None = None) -> Server:
+    server = Server(URL, "prefill", given_port)
     server.apply_facts(ServerFacts("prefill", 8998, "m", 2))
     server.healthy = True
     fake = Restarting(server_dp)
@@ -107,3 +107,29 @@ def test_with_skip_probe_nothing_is_probed() -> None:
 
     asyncio.run(go())
     assert server.verified and fake.probed == 0
+
+
+def test_a_restart_on_another_bootstrap_port_is_learned() -> None:
+    """The port was read from /server_info, not given: a prefill restarted on another one
+    (a launcher's free port) must get decodes sent to the new one. Before, the first port
+    stayed: every request through it failed its KV handshake and was retried elsewhere, and
+    the prefill stayed out (its pairs quarantined, its breaker open) for good."""
+    async def scenario(checker, server, fake) -> None:
+        fake.down = True
+        await checker.check(server)
+        fake.down, fake.port = False, 28523
+        assert await checker.check(server)
+
+    assert run(2, scenario).bootstrap_port == 28523
+
+
+def test_a_bootstrap_port_the_operator_gave_is_kept() -> None:
+    """`--prefill URL PORT`: the operator's port wins over what the server says (a port
+    mapped between the decodes and the prefill)."""
+    async def scenario(checker, server, fake) -> None:
+        fake.down = True
+        await checker.check(server)
+        fake.down, fake.port = False, 28523
+        assert await checker.check(server)
+
+    assert run(2, scenario, given_port=9100).bootstrap_port == 9100
