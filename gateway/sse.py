@@ -1,26 +1,65 @@
-"""Server-sent events: just enough to split a byte stream into events and frame new ones."""
+"""Server-sent events: just enough to split a byte stream into events and frame new ones.
+
+An event ends at a blank line, and SSE allows three line ends: "\r\n", "\n" and "\r". A
+stream cut anywhere is split here, once, for every reader (the relay, the Responses watch,
+the merges): `whole_events` finds the last boundary, `EventSplitter` holds the partial rest
+between chunks.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import orjson
 
 DONE = b"data: [DONE]\n\n"
 
 
+def whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """(the bytes of the events `data` completes, as they came; the partial rest). Two line
+    ends in a row make a blank line, and any two in a row contain "\n\n", "\r\r" or "\n\r"
+    (a run of "\r" and "\n" without them is one line end: "\n", "\r" or "\r\n"), so the
+    last of those three ends the last event. The relay checks the common end, "\n\n", inline."""
+    if data.endswith(b"\n\n"):
+        return data, b""
+    at = max(data.rfind(b"\n\n"), data.rfind(b"\r\r"), data.rfind(b"\n\r"))
+    if at < 0:
+        return b"", data
+    cut = at + 2
+    if data[at + 1:cut + 1] == b"\r\n":  # the blank line's own "\r\n"
+        cut += 1
+    return data[:cut], data[cut:]
+
+
+def split_events(data: bytes) -> list[bytes]:
+    """The events of `data` (whole events), their lines ended by "\n", without blank lines
+    (a blank line's "\n" left by a cut inside its "\r\n" among them)."""
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    return [e.lstrip(b"\n") for e in data.split(b"\n\n") if e.strip()]
+
+
 class EventSplitter:
-    """Accumulate raw chunks and yield complete events (bytes without the blank line)."""
+    """Accumulate raw chunks; hand out complete events (the partial rest held back)."""
+
+    __slots__ = ("_buffer",)
 
     def __init__(self) -> None:
         self._buffer = b""
 
+    def whole(self, chunk: bytes, ended: bool = False) -> bytes:
+        """The bytes of the events `chunk` completes, as they came; all that is held when the
+        stream `ended`."""
+        data = self._buffer + chunk if self._buffer else chunk
+        if ended:
+            self._buffer = b""
+            return data
+        out, self._buffer = whole_events(data)
+        return out
+
     def feed(self, chunk: bytes) -> list[bytes]:
-        data = self._buffer + chunk
-        if b"\r\n" in data:
-            data = data.replace(b"\r\n", b"\n")
-        *events, self._buffer = data.split(b"\n\n")
-        return [e for e in events if e.strip()]
+        """The events `chunk` completes, as `split_events` gives them."""
+        return split_events(self.whole(chunk))
 
     def rest(self) -> bytes:
         return self._buffer
@@ -28,10 +67,24 @@ class EventSplitter:
 
 def event_data(event: bytes) -> bytes | None:
     """The payload of an event's `data:` line(s), or None for comments and other fields."""
-    lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    lines = [line[5:].lstrip(b" ") for line in event.splitlines()
+             if line.startswith(b"data:") or line == b"data"]
     if not lines:
         return None
     return b"\n".join(lines)
+
+
+def with_data(event: bytes, obj: object) -> bytes:
+    """`event` (as `split_events` gives it) framed again with `obj` as its data, in one line
+    where its first data line was: its other fields (event, id) kept."""
+    lines, data = [], b"data: " + orjson.dumps(obj)
+    for line in event.split(b"\n"):
+        if not (line.startswith(b"data:") or line == b"data"):
+            lines.append(line)
+        elif data:
+            lines.append(data)
+            data = b""
+    return b"\n".join(lines) + b"\n\n"
 
 
 def frame(obj: object) -> bytes:
@@ -41,10 +94,10 @@ def frame(obj: object) -> bytes:
 NOT_JSON = object()  # `parsed`: the event's data is [DONE] or not JSON
 
 
-def parsed(splitter: EventSplitter, chunk: bytes) -> Iterator[tuple[bytes, bytes | None, object]]:
-    """The complete events `chunk` ends, each as (event, its data or None when it has no
-    data line, that data's JSON value or NOT_JSON): what every reader of events transforms."""
-    for event in splitter.feed(chunk):
+def decoded(events: Iterable[bytes]) -> Iterator[tuple[bytes, bytes | None, object]]:
+    """Each event as (event, its data or None when it has no data line, that data's JSON
+    value or NOT_JSON): what every reader of events transforms."""
+    for event in events:
         payload = event_data(event)
         if payload is None or payload == b"[DONE]":
             yield event, payload, NOT_JSON
@@ -56,10 +109,14 @@ def parsed(splitter: EventSplitter, chunk: bytes) -> Iterator[tuple[bytes, bytes
         yield event, payload, obj
 
 
+def parsed(splitter: EventSplitter, chunk: bytes) -> Iterator[tuple[bytes, bytes | None, object]]:
+    """The complete events `chunk` ends, `decoded`."""
+    return decoded(splitter.feed(chunk))
+
+
 def data_objects(body: bytes) -> list[dict]:
     """All JSON objects carried by an SSE body (ignores [DONE] and non-JSON events)."""
-    return [obj for _, _, obj in parsed(EventSplitter(), body + b"\n\n")
-            if isinstance(obj, dict)]
+    return [obj for _, _, obj in decoded(split_events(body)) if isinstance(obj, dict)]
 
 
 def leading_failure(chunk: bytes) -> tuple[int, str] | None:
@@ -73,8 +130,8 @@ def leading_failure(chunk: bytes) -> tuple[int, str] | None:
     """
     if b'"error"' not in chunk and b'"abort"' not in chunk:
         return None
-    event = chunk.split(b"\n\n", 1)[0]
-    payload = event_data(event)
+    events = split_events(chunk)
+    payload = event_data(events[0]) if events else None
     if payload is None:
         return None
     try:

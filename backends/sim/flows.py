@@ -19,6 +19,7 @@ woken by the engine, by its room's listeners and by deadlines.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 
@@ -63,7 +64,21 @@ def launch(state: SimState, job: Job, endpoint: str) -> asyncio.Task[None]:
     """Serve `job` in a task of its own (streams and batches)."""
     task = asyncio.get_running_loop().create_task(run_job(state, job, endpoint))
     register(state, job, task)
+    task.add_done_callback(functools.partial(_never_ran, state, job, endpoint))
     return task
+
+
+def _never_ran(state: SimState, job: Job, endpoint: str, task: asyncio.Task[None]) -> None:
+    """End a job whose task was cancelled before its first step (the client left, or
+    /abort_request, in the same loop turn as the launch): its coroutine never started, so
+    `run_job`'s `finally` never ran, and the job stayed in `state.jobs` (a decode's
+    `in_flight` stuck at 1, past its --waiting-timeout).
+
+    mirrors Scheduler.abort_request (managers/scheduler.py), "abort method 1": a request
+    that has not started anything is popped from the waiting queue, and its state is still
+    cleaned up (an AbortReq sent back to the TokenizerManager)."""
+    if task.cancelled() and state.jobs.get(job.spec.rid) is job:  # else run_job ended it
+        _settle(state, job, endpoint, _Leg(), *_stopped(state, job))
 
 
 def interrupt(job: Job, aborted: bool = False) -> None:
@@ -98,23 +113,33 @@ async def run_job(state: SimState, job: Job, endpoint: str) -> None:
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()  # handled here: the task goes on to answer (or not)
-        if job.aborted:
-            job.finish(dict(ABORT_REASON))
-            outcome, reason = "aborted", ABORTED
-        else:
-            job.cancel()
-            outcome, reason = "cancelled", "client disconnected"
-        state.telemetry.aborted += 1
+        outcome, reason = _stopped(state, job)
     finally:
-        if outcome != "completed":
-            state.ranks[job.rank].engine.drop(job)
-        _release_leg(state, job, leg, outcome, reason)
-        if state.jobs.get(job.spec.rid) is job:
-            del state.jobs[job.spec.rid]
-        room = job.spec.bootstrap_room if state.config.mode != "null" else None
-        state.stats.record(endpoint, job.spec.rid, room, outcome, reason)
-        if outcome == "completed":
-            state.telemetry.observe_finished(job)
+        _settle(state, job, endpoint, leg, outcome, reason)
+
+
+def _stopped(state: SimState, job: Job) -> tuple[str, str]:
+    """The job was cancelled: aborted (/abort_request) or its client left."""
+    state.telemetry.aborted += 1
+    if job.aborted:
+        job.finish(dict(ABORT_REASON))
+        return "aborted", ABORTED
+    job.cancel()
+    return "cancelled", "client disconnected"
+
+
+def _settle(state: SimState, job: Job, endpoint: str, leg: _Leg, outcome: str,
+            reason: str | None) -> None:
+    """Whatever the outcome: out of the engine and the table, the room released, counted."""
+    if outcome != "completed":
+        state.ranks[job.rank].engine.drop(job)
+    _release_leg(state, job, leg, outcome, reason)
+    if state.jobs.get(job.spec.rid) is job:
+        del state.jobs[job.spec.rid]
+    room = job.spec.bootstrap_room if state.config.mode != "null" else None
+    state.stats.record(endpoint, job.spec.rid, room, outcome, reason)
+    if outcome == "completed":
+        state.telemetry.observe_finished(job)
 
 
 def _release_leg(state: SimState, job: Job, leg: _Leg, outcome: str, reason: str | None) -> None:

@@ -31,7 +31,16 @@ from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
 from gateway.health.queue_wait import DecodeQueue
 from gateway.request import MESSAGES
-from gateway.sse import DONE, EventSplitter, data_objects, event_data, frame, parsed
+from gateway.sse import (
+    DONE,
+    EventSplitter,
+    data_objects,
+    event_data,
+    frame,
+    parsed,
+    split_events,
+    whole_events,
+)
 from gateway.timers import Timers
 from gateway.upstream.client import UpstreamResponse, leg_error
 
@@ -162,9 +171,8 @@ class StreamRelay:
                 out = _merge_events(splitter, merger, chunk) if splitter else chunk
                 if held:
                     out, held = held + out, b""
-                if out and not out.endswith(b"\n\n"):  # hold back a partial event
-                    cut = out.rfind(b"\n\n") + 2
-                    out, held = (out[:cut], out[cut:]) if cut > 1 else (b"", out)
+                if out and not out.endswith(b"\n\n"):  # hold back a partial event (the
+                    out, held = whole_events(out)  # common end checked inline: no call)
                 if out:
                     if unsuffix is not None:  # whole events: a suffix a read cut is whole
                         out = out.replace(unsuffix, b"")
@@ -262,12 +270,23 @@ def _failure(exc: BaseException, watchdog: StreamWatchdog, url: str) -> BaseExce
 FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n",
                 b"event: response.failed\n",
                 b"event: message_stop\n")  # /v1/messages (`_generate_anthropic_stream`)
+FINAL_NAMES = frozenset(e[len(b"event: "):-1] for e in FINAL_EVENTS)
 
 
 def _final_event(last: bytes) -> bool:
-    """Whether the last events relayed end with a stream's typed final event."""
+    """Whether the last events relayed end with a stream's typed final event, or [DONE] in
+    another framing than `DONE`'s. SGLang's framing is checked first; any other (a proxy's:
+    other line ends, field order or spacing) is read field by field."""
     start = last.rfind(b"\n\n", 0, len(last) - 2) + 2  # (0 when `last` is one event)
-    return last.startswith(FINAL_EVENTS, start if start > 1 else 0)
+    if last.startswith(FINAL_EVENTS, start if start > 1 else 0):
+        return True
+    events = split_events(last)
+    if not events:
+        return False
+    final = events[-1]
+    names = (line[6:].removeprefix(b" ") for line in final.split(b"\n")
+             if line.startswith(b"event:"))
+    return event_data(final) == b"[DONE]" or any(name in FINAL_NAMES for name in names)
 
 
 def _unfinished(url: str) -> UpstreamError:
@@ -321,7 +340,7 @@ async def first_event(response: UpstreamResponse, url: str) -> bytes:
     counts as begun, and can no longer be retried from scratch, only once the client can be
     sent a whole event. A cut in the first event is then a failure before the first chunk."""
     first = await response.next_chunk()
-    while first and b"\n\n" not in first:
+    while first and b"\n\n" not in first and not whole_events(first)[0]:
         more = await response.next_chunk()
         if more is None:
             return first if _whole_data(first, url) else b""

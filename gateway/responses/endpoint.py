@@ -24,7 +24,7 @@ from gateway.responses.service import Responses, Turn
 from gateway.routes.asgi import ClientGone, read_body, send_error
 from gateway.routes.inference import InferenceEndpoint, request_id_of
 from gateway.routes.server_protocol import CHUNKS, WHOLE
-from gateway.sse import EventSplitter, parsed
+from gateway.sse import EventSplitter, decoded, split_events, with_data
 
 FINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
@@ -131,12 +131,12 @@ class AnswerWatch:
         self._send = send
         self.status = 0
         self.stream = False
-        self.splitter = EventSplitter()
+        self.events = EventSplitter()  # a stream's event cut by a chunk waits for its end, so
+        # the final one is kept, and rewritten if a cancel won, before any byte of it goes out
         self.parts: list[bytes] = []
         self.done = False
         self.restore = restorer(turn)
         self.head: Message | None = None  # a whole answer's head, sent with its body
-        self.held = b""  # a stream's event not yet complete
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -163,13 +163,14 @@ class AnswerWatch:
             body = b"".join(self.parts)
             self.parts.clear()
         else:
-            body = self._complete_events(body, more)
+            body = self.events.whole(body, ended=not more)
             if not body and more:
                 return None
         if self.restore is not None:
             body = self.restore(body)
         if not self.done:
-            body = await self._keep_final(body)
+            body = await (self._keep_final_event(body) if self.stream
+                          else self._keep_whole(body))
         if self.head is not None:
             headers = [(k, v) for k, v in self.head.get("headers", ())
                        if k != b"content-length"]
@@ -178,46 +179,34 @@ class AnswerWatch:
             self.head = None
         return {"type": "http.response.body", "body": body, "more_body": more}
 
-    def _complete_events(self, chunk: bytes, more: bool) -> bytes:
-        """The events `chunk` completes, with the start held from before: an event cut by
-        a chunk waits for its end, so the final one is kept, and rewritten if a cancel won,
-        before any byte of it goes out."""
-        data = self.held + chunk
-        if not more:
-            self.held = b""
-            return data
-        cut = max((i + len(sep) for sep in (b"\n\n", b"\r\n\r\n")
-                   if (i := data.rfind(sep)) >= 0), default=0)
-        self.held = data[cut:]
-        return data[:cut]
-
-    async def _keep_final(self, body: bytes) -> bytes:
-        """Keep the final response if `body` carries it; when a cancel won the record first,
-        the client is sent it cancelled, as GET and the cancel's answer say."""
-        found = self._final_event(body) if self.stream else self._whole(body)
-        if found is None:
-            return body
+    async def _cancelled(self, final: dict) -> bool:
+        """Keep the final response; True when a cancel won the record first: the client is
+        then sent it cancelled, as GET and the cancel's answer say."""
         self.done = True
-        payload, outer, final = found
         if not self.turn.store or await self.responses.keep(self.turn, final) != "cancelled":
-            return body
+            return False
         final["status"] = "cancelled"
-        return body.replace(payload, orjson.dumps(outer), 1)
+        return True
 
-    def _final_event(self, chunk: bytes) -> tuple[bytes, dict, dict] | None:
-        """(its data, the event, its response) of the final event `chunk` carries."""
-        for _, payload, obj in parsed(self.splitter, chunk):
-            if isinstance(obj, dict) and obj.get("type") in FINAL_TYPES:
-                response = obj.get("response")
-                return (payload, obj, response) if isinstance(response, dict) else None
-        return None
-
-    @staticmethod
-    def _whole(body: bytes) -> tuple[bytes, dict, dict] | None:
+    async def _keep_whole(self, body: bytes) -> bytes:
         try:
             answer = orjson.loads(body)
         except orjson.JSONDecodeError:
-            return None
-        if isinstance(answer, dict) and answer.get("object") == "response":
-            return body, answer, answer
-        return None
+            return body
+        if not (isinstance(answer, dict) and answer.get("object") == "response"):
+            return body
+        return orjson.dumps(answer) if await self._cancelled(answer) else body
+
+    async def _keep_final_event(self, body: bytes) -> bytes:
+        """`body` (whole events), its final event kept. When a cancel won, the events are
+        framed again (lines ended by "\n"), the final one with its changed data in one line:
+        a proxy may have split that data over several lines, or ended them otherwise."""
+        events = split_events(body)
+        for i, (event, _, obj) in enumerate(decoded(events)):
+            if isinstance(obj, dict) and obj.get("type") in FINAL_TYPES:
+                response = obj.get("response")
+                if not isinstance(response, dict) or not await self._cancelled(response):
+                    return body
+                events[i] = with_data(event, obj)
+                return b"".join(e if j == i else e + b"\n\n" for j, e in enumerate(events))
+        return body

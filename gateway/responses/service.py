@@ -61,7 +61,7 @@ class Responses:
         self.errors = Counter("gateway_responses_store_errors",
                               "Response store operations that failed, by operation",
                               ["operation"], registry=registry)
-        self._saving: set[asyncio.Task] = set()  # final saves tried again (`keep`)
+        self._saving: set[asyncio.Task] = set()  # final saves behind the answer (`keep`)
 
     async def start(self) -> None:
         self.store.on_cancel(self._cancel_here)
@@ -125,17 +125,31 @@ class Responses:
         """Write the turn's record; a failure is logged and counted, never the client's. A
         final save that failed is tried again while the store recovers (`_save_later`).
         The status the record holds now (None: not kept): a final save that a cancel came
-        before says `cancelled`, and so does `response` then (what the client is sent)."""
+        before says `cancelled`, and so does `response` then (what the client is sent).
+
+        A turn whose start the store refused is not held for its final save: no record of it
+        is there for a cancel to race, and a store that refused it (a file locked, a Redis not
+        answering) would cost the client a second deadline. It is tried behind the answer."""
+        if operation == "save" and not turn.kept:
+            self._behind(self._try(turn, response, operation))
+            return None
+        return await self._try(turn, response, operation)
+
+    async def _try(self, turn: Turn, response: dict, operation: str) -> str | None:
         try:
             return await self._write(turn, response, operation)
         except StoreDown as exc:
             self.errors.labels(operation).inc()
             log.warning("response %s not kept: %s", turn.rid, exc.message)
             if operation == "save" and turn.kept:  # its placeholder says in_progress
-                task = asyncio.get_running_loop().create_task(self._save_later(turn, response))
-                self._saving.add(task)
-                task.add_done_callback(self._saving.discard)
+                self._behind(self._save_later(turn, response))
             return None
+
+    def _behind(self, work) -> None:
+        """Run a write after the answer; `stop` ends those still running."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._saving.add(task)
+        task.add_done_callback(self._saving.discard)
 
     async def _write(self, turn: Turn, response: dict, operation: str) -> str | None:
         if not (turn.kept and operation == "save"):

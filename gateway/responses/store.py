@@ -10,19 +10,26 @@ The SQLite store runs its statements on one worker thread (sqlite3 blocks): a fi
 (shared by the `--workers` processes of one host, WAL journal), or memory when no path is set
 (this process only). A store that cannot answer raises `StoreDown`; the endpoint decides what
 that costs a request (docs/RESPONSES.md, "When the store is down").
+
+Every operation answers within `DEADLINE` seconds of being asked, as Redis's socket timeout
+bounds its store: another process holding the file's write lock (a backup's `BEGIN
+EXCLUSIVE`) once held every turn for the whole lock, because each queued write waited its own
+5 s busy timeout after those ahead of it. Now an operation whose deadline passed while it
+queued is not run, and one that runs waits for the lock only what is left of its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.errors import ServiceUnavailable
+
+DEADLINE = 2.0  # seconds an operation may take from its asking, its queueing included
 
 
 class StoreDown(ServiceUnavailable):
@@ -87,46 +94,69 @@ WHERE tenant = ? AND id = ? AND written > ?
 class SQLiteStore:
     """The embedded store: a SQLite file at `path`, or memory when `path` is None."""
 
-    def __init__(self, path: str | None, retention: Retention) -> None:
+    def __init__(self, path: str | None, retention: Retention,
+                 deadline: float = DEADLINE) -> None:
         self.path = path
         self.retention = retention
+        self.deadline = deadline
         self._db: sqlite3.Connection | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="responses-store")
-        self._lock = threading.Lock()
 
     async def _run(self, fn, *args):
+        """`fn(db, *args)` on the store's thread, within `deadline` of now (else StoreDown)."""
+        by = time.monotonic() + self.deadline
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._thread, fn, *args)
+            return await loop.run_in_executor(self._thread, self._in_time, by, fn, args)
         except sqlite3.Error as exc:
             raise StoreDown(f"sqlite: {exc}") from None
 
-    def _open(self) -> sqlite3.Connection:
-        if self._db is None:
-            db = sqlite3.connect(self.path or ":memory:", timeout=5.0,
-                                 check_same_thread=False, isolation_level=None)
+    def _in_time(self, by: float, fn, args: tuple):
+        """On the store's thread: `fn` only if its deadline has not passed while it queued,
+        and its wait for the file's lock cut at that deadline. The wait never grows with the
+        queue: those ahead of it ran within their own, earlier, deadlines."""
+        left = by - time.monotonic()
+        if left <= 0:
+            raise StoreDown(f"no answer within {self.deadline:g}s (the file is locked or busy)")
+        return fn(self._open(left), *args)
+
+    def _open(self, wait: float) -> sqlite3.Connection:
+        """The connection, told to wait `wait` seconds at most for a lock."""
+        if self._db is not None:
+            self._db.execute(f"PRAGMA busy_timeout = {max(1, int(wait * 1000))}")
+            return self._db
+        db = sqlite3.connect(self.path or ":memory:", timeout=wait,
+                             check_same_thread=False, isolation_level=None)
+        try:
             if self.path:
                 db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
-            self._db = db
-        return self._db
+        except BaseException:
+            db.close()  # opened again by the next operation
+            raise
+        self._db = db
+        return db
 
     async def start(self) -> None:
-        await self._run(self._open)
+        await self._run(lambda db: None)
 
     async def close(self) -> None:
         def shut() -> None:
             if self._db is not None:
                 self._db.close()
                 self._db = None
-        await self._run(shut)
-        self._thread.shutdown(wait=False)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._thread, shut)
+        except sqlite3.Error as exc:
+            raise StoreDown(f"sqlite: {exc}") from None
+        finally:
+            self._thread.shutdown(wait=False)
 
     async def get(self, tenant: str, rid: str) -> bytes | None:
         return await self._run(self._get, tenant, rid)
 
-    def _get(self, tenant: str, rid: str) -> bytes | None:
-        row = self._open().execute(
+    def _get(self, db: sqlite3.Connection, tenant: str, rid: str) -> bytes | None:
+        row = db.execute(
             "SELECT record FROM responses WHERE tenant = ? AND id = ? AND written > ?",
             (tenant, rid, time.time() - self.retention.ttl)).fetchone()
         return bytes(row[0]) if row else None
@@ -134,29 +164,31 @@ class SQLiteStore:
     async def put(self, tenant: str, rid: str, record: bytes) -> None:
         await self._run(self._put, tenant, rid, record)
 
-    def _put(self, tenant: str, rid: str, record: bytes) -> None:
+    def _put(self, db: sqlite3.Connection, tenant: str, rid: str, record: bytes) -> None:
         def insert(db: sqlite3.Connection, now: float) -> bool:
             db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
                        (tenant, rid, now, len(record), record))
             return True
-        self._write(tenant, rid, insert)
+        self._write(db, tenant, rid, insert)
 
     async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
         return await self._run(self._swap, tenant, rid, expected, record)
 
-    def _swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
+    def _swap(self, db: sqlite3.Connection, tenant: str, rid: str, expected: str,
+              record: bytes) -> bool:
         def update(db: sqlite3.Connection, now: float) -> bool:
             cur = db.execute(_SWAP, (now, len(record), record, tenant, rid,
                                      now - self.retention.ttl, expected))
             return cur.rowcount == 1
-        return self._write(tenant, rid, update)
+        return self._write(db, tenant, rid, update)
 
-    def _write(self, tenant: str, rid: str, change) -> bool:
+    def _write(self, db: sqlite3.Connection, tenant: str, rid: str, change) -> bool:
         """Run `change(db, now)` and the retention bounds in one write transaction (BEGIN
-        IMMEDIATE: the `--workers` sharing the file wait for each other)."""
-        db, r = self._open(), self.retention
+        IMMEDIATE: the `--workers` sharing the file wait for each other, up to the busy
+        timeout `_open` set)."""
+        r = self.retention
         now = time.time()
-        db.execute("BEGIN IMMEDIATE")
+        db.execute("BEGIN IMMEDIATE")  # a lock not had is no transaction to roll back
         try:
             written = change(db, now)
             if written:
@@ -190,9 +222,9 @@ class SQLiteStore:
         db.executemany("DELETE FROM responses WHERE tenant = ? AND id = ?", doomed)
 
     async def delete(self, tenant: str, rid: str) -> bool:
-        def remove() -> bool:
-            cur = self._open().execute("DELETE FROM responses WHERE tenant = ? AND id = ?",
-                                       (tenant, rid))
+        def remove(db: sqlite3.Connection) -> bool:
+            cur = db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?",
+                             (tenant, rid))
             return cur.rowcount > 0
         return await self._run(remove)
 

@@ -3,8 +3,10 @@ itself, and what it sends is observed by the endpoint's meter (time to first byt
 between chunks, bytes) and by the request's usage record (time to first byte, the final
 events that carry the completion tokens).
 
-The client's departure is watched by `ClientWatch`, armed before the admission wait (a client
-that leaves while queued leaves the queue at once) and told by the answer when it is sent.
+The client's departure is watched by `ClientWatch`, armed once the request's body is read (a
+client that leaves while its prompt is counted, or while queued, stops the request at once)
+and told by the answer when it is sent; a client that left before the watch was armed stops
+the request as the watch is armed.
 An error after the head is out can only end the stream: the answer sends an error event and
 `[DONE]`, then raises `StreamCut` so that the endpoint counts it without answering again.
 """
@@ -44,7 +46,9 @@ class ClientWatch:
     """Fires the request's interrupt when the client disconnects, until the answer is sent;
     a connection the server cut because the client stopped reading counts as a slow client.
     Under our server protocol the protocol calls `left` (no task per request); under another
-    ASGI server a task waits for `http.disconnect`."""
+    ASGI server a task waits for `http.disconnect`. A client that left before the watch
+    (the protocol's `Departure.gone`) raises `ClientGone` here: the request stops as the
+    interrupt would have stopped it, which cannot fire in its own task."""
 
     __slots__ = ("interrupt", "done", "scope", "_departure", "_task")
 
@@ -53,9 +57,11 @@ class ClientWatch:
         self.done = False
         self.scope = scope
         self._task: asyncio.Task | None = None
-        self._departure = scope.get(DEPARTURE)
-        if self._departure is not None:
-            self._departure.callback = self.left
+        self._departure = departure = scope.get(DEPARTURE)
+        if departure is not None:
+            if departure.gone:  # left before the watch: nothing more is done for it
+                raise ClientGone
+            departure.callback = self.left
         else:
             self._task = asyncio.get_running_loop().create_task(self._listen(receive))
 

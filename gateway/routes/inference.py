@@ -8,7 +8,9 @@ size alone refused -> count prompt tokens (exact with the model's tokenizer) -> 
 limit -> context check -> in-flight table -> admission
 slot (fair queue) -> serve (one PD request, or n single-sample ones for n > 1) -> the answer,
 an ASGI response that sends itself (gateway/routes/answer.py). The disconnect watch is armed
-before the admission wait, so a client that leaves while queued leaves the queue at once. The
+once the body is read, so a client that leaves while its prompt is counted (a server's
+/v1/tokenize may be slow) or while queued stops the request at once (a queued one leaves the
+queue); one that left earlier (while a Responses turn waited for its store) stops it there. The
 work runs in the request's own task, under one `Interrupt`: the client's departure fires it
 (told by the server protocol directly, `server_protocol.Departure`; under another ASGI server
 a watcher task waits for `http.disconnect` instead), `/abort_request` fires it when it must
@@ -155,8 +157,8 @@ class InferenceEndpoint:
 
     async def _view(self, scope: Scope, receive: Receive, lease: BodyLease, caller: Caller,
                     ticket: Ticket, usage) -> RequestView:
-        """The request parsed once, its model resolved, its context checked (by its size
-        first), its tokens counted and limited. The body's bytes are not kept past parsing."""
+        """The request parsed once, its model resolved, refused if its size alone is over the
+        context. The body's bytes are not kept past parsing."""
         parts = self.parts
         view = self.parse(self.endpoint,
                           await read_body(scope, receive, parts.max_body_bytes,
@@ -171,6 +173,13 @@ class InferenceEndpoint:
             raise BadRequest(f"{items} items (batch size x n) exceed the limit of "
                              f"{parts.max_items} per request")
         parts.context.refuse_by_size(view)  # over the context by its size alone: 400
+        return view
+
+    async def _counted(self, view: RequestView, caller: Caller) -> RequestView:
+        """Its tokens counted and limited, its context checked. Run under the client watch:
+        a count may wait (the tokenizer here, a server's /v1/tokenize), and a client that
+        leaves meanwhile stops it at once, not after it."""
+        parts = self.parts
         if parts.tokens.wanted(view):
             view = await parts.tokens.count(view)
         parts.limits.take_tokens(caller.key_index, view.prompt_tokens)
@@ -193,17 +202,19 @@ class InferenceEndpoint:
         usage.tenant = caller.tenant
         ticket = parts.tenancy.classify(scope["headers"], caller.key_index)
         view = await self._view(scope, receive, lease, caller, ticket, usage)
-        if parts.slo is not None:  # the request's latency objectives (400 if bad)
-            view.slo = parts.slo.ticket(scope["headers"], ticket.klass, usage.request_id,
-                                        view)
-        tracked = Tracked(usage.request_id, caller.owner, view.rids or (), interrupt=interrupt,
-                          trace=trace, usage=usage, not_after=ticket.deadline)
-        if trace is not None:
-            trace.admitted(caller, view)
-        parts.inflight.add(tracked)
-        admission = parts.admission
-        try:
-            with ClientWatch(interrupt, scope, receive) as watch:
+        with ClientWatch(interrupt, scope, receive) as watch:  # the body is read: watch now
+            view = await self._counted(view, caller)
+            if parts.slo is not None:  # the request's latency objectives (400 if bad)
+                view.slo = parts.slo.ticket(scope["headers"], ticket.klass, usage.request_id,
+                                            view)
+            tracked = Tracked(usage.request_id, caller.owner, view.rids or (),
+                              interrupt=interrupt, trace=trace, usage=usage,
+                              not_after=ticket.deadline)
+            if trace is not None:
+                trace.admitted(caller, view)
+            parts.inflight.add(tracked)
+            admission = parts.admission
+            try:
                 await admission.acquire(ticket.tenant, ticket.klass, ticket.deadline)
                 try:
                     if view.slo is not None:  # nothing starts that is certain to miss
@@ -219,9 +230,9 @@ class InferenceEndpoint:
                             await answer.close()
                 finally:
                     admission.release()
-        finally:
-            parts.inflight.remove(tracked)
-            tracked.attempts.clear()  # attempt -> tracked -> attempts: no cycle left
+            finally:
+                parts.inflight.remove(tracked)
+                tracked.attempts.clear()  # attempt -> tracked -> attempts: no cycle left
 
     async def _internal_error(self, send: Send, request_id: str) -> None:
         log.exception("unexpected error on %s (request %s)", self.endpoint, request_id)

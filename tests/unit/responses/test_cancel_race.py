@@ -113,8 +113,11 @@ def _event(kind: str, response: dict) -> bytes:
             + orjson.dumps({"type": kind, "response": response}) + b"\n\n")
 
 
-async def _answer_after_a_cancel(stream: bool) -> tuple[list[dict], dict, dict]:
-    """A turn whose cancel won while its last event was on its way; what the client got."""
+async def _answer_after_a_cancel(stream: bool, framed=None,
+                                 cut=None) -> tuple[list[dict], dict, dict]:
+    """A turn whose cancel won while its last event was on its way; what the client got.
+    `framed(kind, response)`: the final event's bytes (`_event`'s by default), `cut(last)`:
+    where a chunk ends inside it (its middle by default)."""
     responses, store, _ = await _serving()
     turn = await responses.begin("t", b'{"model": "m", "input": "hi", "stream": true}')
     sent: list[dict] = []
@@ -130,9 +133,9 @@ async def _answer_after_a_cancel(stream: bool) -> tuple[list[dict], dict, dict]:
         await watch.send({"type": "http.response.body", "more_body": True,
                           "body": _event("response.created", {"id": turn.rid})})
     cancelled = await responses.cancel("t", turn.rid)
-    last = _event("response.completed", _final(turn.rid)) if stream \
+    last = (framed or _event)("response.completed", _final(turn.rid)) if stream \
         else orjson.dumps(_final(turn.rid))
-    half = len(last) // 2  # the final event cut in two chunks
+    half = (cut or (lambda data: len(data) // 2))(last)  # the final event cut in two chunks
     for part, more in ((last[:half], True), (last[half:], not stream)):
         await watch.send({"type": "http.response.body", "body": part, "more_body": more})
     if not stream:
@@ -157,3 +160,42 @@ def test_a_cancel_that_won_reaches_the_client_as_cancelled(stream):
         assert int(length) == len(body)
     assert seen["status"] == cancelled["status"] == record["status"] == "cancelled"
     assert seen["output"] == record["output"] == _final(record["response"]["id"])["output"]
+
+
+def _pretty(end: bytes):
+    """A proxy's framing: the data as indented JSON, one `data:` line per line (SSE joins
+    them with "\n"), every line ended by `end`."""
+    def framed(kind: str, response: dict) -> bytes:
+        data = orjson.dumps({"type": kind, "response": response}, option=orjson.OPT_INDENT_2)
+        lines = [b"event: " + kind.encode(), *(b"data: " + line for line in data.split(b"\n"))]
+        return end.join(lines) + end + end
+    return framed
+
+
+def _one_line(end: bytes):
+    return lambda kind, response: _event(kind, response).replace(b"\n", end)
+
+
+def _client_events(body: bytes) -> list[dict]:
+    """The JSON data of each event the client got, read as SSE reads it."""
+    body = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    return [orjson.loads(b"\n".join(line[len(b"data:"):] for line in event.split(b"\n")
+                                    if line.startswith(b"data:")))
+            for event in body.split(b"\n\n") if b"data:" in event]
+
+
+@pytest.mark.parametrize("framed", [
+    pytest.param(_pretty(b"\n"), id="data-in-several-lines"),
+    pytest.param(_pretty(b"\r\n"), id="data-in-several-lines-crlf"),
+    pytest.param(_one_line(b"\r"), id="cr-line-ends"),
+    pytest.param(_pretty(b"\r"), id="data-in-several-lines-cr"),
+])
+@pytest.mark.parametrize("cut", [pytest.param(lambda last: len(last) // 2, id="cut-inside"),
+                                 pytest.param(lambda last: len(last) - 1, id="cut-in-the-end")])
+def test_a_cancel_that_won_reaches_the_client_whatever_the_final_events_framing(framed, cut):
+    sent, cancelled, record = asyncio.run(_answer_after_a_cancel(True, framed, cut))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    *_, last = _client_events(body)
+    assert last["type"] == "response.completed"
+    assert last["response"]["status"] == cancelled["status"] == record["status"] == "cancelled"
+    assert last["response"]["output"] == record["output"]
