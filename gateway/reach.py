@@ -29,7 +29,8 @@ _FLAGS = {MEDIA_URLS: "--allow-media-urls", LOGIT_PROCESSOR: "--allow-custom-log
 INTERNAL_FIELDS = ("http_worker_ipc", "encoder_urls", "received_time",
                    "need_wait_for_mm_inputs", "num_items_assigned")
 MEDIA_FIELDS = {"image_data": "image", "video_data": "video", "audio_data": "audio"}
-_GUARDED = frozenset((*INTERNAL_FIELDS, *MEDIA_FIELDS, LOGIT_PROCESSOR))
+# the top-level fields `fields` looks at: a body without any (almost every one) skips it
+GUARDED = frozenset((*INTERNAL_FIELDS, *MEDIA_FIELDS, LOGIT_PROCESSOR))
 _REMOTE = ("http://", "https://")
 
 
@@ -51,26 +52,19 @@ def media_reference(value: object, kind: str, where: str) -> bool:
     raise BadRequest(f"'{where}' may name a file on the servers; give the {kind} {hint}")
 
 
-def generate_fields(body: dict) -> frozenset[str]:
-    """What a `/generate` body's own fields need; BadRequest for fields no caller may set
-    and media that name the servers' files."""
-    if _GUARDED.isdisjoint(body):  # (one C-level test for the usual body)
-        return NOTHING
-    for name in INTERNAL_FIELDS:
-        if body.get(name) is not None:
-            raise BadRequest(f"'{name}' is set by SGLang's own processes; do not send it")
-    needs = set(openai_fields(body))
-    for name, kind in MEDIA_FIELDS.items():
-        if body.get(name) is not None and _media_tree(body[name], kind, name):
-            needs.add(MEDIA_URLS)
-    return frozenset(needs)
-
-
-def openai_fields(body: dict) -> frozenset[str]:
-    """What a chat or completions body's top-level fields need (its messages: `part`)."""
-    if body.get(LOGIT_PROCESSOR) is not None:
-        return frozenset((LOGIT_PROCESSOR,))
-    return NOTHING
+def fields(body: dict, generate: bool) -> frozenset[str]:
+    """What a body's top-level fields need (a chat's messages: `part`); on `/generate`,
+    BadRequest for fields no caller may set and media that name the servers' files. Asked
+    only of a body holding one of `GUARDED`."""
+    needs = {LOGIT_PROCESSOR} if body.get(LOGIT_PROCESSOR) is not None else set()
+    if generate:
+        for name in INTERNAL_FIELDS:
+            if body.get(name) is not None:
+                raise BadRequest(f"'{name}' is set by SGLang's own processes; do not send it")
+        for name, kind in MEDIA_FIELDS.items():
+            if body.get(name) is not None and _media_tree(body[name], kind, name):
+                needs.add(MEDIA_URLS)
+    return frozenset(needs) if needs else NOTHING
 
 
 def _media_tree(value: object, kind: str, where: str) -> bool:

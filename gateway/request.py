@@ -34,6 +34,7 @@ UPSTREAM_PATHS = {**ENDPOINT_PATHS, RESPONSES: "/v1/responses", MESSAGES: "/v1/m
 PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key")
 DP_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")
 _OWNED = frozenset(PD_FIELDS + DP_FIELDS)
+_CHECKED = _OWNED | reach.GUARDED  # fields a body seldom holds, each checked when it does
 
 
 @dataclass(slots=True, eq=False)
@@ -105,15 +106,9 @@ def json_object(raw: bytes | bytearray) -> dict:
 def parse_request(endpoint: str, raw: bytes | bytearray) -> RequestView:
     """Parse `raw` into a RequestView or raise BadRequest naming the field."""
     body = json_object(raw)
-    if not _OWNED.isdisjoint(body):  # (one C-level test for the usual body without them)
-        for name in PD_FIELDS:
-            if body.get(name) is not None:
-                raise BadRequest(f"'{name}' is assigned by the gateway; do not send it")
-        for name in DP_FIELDS:
-            if body.get(name) is not None:
-                raise BadRequest(f"'{name}': data-parallel ranks are chosen by the gateway "
-                                 "(it steers each request to a rank through its bootstrap "
-                                 "room)")
+    needs = reach.NOTHING
+    if not _CHECKED.isdisjoint(body):  # (one C-level test for the usual body without them)
+        needs = _seldom_fields(body, endpoint)
     stream = _bool(body, "stream")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -125,11 +120,23 @@ def parse_request(endpoint: str, raw: bytes | bytearray) -> RequestView:
     else:
         view = _completions_view(body, stream, model)
     view.size, view.source = len(raw), (body, raw)  # (the view is new: nobody holds it yet)
-    needs = reach.generate_fields(body) if endpoint == GENERATE else reach.openai_fields(body)
     if needs:
         view.needs = view.needs | needs
     rids = client_rids(body.get("rid"), view.batch_size)
     return dataclasses.replace(view, rids=rids) if rids is not None else view
+
+
+def _seldom_fields(body: dict, endpoint: str) -> frozenset[str]:
+    """The fields the gateway owns refused (docs/FIDELITY.md), and what the others need
+    (gateway/reach.py)."""
+    for name in PD_FIELDS:
+        if body.get(name) is not None:
+            raise BadRequest(f"'{name}' is assigned by the gateway; do not send it")
+    for name in DP_FIELDS:
+        if body.get(name) is not None:
+            raise BadRequest(f"'{name}': data-parallel ranks are chosen by the gateway "
+                             "(it steers each request to a rank through its bootstrap room)")
+    return reach.fields(body, endpoint == GENERATE)
 
 
 def _bool(body: dict, name: str) -> bool:

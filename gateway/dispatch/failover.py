@@ -91,7 +91,7 @@ class Continuation:
         body.pop("rid", None)
         params = dict(body.get("sampling_params") or {})
         finished = _finished(meta.get("finish_reason"))
-        if finished or not _spend(params, "max_new_tokens", len(ids)):
+        if finished or not _spend(params, "max_new_tokens", len(ids), GENERATE_BUDGET):
             return cls._ended(view, seen, finished, len(ids))
         if "min_new_tokens" in params and isinstance(params["min_new_tokens"], int):
             params["min_new_tokens"] = max(0, params["min_new_tokens"] - len(ids))
@@ -143,7 +143,7 @@ class Continuation:
                 finished = finished or _finished(choice.get("finish_reason"))
         body = dict(view.body)
         body.pop("rid", None)
-        if finished or not _spend(body, "max_tokens", len(parts)):
+        if finished or not _spend(body, "max_tokens", len(parts), COMPLETIONS_BUDGET):
             return cls._ended(view, seen, finished, len(parts))
         body["prompt"] = body["prompt"] + "".join(parts)
         cont = cls(_view(view, body, len(parts)), seen)
@@ -186,6 +186,9 @@ class Continuation:
                     meta["prompt_tokens"] = self.prompt_tokens
                 if self.stream_id is not None:
                     meta["id"] = self.stream_id
+                finish = meta.get("finish_reason")
+                if isinstance(finish, dict) and isinstance(finish.get("length"), int):
+                    finish["length"] += self.generated  # the budget was the continuation's
             return obj
         if self.stream_id is not None:
             obj["id"] = self.stream_id
@@ -214,9 +217,20 @@ def _finished(reason: object) -> bool:
     return reason is not None and reason != ""
 
 
-def _spend(params: dict, key: str, used: int) -> bool:
-    """Take `used` tokens off the budget `params[key]`; False if nothing is left."""
+# The budget SGLang gives a request that names none: `SamplingParams.max_new_tokens` (128) for
+# `/generate`, `CompletionRequest.max_tokens` (16) for completions; a chat's is the context
+# left (`ChatCompletionRequest.max_tokens` None), which the continuation's server computes.
+GENERATE_BUDGET = 128
+COMPLETIONS_BUDGET = 16
+
+
+def _spend(params: dict, key: str, used: int, default: int | None = None) -> bool:
+    """Take `used` tokens off the budget `params[key]` (`default` when the request named
+    none: the continuation names it, or its server would grant its default once more and
+    the client would get more tokens than it was owed); False if nothing is left."""
     budget = params.get(key)
+    if budget is None:
+        budget = default
     if isinstance(budget, int) and not isinstance(budget, bool):
         if budget - used <= 0:
             return False

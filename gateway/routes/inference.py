@@ -175,19 +175,6 @@ class InferenceEndpoint:
         parts.context.refuse_by_size(view)  # over the context by its size alone: 400
         return view
 
-    async def _counted(self, view: RequestView, caller: Caller) -> RequestView:
-        """Its tokens counted and limited, its context checked. Run under the client watch:
-        a count may wait (the tokenizer here, a server's /v1/tokenize), and a client that
-        leaves meanwhile stops it at once, not after it."""
-        parts = self.parts
-        if parts.tokens.wanted(view):
-            view = await parts.tokens.count(view)
-        parts.limits.take_tokens(caller.key_index, view.prompt_tokens)
-        counting = parts.context.check(view)  # a coroutine only near the context limit
-        if counting is not None:
-            view = await counting
-        return view
-
     async def _serve(self, scope: Scope, receive: Receive, send: Send, interrupt: Interrupt,
                      trace, usage, lease: BodyLease) -> int:
         """Check, read and parse the request, then, in the in-flight table, wait for a slot,
@@ -203,7 +190,14 @@ class InferenceEndpoint:
         ticket = parts.tenancy.classify(scope["headers"], caller.key_index)
         view = await self._view(scope, receive, lease, caller, ticket, usage)
         with ClientWatch(interrupt, scope, receive) as watch:  # the body is read: watch now
-            view = await self._counted(view, caller)
+            # its tokens counted and limited, its context checked, watched: a count may wait
+            # (a server's /v1/tokenize), and a client that leaves meanwhile stops it at once
+            if parts.tokens.wanted(view):
+                view = await parts.tokens.count(view)
+            parts.limits.take_tokens(caller.key_index, view.prompt_tokens)
+            counting = parts.context.check(view)  # a coroutine only near the context limit
+            if counting is not None:
+                view = await counting
             if parts.slo is not None:  # the request's latency objectives (400 if bad)
                 view.slo = parts.slo.ticket(scope["headers"], ticket.klass, usage.request_id,
                                             view)

@@ -173,3 +173,36 @@ def test_a_native_stream_cut_after_its_budget_gets_its_length_finish():
     events = objects(run(go()).text)
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
     assert events[-1]["text"] == " a b" and events[-1]["meta_info"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("path, body, key, left", [
+    ("/generate", {"input_ids": [1, 2, 3], "stream": True}, "max_new_tokens", 126),
+    ("/generate", {"text": "hi", "stream": True, "sampling_params": {"temperature": 0}},
+     "max_new_tokens", 126),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "stream": True}, "max_tokens", 14),
+])
+def test_a_request_without_a_budget_continues_with_what_is_left_of_the_servers_default(
+        path, body, key, left):
+    """No budget named: SGLang's default (128 for /generate, 16 for completions) is the
+    budget. Before, the continuation named none either, and its server granted the whole
+    default again: 25 tokens for a completions request owed 16."""
+    if path == "/generate":
+        dying = [native(" a", [11]), native(" a b", [11, 12]), b"<error>"]
+        rest = [native(" c", [13], {"type": "length", "length": left}), b"data: [DONE]\n\n"]
+    else:
+        dying = [sse({"id": "c1", "choices": [{"index": 0, "text": t, "finish_reason": None}]})
+                 for t in (" a", " b")] + [b"<error>"]
+        rest = [sse({"id": "c2", "choices": [{"index": 0, "text": " c",
+                                              "finish_reason": "length"}]}), b"data: [DONE]\n\n"]
+    fake = cluster(dying, rest)
+
+    async def go():
+        async with gateway(fake) as (client, _):
+            return await client.post(path, json=body)
+
+    events = objects(run(go()).text)
+    continuation = fake.servers[D2].received[0]
+    budget = (continuation.get("sampling_params") or {}) if path == "/generate" else continuation
+    assert budget[key] == left
+    if path == "/generate":  # the budget the client's request had, not the continuation's
+        assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
