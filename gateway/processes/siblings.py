@@ -4,6 +4,9 @@
   got the admin call and then by every other worker, so the workers keep one server set.
 * `/abort_request` names a request that may run in another worker: a worker that does not
   hold it asks the others, and the one that holds it (and finds the caller its owner) aborts it.
+* A Responses cancel first asks the others to write a turn's final save they hold pending
+  (the store refused it; gateway/responses/service.py), so it does not win over a response
+  its client got whole.
 
 Without workers (`control` None) every call here does nothing.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from gateway.errors import ServiceUnavailable
 from gateway.servers.role_switch import take_out
 
 log = logging.getLogger("gateway.processes.siblings")
@@ -61,6 +65,28 @@ class Siblings:
             if isinstance(answer, dict) and answer.get("found"):
                 return answer
         return None
+
+    def on_settle(self, settle: Callable[[str, str], Awaitable[bool]]) -> None:
+        """`settle(rid, tenant)` answers the others' `settle` (the process's Responses)."""
+        if self.control is not None:
+            async def answer(msg: dict) -> dict:
+                try:
+                    return {"settled": await settle(msg["rid"], msg["tenant"])}
+                except ServiceUnavailable:  # pending here, the store refused it again
+                    return {"settled": False, "down": True}
+            self.control.on("settle", answer)
+
+    async def settle(self, rid: str, tenant: str) -> bool:
+        """True when another worker held `rid`'s final save pending and wrote it now;
+        ServiceUnavailable when it held it but the store refused it."""
+        if self.control is None:
+            return False
+        answers = await self.control.ask({"kind": "settle", "rid": rid, "tenant": tenant})
+        if any(isinstance(a, dict) and a.get("down") for a in answers):
+            raise ServiceUnavailable("the response store is unavailable: a final save "
+                                     "pending in another worker was refused",
+                                     headers={"retry-after": "2"})
+        return any(isinstance(a, dict) and a.get("settled") for a in answers)
 
     async def _abort(self, msg: dict) -> dict:
         tracked = self.inflight.find(msg["rid"])

@@ -18,6 +18,8 @@ from gateway.errors import BadRequest, NotFound
 from gateway.responses.view import input_items
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+STOPPED = ("the gateway process serving this response stopped before it finished (its lease "
+           "was not renewed)")
 
 
 def parse_record(raw: bytes) -> dict:
@@ -39,9 +41,11 @@ def expand(body: dict, previous: dict | None, rid: str) -> dict:
     items = input_items(body.get("input"))
     if previous is not None:
         if previous.get("status") not in ("completed", "incomplete"):
+            error = (previous["response"].get("error") or {}).get("message")
             raise BadRequest(f"response '{previous['response'].get('id')}' is "
-                             f"{previous.get('status')}; only a finished response can be "
-                             "continued", code="previous_response_not_finished")
+                             f"{previous.get('status')}{f' ({error})' if error else ''}; "
+                             "only a completed or incomplete response can be continued",
+                             code="previous_response_not_finished")
         items = history_of(previous) + items
     new["input"] = items
     new.pop("previous_response_id", None)
@@ -60,6 +64,16 @@ def record_of(response: dict, items: list, status: str | None = None) -> bytes:
     return orjson.dumps({"status": status or response.get("status"), "input": items,
                          "output": response.get("output") or [], "response": response,
                          "written": time.time()})
+
+
+def stopped(record: dict) -> dict:
+    """An in_progress record whose lease lapsed, as it is read: failed, as OpenAI reports a
+    response its server could not finish (status `failed`, `error.code` `server_error`)."""
+    record["status"] = "failed"
+    response = record["response"]
+    response["status"] = "failed"
+    response["error"] = {"code": "server_error", "message": STOPPED}
+    return record
 
 
 def placeholder(rid: str, body: dict, previous_id: str | None) -> dict:

@@ -8,6 +8,11 @@ sizes let one script evict the oldest records when the count or byte limit is pa
 same atomic step as the write. Cancels are announced on a channel that every replica
 follows, so the one running a response aborts its legs.
 
+A running turn's lease (store.py) is a key of its own beside the record, `lease:` + member,
+whose expiry Redis keeps: a renewal sets it again for `lease` seconds, so whether it holds
+depends on no replica's clock, and any replica reads it alike. It is written with the
+in_progress record and removed with it or by the final save or cancel, in the same script.
+
 Every command has a 2 s socket timeout: a store that does not answer is `StoreDown`, not a
 request held for minutes.
 """
@@ -23,26 +28,28 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.responses.store import Retention, StoreDown
+from gateway.responses.store import LEASE, Retention, StoreDown
 
 log = logging.getLogger("gateway.responses")
 
 PREFIX = "pdgw:responses:"
 
-# KEYS: index, sizes, total. ARGV: member, record, ttl ms, now, max count, max bytes, prefix
+# KEYS: index, sizes, total. ARGV: member, record, ttl ms, now, max count, max bytes, prefix,
+# lease ms (0: the record holds no lease)
 _PUT = """
 local member, record, prefix = ARGV[1], ARGV[2], ARGV[7]
-local ttl, now = tonumber(ARGV[3]), tonumber(ARGV[4])
+local ttl, now, lease = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[8])
 local max_count, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6])
 local function drop(m)
   local size = redis.call('HGET', KEYS[2], m)
   if size then redis.call('DECRBY', KEYS[3], size) end
   redis.call('HDEL', KEYS[2], m)
   redis.call('ZREM', KEYS[1], m)
-  redis.call('DEL', prefix .. m)
+  redis.call('DEL', prefix .. m, prefix .. 'lease:' .. m)
 end
 drop(member)
 redis.call('SET', prefix .. member, record, 'PX', ttl)
+if lease > 0 then redis.call('SET', prefix .. 'lease:' .. member, '1', 'PX', lease) end
 redis.call('ZADD', KEYS[1], now, member)
 redis.call('HSET', KEYS[2], member, #record)
 redis.call('INCRBY', KEYS[3], #record)
@@ -58,13 +65,13 @@ end
 return 1
 """
 
-# _PUT only if the stored record's status is ARGV[8] (0 otherwise): the status read and the
+# _PUT only if the stored record's status is ARGV[9] (0 otherwise): the status read and the
 # write in one script, so no other writer (a cancel, a turn's final save) comes between
 _SWAP = """
 local current = redis.call('GET', ARGV[7] .. ARGV[1])
 if not current then return 0 end
 local ok, stored = pcall(cjson.decode, current)
-if not ok or type(stored) ~= 'table' or stored['status'] ~= ARGV[8] then return 0 end
+if not ok or type(stored) ~= 'table' or stored['status'] ~= ARGV[9] then return 0 end
 """ + _PUT
 
 # KEYS: index, sizes, total. ARGV: member, prefix. 1 when the record existed.
@@ -74,7 +81,19 @@ local size = redis.call('HGET', KEYS[2], member)
 if size then redis.call('DECRBY', KEYS[3], size) end
 redis.call('HDEL', KEYS[2], member)
 redis.call('ZREM', KEYS[1], member)
+redis.call('DEL', prefix .. 'lease:' .. member)
 return redis.call('DEL', prefix .. member)
+"""
+
+# ARGV: prefix, lease ms, then the members whose leases are renewed (those still kept)
+_RENEW = """
+local prefix, lease = ARGV[1], ARGV[2]
+for i = 3, #ARGV do
+  if redis.call('EXISTS', prefix .. ARGV[i]) == 1 then
+    redis.call('SET', prefix .. 'lease:' .. ARGV[i], '1', 'PX', lease)
+  end
+end
+return 1
 """
 
 
@@ -84,10 +103,12 @@ def member(tenant: str, rid: str) -> str:
 
 
 class RedisStore:
-    def __init__(self, url: str, retention: Retention, prefix: str = PREFIX) -> None:
+    def __init__(self, url: str, retention: Retention, prefix: str = PREFIX,
+                 lease: float = LEASE) -> None:
         self.url = url
         self.retention = retention
         self.prefix = prefix
+        self.lease_ms = max(1, int(lease * 1000))
         self.client = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         # the channel's reader waits for messages as long as there are none: no read timeout,
         # a ping every 10 s tells a dead connection
@@ -97,6 +118,7 @@ class RedisStore:
         self._put = self.client.register_script(_PUT)
         self._swap = self.client.register_script(_SWAP)
         self._delete = self.client.register_script(_DELETE)
+        self._renew = self.client.register_script(_RENEW)
         self._callback = None
         self._follower: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -124,13 +146,22 @@ class RedisStore:
     async def get(self, tenant: str, rid: str) -> bytes | None:
         return await self._call(self.client.get(self.prefix + member(tenant, rid)))
 
-    def _args(self, tenant: str, rid: str, record: bytes) -> list:
+    def _args(self, tenant: str, rid: str, record: bytes, leased: bool = False) -> list:
         r = self.retention
         return [member(tenant, rid), record, int(r.ttl * 1000), time.time(), r.max_count,
-                r.max_bytes, self.prefix]
+                r.max_bytes, self.prefix, self.lease_ms if leased else 0]
 
-    async def put(self, tenant: str, rid: str, record: bytes) -> None:
-        await self._call(self._put(keys=self._keys, args=self._args(tenant, rid, record)))
+    async def put(self, tenant: str, rid: str, record: bytes, leased: bool = False) -> None:
+        await self._call(self._put(keys=self._keys,
+                                   args=self._args(tenant, rid, record, leased)))
+
+    async def renew(self, keys: list[tuple[str, str]]) -> None:
+        names = [member(tenant, rid) for tenant, rid in keys]
+        await self._call(self._renew(args=[self.prefix, self.lease_ms, *names]))
+
+    async def leased(self, tenant: str, rid: str) -> bool:
+        return bool(await self._call(
+            self.client.exists(self.prefix + "lease:" + member(tenant, rid))))
 
     async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
         args = self._args(tenant, rid, record) + [expected]

@@ -6,6 +6,11 @@ A store failure costs a request only when the request needs what the store holds
 `previous_response_id` gets 503 with Retry-After; a turn without one is served, its record
 not kept (logged and counted in `gateway_responses_store_errors_total`), so a later turn that
 names it gets 404 (docs/RESPONSES.md, "When the store is down").
+
+Nothing but the turn's own end finishes its record, so a process that stops mid-turn (killed,
+out of memory, its node lost) would leave it in_progress for its whole retention: its lease
+(store.py), renewed here for every running turn in one write per period, lapses, and every
+reader (GET, a next turn, a cancel, in any process) then reads it as failed.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter
 from gateway.dispatch.inflight import new_id
 from gateway.errors import BadRequest
 from gateway.responses import history
-from gateway.responses.store import Retention, SQLiteStore, Store, StoreDown
+from gateway.responses.store import RENEW_EVERY, Retention, SQLiteStore, Store, StoreDown
 
 log = logging.getLogger("gateway.responses")
 
@@ -52,19 +57,28 @@ class Turn:
 
 class Responses:
     def __init__(self, store: Store, inflight, aborts, siblings,
-                 registry: CollectorRegistry | None) -> None:
+                 registry: CollectorRegistry | None, renew_every: float = RENEW_EVERY) -> None:
         self.store = store
         self.inflight = inflight  # dispatch/inflight.py: the requests running here
         self.aborts = aborts
         self.siblings = siblings  # the other --workers processes
-        self.running: dict[str, str] = {}  # response id -> tenant, of the turns running here
+        self.running: dict[str, Turn] = {}  # response id -> the turn, running here
+        self.renew_every = renew_every
+        self._renewer: asyncio.Task | None = None
         self.errors = Counter("gateway_responses_store_errors",
                               "Response store operations that failed, by operation",
                               ["operation"], registry=registry)
         self._saving: set[asyncio.Task] = set()  # final saves behind the answer (`keep`)
+        self.pending: dict[str, tuple[Turn, dict]] = {}  # turns ended here whose final save
+        # the store refused, with their final response: their leases are renewed until it is
+        # kept, and a cancel finds them finished (`settle`)
 
     async def start(self) -> None:
         self.store.on_cancel(self._cancel_here)
+        if self.siblings is not None:
+            self.siblings.on_settle(self.settle)
+        self._renewer = asyncio.get_running_loop().create_task(
+            self._renew(), name="responses-leases")
         try:
             await self.store.start()
         except StoreDown as exc:  # served anyway; turns that need history get 503
@@ -72,6 +86,9 @@ class Responses:
             log.warning("%s", exc.message)
 
     async def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
         for task in list(self._saving):
             task.cancel()
         await asyncio.gather(*self._saving, return_exceptions=True)
@@ -106,20 +123,49 @@ class Responses:
         if store:
             response = history.placeholder(rid, body, previous_id)
             await self.keep(turn, response, "start")
-        self.running[rid] = tenant
+        self.running[rid] = turn
         return turn
 
     def end(self, turn: Turn) -> None:
         self.running.pop(turn.rid, None)
 
+    async def _renew(self) -> None:
+        """Every `renew_every` s, renew the leases of the kept turns running here, in one
+        write; a store that refused it is tried at the next period (the lease outlasts two)."""
+        while True:
+            await asyncio.sleep(self.renew_every)
+            turns = (*self.running.values(), *(turn for turn, _ in self.pending.values()))
+            keys = [(t.tenant, t.rid) for t in turns if t.kept]
+            if not keys:
+                continue
+            try:
+                await self.store.renew(keys)
+            except StoreDown as exc:
+                self.errors.labels("renew").inc()
+                log.warning("responses: %d leases not renewed: %s", len(keys), exc.message)
+
     async def read(self, tenant: str, rid: str, operation: str) -> dict | None:
-        """The record of `rid` for `tenant` (None: none); StoreDown passes up (503)."""
+        """The record of `rid` for `tenant` (None: none), as it stands: an in_progress one
+        whose lease lapsed reads as failed (its process stopped). StoreDown passes up (503)."""
         try:
             raw = await self.store.get(tenant, rid)
+            if raw is None:
+                return None
+            record = history.parse_record(raw)
+            here = rid in self.running or rid in self.pending  # its lease is renewed here
+            if record.get("status") != "in_progress" or here:
+                return record
+            if await self.store.leased(tenant, rid):
+                return record
+            raw = await self.store.get(tenant, rid)  # it may have finished meanwhile (a
+            # final save ends the lease with the in_progress record, in one write)
         except StoreDown:
             self.errors.labels(operation).inc()
             raise
-        return history.parse_record(raw) if raw is not None else None
+        if raw is None:
+            return None
+        record = history.parse_record(raw)
+        return history.stopped(record) if record.get("status") == "in_progress" else record
 
     async def keep(self, turn: Turn, response: dict, operation: str = "save") -> str | None:
         """Write the turn's record; a failure is logged and counted, never the client's. A
@@ -141,7 +187,10 @@ class Responses:
         except StoreDown as exc:
             self.errors.labels(operation).inc()
             log.warning("response %s not kept: %s", turn.rid, exc.message)
-            if operation == "save" and turn.kept:  # its placeholder says in_progress
+            if operation == "save":  # its placeholder says in_progress (when the store
+                # refused its start, it may have been written all the same: a Redis reply
+                # that timed out)
+                self.pending[turn.rid] = (turn, response)
                 self._behind(self._save_later(turn, response))
             return None
 
@@ -153,7 +202,8 @@ class Responses:
 
     async def _write(self, turn: Turn, response: dict, operation: str) -> str | None:
         if not (turn.kept and operation == "save"):
-            await self.store.put(turn.tenant, turn.rid, history.record_of(response, turn.items))
+            await self.store.put(turn.tenant, turn.rid, history.record_of(response, turn.items),
+                                 leased=operation == "start")
             turn.kept = True
             return response.get("status")
         # the final save and a cancel each change the in_progress record, atomically: the
@@ -174,17 +224,33 @@ class Responses:
     async def _save_later(self, turn: Turn, response: dict) -> None:
         """The final save, tried again: the record stays in_progress otherwise, and no next
         turn may follow it (a store paused for 4 s at a turn's end left it so for good)."""
-        for delay in SAVE_AGAIN:
-            await asyncio.sleep(delay)
-            try:
-                await self._write(turn, response, "save")
-            except StoreDown:
-                self.errors.labels("save").inc()
-                continue
-            log.warning("response %s kept after all", turn.rid)
-            return
-        log.error("response %s not kept: the store did not recover within %gs; it stays "
-                  "in_progress", turn.rid, sum(SAVE_AGAIN))
+        try:
+            for delay in SAVE_AGAIN:
+                await asyncio.sleep(delay)
+                try:
+                    await self._write(turn, response, "save")
+                except StoreDown:
+                    self.errors.labels("save").inc()
+                    continue
+                log.warning("response %s kept after all", turn.rid)
+                return
+        finally:
+            self.pending.pop(turn.rid, None)
+        log.error("response %s not kept: the store did not recover within %gs; its record "
+                  "reads failed once its lease lapses", turn.rid, sum(SAVE_AGAIN))
+
+    async def settle(self, rid: str, tenant: str) -> bool:
+        """Write now the final save of `rid` pending here (a turn that finished while the
+        store was down): True when there was one. A cancel asks it first, here and in the
+        sibling workers, so a response its client got whole is not made cancelled after it
+        (StoreDown passes up: the cancel is answered 503, not let win)."""
+        pending = self.pending.get(rid)
+        if pending is None or pending[0].tenant != tenant:
+            return False
+        turn, response = pending
+        await self._write(turn, response, "save")
+        log.warning("response %s kept after all, before a cancel", rid)
+        return True
 
     async def cancel(self, tenant: str, rid: str) -> dict | None:
         """Cancel `rid` of `tenant`: its record says cancelled, and its legs are aborted
@@ -192,10 +258,15 @@ class Responses:
         response that finished first (its final save won the record) is returned as it is."""
         record = await self.read(tenant, rid, "cancel")
         if record is None:
-            if self.running.get(rid) != tenant:
+            running = self.running.get(rid)
+            if running is None or running.tenant != tenant:
                 return None
             await self.abort(rid)  # running, not stored (store=false)
             return {"id": rid, "object": "response", "status": "cancelled", "output": []}
+        if record.get("status") not in history.TERMINAL and await self._settled(tenant, rid):
+            record = await self.read(tenant, rid, "cancel")  # finished: its final save won
+            if record is None:
+                return None
         response = record["response"]
         if record.get("status") not in history.TERMINAL:
             response["status"] = "cancelled"
@@ -214,6 +285,15 @@ class Responses:
             response = record["response"]
         response["status"] = record.get("status") or response.get("status")
         return response  # finished: a cancel changes nothing (as SGLang's)
+
+    async def _settled(self, tenant: str, rid: str) -> bool:
+        """A final save of `rid` pending here or in a sibling worker was written now."""
+        try:
+            return await self.settle(rid, tenant) or (
+                self.siblings is not None and await self.siblings.settle(rid, tenant))
+        except StoreDown:
+            self.errors.labels("cancel").inc()
+            raise
 
     async def abort(self, rid: str) -> None:
         """Abort the legs of `rid`: here, in a sibling worker, or in another replica."""

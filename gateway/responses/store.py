@@ -16,6 +16,13 @@ bounds its store: another process holding the file's write lock (a backup's `BEG
 EXCLUSIVE`) once held every turn for the whole lock, because each queued write waited its own
 5 s busy timeout after those ahead of it. Now an operation whose deadline passed while it
 queued is not run, and one that runs waits for the lock only what is left of its deadline.
+
+A record written `in_progress` holds a lease that the process serving the turn renews every
+`RENEW_EVERY` seconds (`Responses`, all its turns in one write); a lease not renewed for
+`LEASE` seconds tells that the process stopped (killed, out of memory, its node lost), and
+the record is then read as failed (docs/RESPONSES.md, "A turn whose process stopped"). Here
+the lease is a column, `renewed`: a database of an older version, without it, gains it when
+opened, and its rows have none (an in_progress row of theirs reads as failed).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from typing import Protocol
 from gateway.errors import ServiceUnavailable
 
 DEADLINE = 2.0  # seconds an operation may take from its asking, its queueing included
+RENEW_EVERY = 10.0  # seconds between two renewals of the running turns' leases
+LEASE = 3 * RENEW_EVERY  # seconds a lease holds unrenewed: two renewals may be missed
 
 
 class StoreDown(ServiceUnavailable):
@@ -54,7 +63,15 @@ class Store(Protocol):
 
     async def get(self, tenant: str, rid: str) -> bytes | None: ...
 
-    async def put(self, tenant: str, rid: str, record: bytes) -> None: ...
+    async def put(self, tenant: str, rid: str, record: bytes, leased: bool = False) -> None:
+        """Write `record`; `leased`: it is a running turn's, which holds a lease from now."""
+
+    async def renew(self, keys: list[tuple[str, str]]) -> None:
+        """Renew the leases of these (tenant, id) records, in one write (kept records only)."""
+
+    async def leased(self, tenant: str, rid: str) -> bool:
+        """Whether the record's lease still holds (False: never had one, or not renewed
+        within the lease). A final save or a cancel (`swap`) ends the lease."""
 
     async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
         """Write `record` only if the stored one's status is `expected`, in one atomic step
@@ -77,28 +94,40 @@ class Store(Protocol):
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     tenant TEXT NOT NULL, id TEXT NOT NULL, written REAL NOT NULL, size INTEGER NOT NULL,
-    record BLOB NOT NULL, PRIMARY KEY (tenant, id));
+    record BLOB NOT NULL, renewed REAL, PRIMARY KEY (tenant, id));
 CREATE INDEX IF NOT EXISTS responses_written ON responses (written);
 """
 
 # one statement, so no writer comes between the status read and the write; a record that is
 # not JSON has no status (CASE: json_extract would raise on it)
 _SWAP = """
-UPDATE responses SET written = ?, size = ?, record = ?
+UPDATE responses SET written = ?, size = ?, record = ?, renewed = NULL
 WHERE tenant = ? AND id = ? AND written > ?
   AND CASE WHEN json_valid(CAST(record AS TEXT))
       THEN json_extract(CAST(record AS TEXT), '$.status') END = ?
 """
 
 
+def _add_lease_column(db: sqlite3.Connection) -> None:
+    """A database written by a version without leases gains their column (its rows none)."""
+    if any(row[1] == "renewed" for row in db.execute("PRAGMA table_info(responses)")):
+        return
+    try:
+        db.execute("ALTER TABLE responses ADD COLUMN renewed REAL")
+    except sqlite3.OperationalError as exc:  # a sibling worker added it first
+        if "duplicate column" not in str(exc):
+            raise
+
+
 class SQLiteStore:
     """The embedded store: a SQLite file at `path`, or memory when `path` is None."""
 
     def __init__(self, path: str | None, retention: Retention,
-                 deadline: float = DEADLINE) -> None:
+                 deadline: float = DEADLINE, lease: float = LEASE) -> None:
         self.path = path
         self.retention = retention
         self.deadline = deadline
+        self.lease = lease
         self._db: sqlite3.Connection | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="responses-store")
 
@@ -131,6 +160,7 @@ class SQLiteStore:
             if self.path:
                 db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
+            _add_lease_column(db)
         except BaseException:
             db.close()  # opened again by the next operation
             raise
@@ -161,15 +191,38 @@ class SQLiteStore:
             (tenant, rid, time.time() - self.retention.ttl)).fetchone()
         return bytes(row[0]) if row else None
 
-    async def put(self, tenant: str, rid: str, record: bytes) -> None:
-        await self._run(self._put, tenant, rid, record)
+    async def put(self, tenant: str, rid: str, record: bytes, leased: bool = False) -> None:
+        await self._run(self._put, tenant, rid, record, leased)
 
-    def _put(self, db: sqlite3.Connection, tenant: str, rid: str, record: bytes) -> None:
+    def _put(self, db: sqlite3.Connection, tenant: str, rid: str, record: bytes,
+             leased: bool) -> None:
         def insert(db: sqlite3.Connection, now: float) -> bool:
-            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
-                       (tenant, rid, now, len(record), record))
+            db.execute("INSERT OR REPLACE INTO responses (tenant, id, written, size, record, "
+                       "renewed) VALUES (?, ?, ?, ?, ?, ?)",
+                       (tenant, rid, now, len(record), record, now if leased else None))
             return True
         self._write(db, tenant, rid, insert)
+
+    async def renew(self, keys: list[tuple[str, str]]) -> None:
+        def renew(db: sqlite3.Connection) -> None:
+            now = time.time()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany("UPDATE responses SET renewed = ? WHERE tenant = ? AND id = ?",
+                               [(now, tenant, rid) for tenant, rid in keys])
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        await self._run(renew)
+
+    async def leased(self, tenant: str, rid: str) -> bool:
+        def renewed(db: sqlite3.Connection) -> float | None:
+            row = db.execute("SELECT renewed FROM responses WHERE tenant = ? AND id = ?",
+                             (tenant, rid)).fetchone()
+            return row[0] if row else None
+        at = await self._run(renewed)
+        return at is not None and at > time.time() - self.lease
 
     async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
         return await self._run(self._swap, tenant, rid, expected, record)

@@ -32,9 +32,9 @@ class HookedStore(SQLiteStore):
         if between is not None:
             await between()
 
-    async def put(self, tenant: str, rid: str, record: bytes) -> None:
+    async def put(self, tenant: str, rid: str, record: bytes, leased: bool = False) -> None:
         await self._hook()
-        await super().put(tenant, rid, record)
+        await super().put(tenant, rid, record, leased)
 
     async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
         await self._hook()
@@ -57,6 +57,12 @@ class Siblings:
     async def abort(self, rid: str, tenant: str, responses: bool) -> bool:
         self.aborted.append(rid)
         return True
+
+    def on_settle(self, settle) -> None:
+        """No final save is pending in a sibling here."""
+
+    async def settle(self, rid: str, tenant: str) -> bool:
+        return False
 
 
 async def _serving() -> tuple[Responses, HookedStore, Siblings]:

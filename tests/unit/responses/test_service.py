@@ -24,9 +24,9 @@ class FlakyStore(SQLiteStore):
             self.down -= 1
             raise StoreDown("the store is paused")
 
-    async def put(self, tenant: str, rid: str, record: bytes) -> None:
+    async def put(self, tenant: str, rid: str, record: bytes, leased: bool = False) -> None:
         self._refuse()
-        await super().put(tenant, rid, record)
+        await super().put(tenant, rid, record, leased)
 
     async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
         self._refuse()
