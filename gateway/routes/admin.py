@@ -119,7 +119,10 @@ async def add_server(request: Request, parts: AdminParts) -> Response:
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise BadRequest("'model' must be a model name")
-    server = await parts.register(url, role, port, require_probe=True, model=model)
+    try:
+        server = await parts.register(url, role, port, require_probe=True, model=model)
+    except ValueError:  # the same URL added by a call that probed it while this one did
+        raise GatewayError(f"{url} is already registered", status=409) from None
     parts.siblings.admin_change("add", url, role=role, bootstrap_port=port,  # (the
                              model=model)  # operator's: the others learn one themselves)
     return JSONResponse({"server": server.snapshot()}, status_code=201)

@@ -9,12 +9,15 @@ rule for gateways without admin keys is attacked through ASGI scopes in test_rul
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from tests.procs import free_port
 from tests.security.conftest import ADMIN_KEY, INFERENCE_KEY_A, bearer
 from tests.security.foreign import Foreign
 from tests.security.honest import Honest
+from tests.security.rig import start_gateway
 
 SERVERS = "/admin/servers"
 STRANGERS = [None, bearer("sk-wrong"), bearer(INFERENCE_KEY_A), {"x-api-key": INFERENCE_KEY_A},
@@ -119,3 +122,21 @@ def test_a_foreign_server_answering_like_sglang_is_still_only_probed(keyed, fore
             assert r.status_code == 400, r.text
     assert foreign["json"].url not in keyed.servers()
     assert foreign["json"].posts() == []
+
+
+def test_the_same_server_added_at_once_is_added_once(logs, sims):
+    """Three admins add the same URL at once: each add probes it before it joins the pool,
+    so all three pass the "already registered" check. One is added (201); the others were
+    a 500 and a traceback (the pool's refusal surfaced as an internal error), now 409."""
+    gateway = start_gateway(logs, "adds", sims)
+    try:
+        r = gateway.session.request("DELETE", SERVERS, json={"url": sims.decode.tap.url})
+        assert r.status_code == 200, r.text
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda _: add(gateway, sims.decode.tap.url, "decode"),
+                                    range(3)))
+        codes = sorted(r.status_code for r in answers)
+        assert codes == [201, 409, 409], [r.text for r in answers]
+        assert set(gateway.servers()) == {s.tap.url for s in sims.both}
+    finally:
+        gateway.stop()

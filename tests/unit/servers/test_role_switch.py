@@ -36,11 +36,16 @@ def fleet() -> ServerPool:
 
 
 def switcher(pool: ServerPool, answer: Callable[[dict], httpx.Response],
-             told: list | None = None) -> tuple[RoleSwitcher, list[dict]]:
-    """`answer(body)` scripts P1's /pd_role_switch; D0's /server_info reports its graphs."""
+             told: list | None = None, hung: tuple[str, ...] = ()) -> tuple[RoleSwitcher, list[dict]]:
+    """`answer(body)` scripts P1's /pd_role_switch; D0's /server_info reports its graphs;
+    the servers in `hung` give their /health no answer."""
     asked: list[dict] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            if f"http://{request.url.host}:1" in hung:
+                raise httpx.ReadTimeout("no answer", request=request)
+            return httpx.Response(200)
         if request.url.path == "/server_info":
             return httpx.Response(200, json={"internal_states": [
                 {"decode_cuda_graph_memory_gb": 0.5, "decode_cuda_graph_bs": [1, 2]}]})
@@ -308,3 +313,15 @@ def test_the_new_role_is_verified_again_and_again(monkeypatch, refusals, switche
         with pytest.raises(SwitchBroken) as caught:
             run(sw.switch(SwitchAsk(P1, "decode")))
         assert caught.value.code == "role_switch_unverified" and pool.get(P1) is None
+
+
+def test_a_peer_that_hung_since_its_last_health_check_does_not_count():
+    """The other prefill still reads serving (its health checks have not failed yet) but
+    answers nothing now: switching the last one that answers would leave the role to a hung
+    server. Refused, nothing asked of the server, not left drained."""
+    pool = fleet()
+    sw, asked = switcher(pool, lambda body: httpx.Response(200, json=OK), hung=(P0,))
+    with pytest.raises(SwitchRefused) as refused:
+        run(sw.switch(SwitchAsk(P1, "decode", deadline=5)))
+    assert refused.value.code == "role_empty" and "answered its health check" in str(refused.value)
+    assert asked == [] and pool.get(P1).role == "prefill" and not pool.get(P1).draining
