@@ -6,6 +6,8 @@ has its final save tried again too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import orjson
 import pytest
@@ -73,6 +75,19 @@ def _workers(tmp_path) -> tuple[Responses, Responses]:
                  for c in (one, two))
 
 
+@contextlib.asynccontextmanager
+async def _running(tmp_path) -> AsyncIterator[tuple[Responses, Responses]]:
+    """The two workers of `_workers`, started, and stopped at the end."""
+    serving, other = _workers(tmp_path)
+    for worker in (serving, other):
+        await worker.start()
+    try:
+        yield serving, other
+    finally:
+        await serving.stop()
+        await other.stop()
+
+
 async def _status(store, rid: str) -> str:
     return orjson.loads(await store.get("t", rid))["status"]
 
@@ -93,19 +108,13 @@ def test_a_cancel_after_the_store_is_back_finds_the_pending_save_and_loses(
     monkeypatch.setattr(service_module, "SAVE_AGAIN", (30.0,))  # the retry comes too late
 
     async def go():
-        serving, other = _workers(tmp_path)
-        store = serving.store
-        for worker in (serving, other):
-            await worker.start()
-        try:
+        async with _running(tmp_path) as (serving, other):
+            store = serving.store
             turn = await _finished_while_down(serving, store)
             pending = await _status(store, turn.rid)
             answered = await (serving if where == "same-worker" else other).cancel(
                 "t", turn.rid)
             return pending, answered["status"], await _status(store, turn.rid)
-        finally:
-            await serving.stop()
-            await other.stop()
 
     assert asyncio.run(go()) == ("in_progress", "completed", "completed")
 
@@ -116,19 +125,13 @@ def test_a_cancel_whose_sibling_cannot_write_the_pending_save_is_503_not_won(
     monkeypatch.setattr(service_module, "SAVE_AGAIN", (30.0,))
 
     async def go():
-        serving, other = _workers(tmp_path)
-        store = serving.store
-        for worker in (serving, other):
-            await worker.start()
-        try:
+        async with _running(tmp_path) as (serving, other):
+            store = serving.store
             turn = await _finished_while_down(serving, store)
             store.down = 1  # the serving worker's write of it is refused again
             with pytest.raises(ServiceUnavailable):
                 await other.cancel("t", turn.rid)
             return await _status(store, turn.rid)
-        finally:
-            await serving.stop()
-            await other.stop()
 
     assert asyncio.run(go()) == "in_progress"
 
