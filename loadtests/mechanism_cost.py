@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="all", help="the mechanisms to stub, one row each")
     p.add_argument("--config", default="default", choices=["default", "worker"],
                    help="the configuration the rows run in (worker: as one of --workers 8)")
+    p.add_argument("--servers", default=instruction_cost.DEFAULT_SERVERS,
+                   help="prefill and decode servers, P,D (logic_cost --servers)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("valgrind is not on PATH", file=sys.stderr)
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     small, large = (max(64, n // 64 * 64) for n in (args.small, args.large))
 
     def count(config: str, without: str = "") -> float:
-        return instruction_cost.per_request(tree, config, args.endpoint, small, large, without)
+        return instruction_cost.per_request(tree, config, args.endpoint, small, large, without,
+                                            args.servers)
 
     chosen = mechanisms.names(args.only)
     config = args.config
@@ -53,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("the floor: a PD proxy's least work, same harness (`floor`)",
                      count("floor")))
     default = count(config)
-    print(f"`python -m loadtests.mechanism_cost --endpoint {args.endpoint} --config {config}` "
+    shape = f" --servers {args.servers}" if args.servers != instruction_cost.DEFAULT_SERVERS else ""
+    print(f"`python -m loadtests.mechanism_cost --endpoint {args.endpoint} --config {config}"
+          f"{shape}` "
           f"(instructions per request, default policies; runs of {large} and {small} "
           "requests, differenced)\n")
     print(f"| the {config} less | instructions per request | saved | share of the {config} |")
