@@ -29,6 +29,7 @@ from gateway.admission.auth import ADMIN, INFERENCE, PUBLIC, Auth, Role
 from gateway.admission.body_budget import BodyBudget
 from gateway.anthropic.endpoint import messages_endpoints
 from gateway.config.settings import GatewayConfig
+from gateway.errors import GatewayError
 from gateway.reach import LOGIT_PROCESSOR, MEDIA_URLS
 from gateway.request import ENDPOINT_PATHS, RESPONSES
 from gateway.responses import stored
@@ -38,7 +39,7 @@ from gateway.responses.view import parse_responses
 from gateway.routes import admin, dashboard, info, models, operations, role_switch
 from gateway.routes.admin import AdminParts
 from gateway.routes.dashboard import DashboardParts
-from gateway.routes.errors import HANDLERS
+from gateway.routes.errors import HANDLERS, json_error
 from gateway.routes.fleet import Fleet
 from gateway.routes.inference import InferenceEndpoint, InferenceParts
 from gateway.routes.info import InfoParts
@@ -150,7 +151,12 @@ def guarded(handler: Handler, role: Role | tuple[Role, ...], auth: Auth, parts: 
 
     async def endpoint(request: Request) -> Response:
         request.state.caller = auth.caller(request.scope, role)
-        return await handler(request, parts)
+        if role is not ADMIN:
+            return await handler(request, parts)
+        try:
+            return await handler(request, parts)
+        except GatewayError as err:  # an admin is told the servers' addresses, a caller not
+            return json_error(err, request.url.path, operator=True)
 
     endpoint.__name__ = handler.__name__
     return endpoint

@@ -17,11 +17,25 @@ Hierarchy (one place to map every failure to a client-visible answer):
 
 from __future__ import annotations
 
+import re
+
 import orjson
+
+# A server's address in an upstream failure's text: scheme, authority and whatever follows up
+# to a space or punctuation (a data-parallel rank's `#dp1` included).
+_ADDRESS = re.compile(r" ?\b[a-z][a-z0-9+.-]*://[^\s,;()\"']+")
+
+
+def without_addresses(text: str) -> str:
+    """`text` with every URL taken out: a caller learns which leg failed and what its server
+    said, never where the servers are (see docs/SECURITY.md, "What an error tells")."""
+    return _ADDRESS.sub("", text) if "://" in text else text
 
 
 class GatewayError(Exception):
-    """Base error: a message for the client plus HTTP status and OpenAI error type."""
+    """Base error: a message for the client plus HTTP status and OpenAI error type, and a
+    `detail` for the operator (logs, traces, the status page), the same text unless the
+    message had to leave something out."""
 
     status: int = 500
     error_type: str = "internal_error"
@@ -33,17 +47,22 @@ class GatewayError(Exception):
         status: int | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        detail: str | None = None,
     ) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(message if detail is None else detail)  # str(): the operator's
         if status is not None:
             self.status = status
+        # A failure on the servers' side (5xx) tells the client no address; 4xx messages are
+        # about the caller's own input (a media URL it sent, say) and keep theirs.
+        self.message = without_addresses(message) if self.status >= 500 else message
+        self.detail = message if detail is None else detail
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict:
-        """The OpenAI-style error object."""
-        return error_body(self.message, self.error_type, self.code or str(self.status))
+    def body(self, operator: bool = False) -> dict:
+        """The OpenAI-style error object (`operator`: an admin's, with the `detail`)."""
+        return error_body(self.detail if operator else self.message, self.error_type,
+                          self.code or str(self.status))
 
 
 class BadRequest(GatewayError):
@@ -81,7 +100,7 @@ class ModelNotFound(NotFound):
         super().__init__(f"The model '{name}' does not exist; served here: "
                          f"{', '.join(available) or 'none'}{pending}", code="model_not_found")
 
-    def body(self) -> dict:
+    def body(self, operator: bool = False) -> dict:
         return error_body(self.message, self.error_type, self.code or "404", "model")
 
 
@@ -101,7 +120,8 @@ class GatewayTimeout(GatewayError):
 
 
 class UpstreamError(GatewayError):
-    """A prefill or decode leg failed.
+    """A prefill or decode leg failed. The client's message names the leg and carries the
+    server's own words without the server's address; `detail` keeps it for the operator.
 
     `retryable` tells the retry loop whether another pair may succeed (connect errors,
     5xx, 408/429); `upstream_status` keeps the server's own status for metrics.
@@ -122,7 +142,7 @@ class UpstreamError(GatewayError):
         code: str | None = None,
         reason: str | None = None,
     ) -> None:
-        super().__init__(message, status=status, code=code)
+        super().__init__(without_addresses(message), status=status, code=code, detail=message)
         self.reason = reason  # metric label: why it failed, when not an HTTP status
         self.leg = leg
         self.server_url = server_url
@@ -141,8 +161,9 @@ def error_body(message: str, error_type: str, code: str, param: str | None = Non
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_bytes(err: GatewayError, request_id: str | None = None) -> bytes:
-    body = err.body()
+def error_bytes(err: GatewayError, request_id: str | None = None, operator: bool = False
+                ) -> bytes:
+    body = err.body(operator)
     if request_id:
         body["error"]["request_id"] = request_id
     return orjson.dumps(body)

@@ -175,9 +175,11 @@ class Proxy:
         return delay * (0.5 + random.random() / 2)
 
     def _out_of_time(self, last_error: GatewayError | None) -> GatewayError:
-        detail = f"; last failure: {last_error.message}" if last_error else ""
-        return GatewayError(f"request did not complete within {self.request_timeout:g}s{detail}",
-                            status=504)
+        said = f"request did not complete within {self.request_timeout:g}s"
+        if last_error is None:
+            return GatewayError(said, status=504)
+        return GatewayError(f"{said}; last failure: {last_error.message}", status=504,
+                            detail=f"{said}; last failure: {last_error.detail}")
 
 
 class Resumed:

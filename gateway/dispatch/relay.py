@@ -55,7 +55,7 @@ class StreamBroken(Exception):
     """The decode failed mid-stream and the stream may be continued on another pair."""
 
     def __init__(self, error: UpstreamError, decode) -> None:
-        super().__init__(error.message)
+        super().__init__(error.detail)
         self.error = error
         self.decode = decode  # the server that failed: the continuation avoids it
 

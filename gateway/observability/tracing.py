@@ -181,7 +181,7 @@ class RequestTrace:
         if self.recording:
             self.span.add_event("attempt_failed", {
                 "gateway.retry": retry, "gateway.leg": error.leg or "",
-                "gateway.retryable": error.retryable, "exception.message": error.message})
+                "gateway.retryable": error.retryable, "exception.message": error.detail})
 
     def finish(self, status: int) -> None:
         span = self.span

@@ -83,7 +83,7 @@ class Responses:
             await self.store.start()
         except StoreDown as exc:  # served anyway; turns that need history get 503
             self.errors.labels("start").inc()
-            log.warning("%s", exc.message)
+            log.warning("%s", exc.detail)
 
     async def stop(self) -> None:
         if self._renewer is not None:
@@ -142,7 +142,7 @@ class Responses:
                 await self.store.renew(keys)
             except StoreDown as exc:
                 self.errors.labels("renew").inc()
-                log.warning("responses: %d leases not renewed: %s", len(keys), exc.message)
+                log.warning("responses: %d leases not renewed: %s", len(keys), exc.detail)
 
     async def read(self, tenant: str, rid: str, operation: str) -> dict | None:
         """The record of `rid` for `tenant` (None: none), as it stands: an in_progress one
@@ -186,7 +186,7 @@ class Responses:
             return await self._write(turn, response, operation)
         except StoreDown as exc:
             self.errors.labels(operation).inc()
-            log.warning("response %s not kept: %s", turn.rid, exc.message)
+            log.warning("response %s not kept: %s", turn.rid, exc.detail)
             if operation == "save":  # its placeholder says in_progress (when the store
                 # refused its start, it may have been written all the same: a Redis reply
                 # that timed out)

@@ -45,8 +45,9 @@ class StoreDown(ServiceUnavailable):
     """The response store did not answer (503, Retry-After)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"the response store is unavailable: {message}",
-                         headers={"retry-after": "2"})
+        super().__init__("the response store is unavailable; retry shortly",
+                         headers={"retry-after": "2"},  # why (a host, a file) is the operator's
+                         detail=f"the response store is unavailable: {message}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ class StreamCut(Exception):
     """A streamed answer ended early with `error`; the client already has the error event."""
 
     def __init__(self, error: GatewayError) -> None:
-        super().__init__(error.message)
+        super().__init__(error.detail)
         self.error = error
 
 

@@ -14,8 +14,10 @@ from gateway.errors import GatewayError, NotFound, error_body, error_bytes
 ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's envelope there, as SGLang answers on them
 
 
-def json_error(err: GatewayError, path: str = "") -> Response:
-    body = anthropic.error_bytes(err) if path.startswith(ANTHROPIC_PATHS) else error_bytes(err)
+def json_error(err: GatewayError, path: str = "", operator: bool = False) -> Response:
+    """`operator`: the route is an admin's, and the error says all it knows (addresses)."""
+    body = (anthropic.error_bytes(err) if path.startswith(ANTHROPIC_PATHS)
+            else error_bytes(err, operator=operator))
     return Response(body, status_code=err.status, media_type="application/json",
                     headers=err.headers)
 

@@ -78,7 +78,7 @@ async def switch_role(request: Request, parts: RoleSwitchParts) -> Response:
         if outcome is not None:
             parts.counted.labels(outcome).inc()
         log.warning("role switch %s of %s to %s: %s (%s)", request_id, ask.url, ask.new_role,
-                    outcome or err.status, err.message)
+                    outcome or err.status, err.detail)
         parts.note_error(err, PATH, request_id)
         _access(parts, ask, err.status, started, request_id)
         raise

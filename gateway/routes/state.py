@@ -25,5 +25,5 @@ class RuntimeState:
         """Keep the last errors for the status page (bounded; no request bodies)."""
         self.recent_errors.append({"time": time.time(), "endpoint": endpoint,
                                    "status": err.status, "type": err.error_type,
-                                   "message": err.message[:300],
+                                   "message": err.detail[:300],
                                    "request_id": request_id})

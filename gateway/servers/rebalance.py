@@ -241,7 +241,7 @@ class Rebalancer:
             body = await self.switcher.switch(ask)
         except GatewayError as err:
             outcome = (err.code or "error").removeprefix("role_switch_")
-            log.warning("rebalance: %s stays %s: %s", server.url, move.old, err.message)
+            log.warning("rebalance: %s stays %s: %s", server.url, move.old, err.detail)
         else:
             outcome = "switched"
             log.warning("rebalance: %s is now a %s server (drained and switched in %.3fs)",

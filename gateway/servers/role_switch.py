@@ -315,7 +315,7 @@ class RoleSwitcher:
                 if attempt + 1 == VERIFY_TRIES:
                     raise SwitchBroken(
                         f"{server.url} switched to {role} but did not answer as one "
-                        f"({exc.message}); it is out of the pool: add it again when it does",
+                        f"({exc.detail}); it is out of the pool: add it again when it does",
                         code="role_switch_unverified") from None
                 await asyncio.sleep(VERIFY_EVERY)
         p.tell("add", server.url, role=role, bootstrap_port=None,  # (learned: each worker's
