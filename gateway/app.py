@@ -52,9 +52,10 @@ Handler = Callable[[Request, Any], Awaitable[Response]]
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-# An admin aborts anyone's requests (or all), an inference caller its own: either role will do,
-# admin first so that an admin key is recognised as one (an inference key never becomes admin).
-ABORTERS = (ADMIN, INFERENCE)
+# Either role will do, admin first so that an admin key is recognised as one (an inference key
+# never becomes admin): an admin aborts anyone's requests (or all), an inference caller its
+# own; an admin reads the servers' addresses in /server_info, a caller only their facts.
+EITHER = (ADMIN, INFERENCE)
 ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
     ("/health", ("GET",), info.health, PUBLIC),
     ("/readiness", ("GET",), info.readiness, PUBLIC),
@@ -65,13 +66,13 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler, Role | tuple[Role, ...]]] = [
     ("/v1/models/{model:path}", ("GET",), models.model_card, INFERENCE),
     ("/model_info", ("GET",), models.model_info, INFERENCE),
     ("/get_model_info", ("GET",), models.model_info, INFERENCE),
-    ("/server_info", ("GET",), info.server_info, INFERENCE),
-    ("/get_server_info", ("GET",), info.server_info, INFERENCE),
+    ("/server_info", ("GET",), info.server_info, EITHER),
+    ("/get_server_info", ("GET",), info.server_info, EITHER),
     ("/v1/tokenize", ("POST",), operations.relay, INFERENCE),
     ("/v1/detokenize", ("POST",), operations.relay, INFERENCE),
     ("/tokenize", ("POST",), operations.relay, INFERENCE),
     ("/detokenize", ("POST",), operations.relay, INFERENCE),
-    ("/abort_request", ("POST",), operations.abort_request, ABORTERS),
+    ("/abort_request", ("POST",), operations.abort_request, EITHER),
     ("/flush_cache", ("POST",), operations.broadcast, ADMIN),
     ("/start_profile", ("POST",), operations.broadcast, ADMIN),
     ("/stop_profile", ("POST",), operations.broadcast, ADMIN),

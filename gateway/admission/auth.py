@@ -4,10 +4,12 @@ Roles (docs/SECURITY.md):
 
 * `PUBLIC`: probes and scrapers (`/health`, `/readiness`, `/metrics`, the cached
   `/health_generate`): never a key.
-* `INFERENCE`: generation, models, tokenizer, `/server_info`, aborting one's own requests.
-  Open when no inference key is configured; otherwise an inference key.
-* `ADMIN`: changing the server set, draining, flushing caches, aborting anyone's request
-  (`/abort_request` takes an admin or an inference caller: `app.ABORTERS`), the status data.
+* `INFERENCE`: generation, models, tokenizer, `/server_info` (without the servers'
+  addresses), aborting one's own requests. Open when no inference key is configured;
+  otherwise an inference key.
+* `ADMIN`: changing the server set, draining, flushing caches, aborting anyone's request,
+  `/server_info` with the addresses (those two take either role: `app.EITHER`), the status
+  data.
   Needs an admin key; an inference key never grants it, and an admin key grants nothing
   else (least privilege: an operator's credential is not a client's). Without
   any admin key configured, the admin API answers loopback clients only (the operator on the

@@ -13,7 +13,8 @@ What each costs the servers, and who may ask (the role is in app.ROUTES):
   at most one generation per `--info-cache-ttl` seconds however many callers ask.
 * `/server_info` (and `/v1/models`, `/model_info` in routes/models.py): inference callers;
   cached the same way, so a caller cannot make the gateway fan out to every server per call.
-  Secrets in the servers' own arguments (API keys, tokens) are redacted.
+  Secrets in the servers' own arguments (API keys, tokens) are redacted, and for a caller
+  without the admin role the servers' addresses too (URLs, hosts, ports).
 """
 
 from __future__ import annotations
@@ -116,9 +117,19 @@ async def _generate_once(parts: InfoParts, view: RequestView) -> tuple[int, byte
 
 
 async def server_info(request: Request, parts: InfoParts) -> Response:
-    cache = parts.fleet.caches.get("server_info", lambda: collect_server_info(parts))
-    status, body = await cache.get()
+    """An admin's view names each server and its addresses; an inference caller's has the
+    same entries without them (what a benchmark reads: modes, sizes, internal states)."""
+    caches = parts.fleet.caches
+    full = caches.get("server_info", lambda: collect_server_info(parts))
+    shown = full if request.state.caller.is_admin else caches.get(
+        "server_info:caller", lambda: _without_addresses(full.get()))
+    status, body = await shown.get()
     return Response(body, status_code=status, media_type="application/json")
+
+
+async def _without_addresses(answer: Awaitable[tuple[int, bytes]]) -> tuple[int, bytes]:
+    status, body = await answer
+    return status, orjson.dumps(redact(orjson.loads(body), addresses=True))
 
 
 async def collect_server_info(parts: InfoParts) -> tuple[int, bytes]:

@@ -84,3 +84,35 @@ def test_an_admin_route_answers_the_whole_detail_and_an_inference_route_the_mess
         with pytest.raises(GatewayError) as caught:  # the app's handler renders `message`
             run(endpoint(_request(key)))
         assert _no_address(caught.value.message)
+
+
+def test_server_info_tells_a_caller_the_servers_facts_and_an_admin_their_addresses():
+    info = {"host": "10.4.0.7", "port": 30001, "dist_init_addr": "10.4.0.7:5000",
+            "nccl_port": 28000, "otlp_traces_endpoint": "http://10.4.0.9:4317",
+            "encoder_urls": ["http://10.4.0.8:9000"], "max_total_num_tokens": 4096,
+            "report_interval": 5, "internal_states": [{"avg_spec_accept_length": 1.5}]}
+    cluster = FakeCluster({P1: FakeServer("prefill", info=dict(info)),
+                           D1: FakeServer("decode", info=dict(info))})
+
+    async def go():
+        async with served_gateway(cluster, "--api-keys", "callerkey",
+                                  "--admin-api-keys", "adminkey") as (client, _):
+            seen = {}
+            for key in ("callerkey", "adminkey", "callerkey"):
+                r = await client.get("/server_info", headers={"authorization": f"Bearer {key}"})
+                assert r.status_code == 200, r.text
+                seen.setdefault(key, []).append(r.text)
+            return seen
+
+    seen = run(go())
+    caller = orjson.loads(seen["callerkey"][0])
+    assert seen["callerkey"][0] == seen["callerkey"][1]  # cached, as the full view is
+    assert "10.4.0" not in seen["callerkey"][0] and "127.0.0.1" not in seen["callerkey"][0]
+    assert "30001" not in seen["callerkey"][0] and "://" not in seen["callerkey"][0]
+    decode = caller["decode"][0]
+    assert decode["disaggregation_mode"] == "decode" and decode["max_total_num_tokens"] == 4096
+    assert decode["report_interval"] == 5  # a word with "port" in it is not a port
+    assert caller["internal_states"] == [{"avg_spec_accept_length": 1.5}]
+    admin = orjson.loads(seen["adminkey"][0])
+    assert admin["decode"][0]["url"] == D1 and admin["decode"][0]["dist_init_addr"] == \
+        "10.4.0.7:5000"
