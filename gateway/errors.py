@@ -21,15 +21,26 @@ import re
 
 import orjson
 
-# A server's address in an upstream failure's text: scheme, authority and whatever follows up
-# to a space or punctuation (a data-parallel rank's `#dp1` included).
-_ADDRESS = re.compile(r" ?\b[a-z][a-z0-9+.-]*://[^\s,;()\"']+")
+# A server's address in a failure's text: a URL (scheme, authority and whatever follows up to
+# a space or punctuation, a data-parallel rank's `#dp1` included), taken out with the space
+# before it; or a bare address, as SGLang's KV transfer writes its peers ("Failed to send kv
+# chunk of 7 to 10.0.0.5:16000": `NetworkAddress.to_host_port_str`), an IPv4 address, a
+# bracketed IPv6 one or a dotted host name with a port, replaced by `<address>`.
+_ADDRESS = re.compile(r"(?P<url> ?\b[a-z][a-z0-9+.-]*://[^\s,;()\"']+)"
+                      r"|\[[0-9A-Fa-f:.]+\](?::\d+)?"
+                      r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"
+                      r"|\b[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+:\d{2,5}\b")
+
+
+def _hidden(found: re.Match) -> str:
+    return "" if found.group("url") else "<address>"
 
 
 def without_addresses(text: str) -> str:
-    """`text` with every URL taken out: a caller learns which leg failed and what its server
-    said, never where the servers are (see docs/SECURITY.md, "What an error tells")."""
-    return _ADDRESS.sub("", text) if "://" in text else text
+    """`text` with every URL taken out and every bare address replaced: a caller learns which
+    leg failed and what its server said, never where the servers are (docs/SECURITY.md,
+    "What an error tells")."""
+    return _ADDRESS.sub(_hidden, text)
 
 
 class GatewayError(Exception):

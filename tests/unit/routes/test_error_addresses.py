@@ -53,6 +53,14 @@ def test_server_side_failures_lose_their_addresses_and_the_callers_own_input_kee
                           f"ReadTimeout; {D1} answered 500: x", status=503)
     assert _no_address(failed.message) and "[::1]" not in failed.message
     assert "/v1/tokenize" in failed.message and "ReadTimeout" in failed.message
+    # SGLang's own words name the KV transfer's peers bare (NetworkAddress.to_host_port_str)
+    kv = UpstreamError(f"decode server {D1} answered 500: KVTransferError(bootstrap_room=7): "
+                       "Failed to send kv chunk of 7 to 10.0.0.5:16000; peer [fd00::5]:8998, "
+                       "prefill-0.pd.svc.cluster.local:8998", leg="decode", server_url=D1,
+                       retryable=True)
+    assert _no_address(kv.message) and "10.0.0.5" not in kv.message
+    assert "fd00" not in kv.message and "svc.cluster" not in kv.message
+    assert "Failed to send kv chunk of 7 to <address>" in kv.message and "10.0.0.5" in kv.detail
     refused = BadRequest("media URL https://example.com/cat.png needs --allow-media-urls")
     assert "https://example.com/cat.png" in refused.message  # 4xx: the caller's own input
 
