@@ -169,13 +169,10 @@ class Gateway:
 
     def describe(self) -> dict:
         """The gateway's own facts for /server_info and the status page."""
-        return {
-            "version": self.version,
-            "replica_id": self.rooms.replica_id,
-            "prefill_policy": self.scheduler.policies["prefill"].name,
-            "decode_policy": self.scheduler.policies["decode"].name,
-            "models": self.models.names(),
-        }
+        policies = self.scheduler.policies
+        return {"version": self.version, "replica_id": self.rooms.replica_id,
+                "prefill_policy": policies["prefill"].name,
+                "decode_policy": policies["decode"].name, "models": self.models.names()}
 
     def announcement(self) -> str:
         """The startup line: where, what, how, and whether strangers are kept out."""
@@ -295,21 +292,24 @@ class Gateway:
             await self.discovery.start()
 
     async def _probe_all(self) -> None:
-        """Verify roles and learn bootstrap ports. A wrong role is fatal; an unreachable
-        server starts out down and is probed again by the health checker."""
+        """Verify roles, learn bootstrap ports. A server running the other PD role serves in it
+        (switches outlive the flags); in no PD role: fatal; unreachable: down until it answers."""
         if self.config.skip_probe:
             for server in self.pool:
                 server.verified = True
                 if server.role == "prefill" and server.bootstrap_port is None:
                     server.bootstrap_port = 8998
             return
-        servers = list(self.pool)
-        results = await asyncio.gather(
-            *(probe(self.client, w.url, w.role, self.config.probe_timeout) for w in servers),
-            return_exceptions=True)
+        servers, timeout = list(self.pool), self.config.probe_timeout
+        results = await asyncio.gather(*(probe(self.client, w.url, w.role, timeout)
+                                         for w in servers), return_exceptions=True)
         mismatches = []
         for server, result in zip(servers, results, strict=True):
-            if isinstance(result, RoleMismatch):
+            if isinstance(result, RoleMismatch) and result.mode in ("prefill", "decode"):
+                log.warning("%s: serving it as a %s server", result, result.mode)
+                self.unregister(server.url)
+                await self.register(server.url, result.mode, None, model=server.model)
+            elif isinstance(result, RoleMismatch):
                 mismatches.append(str(result))
             elif isinstance(result, BaseException):
                 server.healthy = False

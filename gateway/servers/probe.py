@@ -17,7 +17,11 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 class RoleMismatch(Exception):
-    """The server says it runs in another disaggregation mode than its given role."""
+    """The server says it runs in another disaggregation mode (`mode`) than its given role."""
+
+    def __init__(self, message: str, mode: str) -> None:
+        super().__init__(message)
+        self.mode = mode
 
 
 FOLLOW_ROOM = "follow_bootstrap_room"
@@ -101,8 +105,7 @@ def facts_from_info(info: dict, url: str, role: str) -> ServerFacts:
     if mode is not None and mode != role:
         raise RoleMismatch(
             f"{url} was given as a {role} server but runs with "
-            f"--disaggregation-mode {mode}; fix the --{role} list"
-        )
+            f"--disaggregation-mode {mode}; fix the --{role} list", mode)
     port = info.get("disaggregation_bootstrap_port")
     model = info.get("served_model_name") or info.get("model_path")
     return ServerFacts(

@@ -87,14 +87,29 @@ def test_bad_input_gets_json_4xx(fresh, method, path, kwargs, status):
     assert sum(fresh.stats(u)["received"] for u in fresh.decode) == 0
 
 
-def test_wrong_role_is_a_startup_error(fresh, tmp_path):
+def test_a_server_in_the_other_role_is_served_in_the_role_it_runs(fresh, tmp_path):
+    """A role switch (by an admin, or by --rebalance) outlives the command line: the gateway
+    started again with the old flags serves the server in its live role, and says so (it used
+    to exit 3, so a gateway that had rebalanced could never restart)."""
     port = free_port()
-    decode = fresh.decode[0]
-    argv = python("-m", "gateway", "--prefill", decode, "--decode", fresh.decode[1],
-                  "--port", str(port))
-    with running("gw-wrong-role", argv, tmp_path, None) as proc:
-        assert proc.popen.wait(30) == 3
-        assert "runs with --disaggregation-mode decode" in proc.log()
+    switched = fresh.decode[0]  # given as a prefill, runs as a decode
+    argv = python("-m", "gateway", "--prefill", fresh.prefill[0][0], "--prefill", switched,
+                  "--decode", fresh.decode[1], "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    with running("gw-other-role", argv, tmp_path, url + "/readiness") as proc:
+        listed = httpx.get(url + "/admin/servers", timeout=10).json()["servers"]
+        assert {s["url"]: s["role"] for s in listed}[switched] == "decode"
+        r = httpx.post(url + "/admin/servers/drain", json={"url": fresh.decode[1], "timeout": 5},
+                       timeout=10)
+        assert r.status_code == 200, r.text  # the switched server is the only decode left
+        before = fresh.stats(switched)["received"]
+        for i in range(3):
+            r = httpx.post(url + "/generate", json={"text": f"served {i}"}, timeout=30)
+            assert r.status_code == 200, r.text
+        assert fresh.stats(switched)["received"] >= before + 3  # a decode it is
+        assert f"{switched} was given as a prefill server but runs with " \
+               "--disaggregation-mode decode" in proc.log()
+        assert "serving it as a decode server" in proc.log()
 
 
 def test_bootstrap_port_read_from_server_info(fresh, tmp_path):
