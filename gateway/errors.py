@@ -63,6 +63,9 @@ class GatewayError(Exception):
         super().__init__(message if detail is None else detail)  # str(): the operator's
         if status is not None:
             self.status = status
+            if self.error_type == "internal_error" and status != 500:  # a 409 is the
+                self.error_type = ("invalid_request_error" if status < 500  # caller's doing
+                                   else "timeout_error" if status == 504 else "internal_error")
         # A failure on the servers' side (5xx) tells the client no address; 4xx messages are
         # about the caller's own input (a media URL it sent, say) and keep theirs.
         self.message = without_addresses(message) if self.status >= 500 else message

@@ -124,3 +124,10 @@ def test_server_info_tells_a_caller_the_servers_facts_and_an_admin_their_address
     admin = orjson.loads(seen["adminkey"][0])
     assert admin["decode"][0]["url"] == D1 and admin["decode"][0]["dist_init_addr"] == \
         "10.4.0.7:5000"
+
+
+def test_a_plain_error_with_a_4xx_status_is_the_callers_not_an_internal_one():
+    assert GatewayError("a role switch is in progress", status=409).body()["error"]["type"] == \
+        "invalid_request_error"
+    assert GatewayError("boom").body()["error"]["type"] == "internal_error"
+    assert GatewayError("late", status=504).body()["error"]["type"] == "timeout_error"
