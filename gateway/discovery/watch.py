@@ -11,6 +11,8 @@ client-go's reflector in small:
                          again right after its LIST, with backoff (a lagging watch cache
                          made it ~1,000 LISTs a second)
     other errors         wait (backoff with jitter), then WATCH again from the last version
+    anything else        (a bug, an answer nobody foresaw) logged with its traceback; wait
+                         (backoff), then LIST again: the role's discovery never just ends
 
 The last known targets stay while the API cannot be reached: an API outage does not take
 servers out of rotation (their health checks still do).
@@ -85,7 +87,21 @@ class PodWatch:
                 delay = self.backoff.next()
                 log.warning("%s pods (namespace %s, selector %r): %s; retrying in %.2fs",
                             self.role, self.namespace, self.selector, exc, delay)
+            except Exception:  # not CancelledError (a BaseException): stop() still stops it
+                delay = self._unexpected()
             await asyncio.sleep(delay)
+
+    def _unexpected(self) -> float:
+        """A bug (or an answer nobody foresaw) must not end this role's discovery for good:
+        the task would die silently, its servers frozen as they were. Log it whole, LIST
+        again (what was applied before it is in doubt; a watch from the same version would
+        replay the same event, and a LIST recovers once the pod that broke it changes), and
+        back off, so a lasting fault costs a LIST now and then, not a busy loop."""
+        self.resource_version = None
+        delay = self.backoff.next()
+        log.exception("%s pods (namespace %s, selector %r): unexpected error; listing again "
+                      "in %.2fs", self.role, self.namespace, self.selector, delay)
+        return delay
 
     async def _list(self) -> None:
         try:
