@@ -166,7 +166,8 @@ class Metrics:
             "gateway_role_switches", "Role switches asked of the admin API, by outcome: "
             "switched, refused (the server said no; put back as it was), busy (still in flight "
             "at the deadline; put back), failed (broken midway; taken out), conflict (another "
-            "switch running, or a role would be left empty)", ["outcome"], registry=own)
+            "switch running, or a role would be left empty), cancelled (cut off by the end of "
+            "--shutdown-grace)", ["outcome"], registry=own)
         self.rebalance_decisions = Counter(
             "gateway_rebalance_decisions", "Automatic role switches asked (--rebalance), by "
             "the role giving a server, the role getting it, the pressure signal that called "

@@ -17,11 +17,13 @@ at a time (switch_lock.py):
    `/server_info` internal state), unless the admin gave them;
 5. success: the server leaves the pool and is registered again in its new role from a fresh
    `/server_info` (role, bootstrap port, DP ranks), so its load, prefix entries and breaker
-   start anew; the other workers do the same;
-6. a refusal (SGLang's `safe_to_restore` true, or the deadline) puts it back as it was and
-   says why; a switch that broke midway (`safe_to_restore` false, or no answer to the switch
-   itself) leaves it drained and marked misconfigured ("restart required"): out of rotation
-   until an operator removes and adds it again.
+   start anew; the other workers do the same; a server an operator had drained stays
+   drained there and in the other workers (it does not join the rotation unasked);
+6. a refusal (SGLang's `safe_to_restore` true, the deadline, or the gateway shutting down:
+   read while waiting and before each call to `/pd_role_switch`) puts it back as it was and
+   says why; a switch that broke midway (`safe_to_restore` false, or no answer to the
+   switch itself) leaves it drained and marked misconfigured ("restart required"): out of
+   rotation until an operator removes and adds it again.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ MAX_DEADLINE = 3600.0
 NOT_IDLE = "instance is not idle"
 RETRY_EVERY = 0.1  # seconds between asks while SGLang says it is not idle
 VERIFY_TRIES, VERIFY_EVERY = 10, 0.5  # re-reading /server_info after the flip
+STOPPING = "the gateway is shutting down"
 
 
 class SwitchRefused(GatewayError):
@@ -106,6 +109,11 @@ class SwitchAsk:
         return cls(url.rstrip("/"), role, float(deadline), gb, tuple(bs) if bs else None)
 
 
+def _running() -> bool:
+    """The default `SwitchParts.shutting_down`: a switcher built without one never stops."""
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class SwitchParts:
     """The gateway's own parts the procedure uses (register/unregister are the runtime's,
@@ -119,6 +127,7 @@ class SwitchParts:
     probe_timeout: float
     lock: SwitchLock
     refuse_all: str | None = None  # why this gateway cannot switch at all (None: it can)
+    shutting_down: Callable[[], bool] = _running  # true once SIGTERM came (RuntimeState)
 
 
 class RoleSwitcher:
@@ -181,7 +190,7 @@ class RoleSwitcher:
             else:
                 self._drain(server, was_draining)
             raise
-        fresh = await self._register_again(server, ask.new_role)
+        fresh = await self._register_again(server, ask.new_role, was_draining)
         return {"switched": True, "old_role": old, "new_role": ask.new_role,
                 "waited_s": round(time.monotonic() - started, 3), "server": fresh.snapshot()}
 
@@ -216,6 +225,14 @@ class RoleSwitcher:
                            f"check now: switching {server.url} would leave none that serves",
                            outcome="empty")
 
+    def _not_stopping(self) -> None:
+        """Raise _Refused once the gateway is stopping (SIGTERM): a switch that went on
+        flipped the server during the shutdown (200 1.1 s after the signal, the restarted
+        gateway's command line naming it in its old role), and one the grace cuts off
+        leaves the server's state unknown."""
+        if self.parts.shutting_down():
+            raise _Refused(STOPPING)
+
     def _drain(self, server: Server, draining: bool) -> None:
         server.draining = draining
         self.parts.tell("drain" if draining else "undrain", server.url)
@@ -223,6 +240,7 @@ class RoleSwitcher:
     async def _wait_idle(self, server: Server, deadline: float, allowed: float) -> None:
         """Until no request of this gateway runs there (every worker's counts)."""
         while server.totals()[0] > 0 or server.attempts:
+            self._not_stopping()  # no use holding the shutdown until the drain ends
             if time.monotonic() >= deadline:
                 raise _Refused(f"{server.totals()[0]} requests still in flight after the "
                                f"{allowed:g}s deadline", outcome="busy")
@@ -268,6 +286,7 @@ class RoleSwitcher:
         """POST /pd_role_switch until it says yes, or raise _Refused (safe) / _Broken."""
         what = "prepare_only" if prepare else "the switch"
         while True:
+            self._not_stopping()  # before each ask: nothing is sent once SIGTERM came
             try:
                 response = await self.parts.client.post(
                     server.url + "/pd_role_switch", json=body,
@@ -301,8 +320,10 @@ class RoleSwitcher:
         take_out(server, reason)
         self.parts.tell("take_out", server.url, why=reason)
 
-    async def _register_again(self, server: Server, role: str) -> Server:
-        """Out of the pool and back in as `role`, from a fresh /server_info."""
+    async def _register_again(self, server: Server, role: str, draining: bool) -> Server:
+        """Out of the pool and back in as `role`, from a fresh /server_info; `draining`
+        (an operator's drain from before the switch) is kept, here and in the other workers,
+        which apply the `drain` after the `add`."""
         p = self.parts
         p.unregister(server.url)  # with its pairs and deadlines: they were another role's
         p.tell("remove", server.url)
@@ -320,6 +341,8 @@ class RoleSwitcher:
                 await asyncio.sleep(VERIFY_EVERY)
         p.tell("add", server.url, role=role, bootstrap_port=None,  # (learned: each worker's
                model=server.model)  # own probe reads it, and reads it again after a restart)
+        if draining:  # registered afresh, it would serve again (before: 23 requests in 4 s)
+            self._drain(fresh, True)
         return fresh
 
 
