@@ -118,10 +118,14 @@ def test_a_prefill_restart_forgets_its_quarantine_while_the_other_decode_dies(cl
     before = cluster.received(broken)
     cluster.kill(other)
     assert set(cluster.generate(20, "alone")) == {200}
-    assert cluster.received(broken) - before == 20  # the only decode left served them all
     wait_until(lambda: cluster.ready_again(other, 1), 30, "the other decode's restart ready")
+    # the only decode left served them; the killed one only once restarted (0.2 s backoff: on
+    # a loaded machine it is back before the last of the 20, its count started again at 0)
+    assert cluster.received(broken) - before + cluster.received(other) == 20
 
     counts = [cluster.received(d) for d in (broken, other)]
-    assert set(cluster.generate(20, "both")) == {200}
-    served = [cluster.received(d) - n for d, n in zip((broken, other), counts, strict=True)]
-    assert all(served) and sum(served) == 20, served
+    statuses = []
+    wait_until(lambda: statuses.extend(cluster.generate(10, "both")) or all(
+        cluster.received(d) > n for d, n in zip((broken, other), counts, strict=True)),
+        30, "both decodes served again")
+    assert set(statuses) == {200}, statuses
