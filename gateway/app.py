@@ -152,11 +152,11 @@ def guarded(handler: Handler, role: Role | tuple[Role, ...], auth: Auth, parts: 
 
     async def endpoint(request: Request) -> Response:
         request.state.caller = auth.caller(request.scope, role)
-        if role is not ADMIN:
-            return await handler(request, parts)
         try:
             return await handler(request, parts)
         except GatewayError as err:  # an admin is told the servers' addresses, a caller not
+            if role is not ADMIN:
+                raise
             return json_error(err, request.url.path, operator=True)
 
     endpoint.__name__ = handler.__name__

@@ -50,6 +50,7 @@ class GatewayError(Exception):
 
     status: int = 500
     error_type: str = "internal_error"
+    servers_words = False  # the message relays a server's text whatever the status
 
     def __init__(
         self,
@@ -68,7 +69,8 @@ class GatewayError(Exception):
                                    else "timeout_error" if status == 504 else "internal_error")
         # A failure on the servers' side (5xx) tells the client no address; 4xx messages are
         # about the caller's own input (a media URL it sent, say) and keep theirs.
-        self.message = without_addresses(message) if self.status >= 500 else message
+        self.message = (without_addresses(message) if self.status >= 500 or self.servers_words
+                        else message)
         self.detail = message if detail is None else detail
         self.code = code
         self.headers = headers or {}
@@ -143,6 +145,7 @@ class UpstreamError(GatewayError):
 
     status = 502
     error_type = "upstream_error"
+    servers_words = True  # a 4xx relayed from a server is the server's text too
 
     def __init__(
         self,
@@ -156,7 +159,7 @@ class UpstreamError(GatewayError):
         code: str | None = None,
         reason: str | None = None,
     ) -> None:
-        super().__init__(without_addresses(message), status=status, code=code, detail=message)
+        super().__init__(message, status=status, code=code)
         self.reason = reason  # metric label: why it failed, when not an HTTP status
         self.leg = leg
         self.server_url = server_url
