@@ -7,7 +7,9 @@ summed into the load the policies compare, and each prompt looked up and recorde
 shared prefix table (gateway/processes/shared_state.py, gateway/prefix/shared.py). The 8-worker
 figures of `loadtests.scaling` pay for that on every request; this makes it measurable in
 one process: worker 0 of `workers`, its shared block created here (a new name, unlinked at
-the end), its control channel one end of a socket pair that nothing else writes to.
+the end), its control channel one end of a socket pair whose other end says only what the
+hub says to a worker it attaches with no admin changes to replay: "synced" (without it the
+worker waits out `control_channel.SYNC_TIMEOUT`, 60 s, before it serves).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def as_worker(workers: int = WORKERS) -> Iterator[WorkerContext]:
         shared = SharedState(f"pdgw-cost-{os.getpid()}-{id(workdir):x}", workers, 0,
                              os.path.join(workdir, "lock"), create=True)
         ours, theirs = socket.socketpair()
+        theirs.sendall(b'{"synced":true}\n')  # as the hub's attach, nothing to replay
         try:
             yield WorkerContext(0, workers, shared, Control(ours, 0, workers))
         finally:
