@@ -138,6 +138,13 @@ def leading_failure(chunk: bytes) -> tuple[int, str] | None:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return None
+    return reported_failure(obj)
+
+
+def reported_failure(obj: object) -> tuple[int, str] | None:
+    """(status, message) when an event's JSON value reports a failure: an `error` object (its
+    `code` the status, 400 without one), or a native `finish_reason` of `abort` with a status
+    code."""
     if not isinstance(obj, dict):
         return None
     error = obj.get("error")

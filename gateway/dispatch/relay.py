@@ -27,6 +27,7 @@ from gateway.anthropic.errors import error_event
 from gateway.cancel import Interrupt
 from gateway.dispatch.attempt import Attempt, Timeouts
 from gateway.dispatch.prompt_logprobs import StreamMerger
+from gateway.dispatch.stream_failure import failing_event, marks
 from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
 from gateway.health.queue_wait import DecodeQueue
@@ -42,7 +43,7 @@ from gateway.sse import (
     whole_events,
 )
 from gateway.timers import Timers
-from gateway.upstream.client import UpstreamResponse, leg_error
+from gateway.upstream.client import UpstreamResponse, leg_error, status_error
 
 CAPTURE_LIMIT = 8 << 20  # bytes of one stream kept for a continuation
 
@@ -156,8 +157,7 @@ class StreamRelay:
     async def stream(self, attempt: Attempt, response: UpstreamResponse, first: bytes,
                      merger: StreamMerger | None, p_task: asyncio.Task) -> AsyncIterator[bytes]:
         """The decode's events, then on failure an error event or `attempt.on_broken`'s."""
-        ok: bool | None = None
-        broken: StreamBroken | None = None
+        ok = broken = failure = None  # ok: bool | None; broken: StreamBroken | None
         splitter = EventSplitter() if merger else None
         watchdog = self._start(attempt)
         model, url, loop = self.model, attempt.decode.url, watchdog.loop
@@ -165,17 +165,20 @@ class StreamRelay:
         held = last = b""  # last: the last events relayed (whole events, [DONE] among them)
         unsuffix, capture, trace = attempt.unsuffix, attempt.capture, attempt.trace
         try:
-            chunk: bytes | None = first
+            (opening, at, to), chunk = marks(attempt.view.endpoint), first  # bytes | None
             now = loop.time()
             while chunk is not None:
                 out = _merge_events(splitter, merger, chunk) if splitter else chunk
                 if held:
                     out, held = held + out, b""
-                if out and not out.endswith(b"\n\n"):  # hold back a partial event (the
-                    out, held = whole_events(out)  # common end checked inline: no call)
+                if out[-2:] != b"\n\n" and out:  # hold back a partial event (the common
+                    out, held = whole_events(out)  # end checked inline: a slice, no call)
                 if out:
                     if unsuffix is not None:  # whole events: a suffix a read cut is whole
                         out = out.replace(unsuffix, b"")
+                    if out[at:to] == b"e" and out.startswith(opening):  # see stream_failure
+                        out, failure = _failed(out, attempt)
+                if out:
                     last = out
                     watchdog.since, watchdog.reading = now, False  # handing out
                     if capture is not None:
@@ -184,6 +187,8 @@ class StreamRelay:
                         trace.relayed(out)
                     yield out
                     now = loop.time()
+                if failure is not None:
+                    raise failure
                 watchdog.since = started = now  # waiting for the server again
                 watchdog.reading = True
                 try:  # here, not in a helper coroutine: one coroutine less per chunk
@@ -201,11 +206,8 @@ class StreamRelay:
                 raise _unfinished(url)
             ok = True
         except UpstreamError as exc:
-            ok, broken = False, (StreamBroken(exc, attempt.decode) if exc.retryable
-                                 and attempt.on_broken is not None else None)
-            if broken is None:
-                yield (error_event(exc) if attempt.view.endpoint == MESSAGES  # Anthropic's
-                       else frame(exc.body()) + DONE)
+            ok, broken, ending = _ended_by(exc, attempt)
+            yield ending  # b"" when continued: a chunk of nothing is written as nothing
         finally:
             self._end(attempt, response, p_task, ok, watchdog, broken)
         if broken is not None:  # this pair is done with; the rest comes from another
@@ -254,6 +256,33 @@ class StreamRelay:
             self.ended(attempt, response, p_task, None)
 
         return close
+
+
+def _ended_by(exc: UpstreamError, attempt: Attempt
+              ) -> tuple[bool | None, StreamBroken | None, bytes]:
+    """(the leg's outcome, the break to continue from, the error event to end with) for a
+    stream that failed: not retryable is the request's fault, no verdict on the server."""
+    if not exc.retryable:
+        ok, broken = None, None
+    else:
+        ok = False
+        broken = StreamBroken(exc, attempt.decode) if attempt.on_broken is not None else None
+    if broken is not None:
+        return ok, broken, b""
+    return ok, None, (error_event(exc) if attempt.view.endpoint == MESSAGES  # Anthropic's
+                      else frame(exc.body()) + DONE)
+
+
+def _failed(out: bytes, attempt: Attempt) -> tuple[bytes, UpstreamError | None]:
+    """(`out`, None) when no event of it reports a failure (the mark was in the text); else
+    the events before the failing one and the decode's failure, as a failed leg's status
+    (a 5xx: retryable, so a resumable stream goes on on another pair)."""
+    found = failing_event(out, attempt.view.endpoint)
+    if found is None:
+        return out, None
+    before, status, message = found
+    return before, status_error("decode", attempt.decode, status,
+                                orjson.dumps({"error": {"message": message}}))
 
 
 def _failure(exc: BaseException, watchdog: StreamWatchdog, url: str) -> BaseException:

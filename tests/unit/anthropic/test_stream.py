@@ -57,17 +57,26 @@ def test_error_after_message_start_is_retried_on_another_decode():
     assert answers == [(200, b"".join(GOOD))] * 2
 
 
-def test_error_after_content_is_relayed_as_the_server_sent_it():
+def test_error_after_content_ends_the_stream_as_the_decodes_failure():
+    """After content the client has seen, the failure is the decode's (gateway/dispatch/
+    stream_failure.py): the events before it, then the gateway's error event, with the
+    server's words (a Messages stream is not continued elsewhere)."""
     cut = [START, BLOCK, DELTA, OVERLOADED, event({"type": "message_stop"})]
     cluster = FakeCluster({P1: FakeServer("prefill"), D1: FakeServer("decode", chunks=cut)})
 
     async def go():
-        async with gateway(cluster) as (client, _):
+        async with gateway(cluster) as (client, app):
             r = await client.post("/v1/messages", json=BODY)
-            return r.status_code, r.content
+            return (r.status_code, r.content,
+                    app.state.gateway.pool.get(D1).breaker.consecutive_failures)
 
-    assert run(go()) == (200, b"".join(cut))
-    assert len(cluster.servers[D1].received) == 1
+    status, body, failures = run(go())
+    assert status == 200 and body.startswith(START + BLOCK + DELTA)
+    ending = body[len(START + BLOCK + DELTA):]
+    assert ending.startswith(b"event: error\n") and ending.count(b"\n\n") == 1
+    error = orjson.loads(ending.split(b"data: ", 1)[1])["error"]
+    assert error["type"] == "api_error" and "KV transfer failed" in error["message"]
+    assert len(cluster.servers[D1].received) == 1 and failures == 1
 
 
 def test_stream_without_message_stop_ends_with_an_anthropic_error_event():

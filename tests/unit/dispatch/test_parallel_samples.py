@@ -279,9 +279,12 @@ def test_a_sample_with_a_cut_off_body_is_a_502_not_a_500():
     assert "sample 1 of 2" in info.value.message
 
 
-def test_a_samples_error_event_is_written_in_the_gateways_shape():
-    """The merge re-frames a sample's error event: `code` a string like every gateway error,
-    where SGLang wrote the status as a number."""
+@pytest.mark.parametrize("flags", [(), ("--no-midstream-failover",)], ids=["failover", "off"])
+def test_a_samples_failure_after_its_head_is_continued_or_written_in_the_gateways_shape(flags):
+    """A sample's decode reports a failure after its first event (SGLang's error event, a
+    number as `code`): the sample goes on on the other decode; without mid-stream failover the
+    merge ends the sample with the gateway's error event (`code` a string, like every gateway
+    error), and the other sample is whole."""
     broken = [chat_chunks()[0], b'data: {"error": {"message": "decode failed", '
               b'"type": "InternalServerError", "code": 500}}\n\n', b"data: [DONE]\n\n"]
     cluster = FakeCluster({P1: FakeServer("prefill"),
@@ -289,17 +292,21 @@ def test_a_samples_error_event_is_written_in_the_gateways_shape():
                            D2: FakeServer("decode", chunks=broken)})
 
     async def go():
-        async with gateway(cluster) as client:
+        async with gateway(cluster, *flags) as client:
             return await client.post("/v1/chat/completions", json={
                 "model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2,
                 "stream": True})
 
     r = run(go())
     assert r.status_code == 200 and r.text.count("[DONE]") == 1
-    errors = [json.loads(e[6:])["error"] for e in r.text.split("\n\n")
-              if e.startswith("data: {") and '"error"' in e]
-    assert errors == [{"message": "decode failed", "type": "InternalServerError",
-                       "code": "500", "param": None}], r.text
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    errors = [e["error"] for e in events if "error" in e]
+    finished = {c["index"] for e in events for c in e.get("choices", []) if c["finish_reason"]}
+    if not flags:
+        assert errors == [] and finished == {0, 1}, r.text
+        return
+    assert len(errors) == 1 and "decode failed" in errors[0]["message"], r.text
+    assert isinstance(errors[0]["code"], str) and len(finished) == 1
 
 
 class ScriptedSamples:
