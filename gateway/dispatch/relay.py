@@ -158,8 +158,7 @@ class StreamRelay:
                      merger: StreamMerger | None, p_task: asyncio.Task) -> AsyncIterator[bytes]:
         """The decode's events, then on failure an error event or `attempt.on_broken`'s."""
         ok = broken = failure = None  # ok: bool | None; broken: StreamBroken | None
-        splitter = EventSplitter() if merger else None
-        watchdog = self._start(attempt)
+        splitter, watchdog = (EventSplitter() if merger else None), self._start(attempt)
         model, url, loop = self.model, attempt.decode.url, watchdog.loop
         gaps, queue = model.gaps_of(url), watchdog.queued
         held = last = b""  # last: the last events relayed (whole events, [DONE] among them)
@@ -207,7 +206,8 @@ class StreamRelay:
             ok = True
         except UpstreamError as exc:
             ok, broken, ending = _ended_by(exc, attempt)
-            yield ending  # b"" when continued: a chunk of nothing is written as nothing
+            if ending:  # none when the rest comes from another pair
+                yield ending
         finally:
             self._end(attempt, response, p_task, ok, watchdog, broken)
         if broken is not None:  # this pair is done with; the rest comes from another
@@ -262,15 +262,11 @@ def _ended_by(exc: UpstreamError, attempt: Attempt
               ) -> tuple[bool | None, StreamBroken | None, bytes]:
     """(the leg's outcome, the break to continue from, the error event to end with) for a
     stream that failed: not retryable is the request's fault, no verdict on the server."""
-    if not exc.retryable:
-        ok, broken = None, None
-    else:
-        ok = False
-        broken = StreamBroken(exc, attempt.decode) if attempt.on_broken is not None else None
-    if broken is not None:
-        return ok, broken, b""
-    return ok, None, (error_event(exc) if attempt.view.endpoint == MESSAGES  # Anthropic's
-                      else frame(exc.body()) + DONE)
+    if exc.retryable and attempt.on_broken is not None:
+        return False, StreamBroken(exc, attempt.decode), b""
+    ending = (error_event(exc) if attempt.view.endpoint == MESSAGES  # Anthropic's
+              else frame(exc.body()) + DONE)
+    return (False if exc.retryable else None), None, ending
 
 
 def _failed(out: bytes, attempt: Attempt) -> tuple[bytes, UpstreamError | None]:
