@@ -7,7 +7,9 @@ request an `/abort_request` names). Per-request figures go through shared memory
 (gateway/processes/shared_state.py).
 
     worker -> supervisor   {"all": msg}                    deliver msg to every other worker
-                           {"ask": n, "msg": msg}          ask every other worker
+                           {"ask": n, "msg": msg}          ask every other worker, or the hub
+                                                           itself (`claim`, `release`; n 0:
+                                                           no answer awaited)
                            {"reply": n, "to": w, "result"} answer a question
                            {"ready": true}                 serving
                            {"found": server}               discovery added or removed it
@@ -23,6 +25,10 @@ once it applied them (`Control.synced`). So a worker started again after a crash
 server set its siblings have, not the command line's: a server an operator removed stays
 removed, a drained one drained, a switched one in its new role, one a failed switch took out
 out.
+
+Which of two adds of one server URL made at once through two workers wins is the hub's to
+say, since it reads every message in one order (gateway/processes/claims.py): a worker claims
+the URL before it registers the server, and the loser's caller gets 409.
 
 Kubernetes discovery runs in every worker, each with its own watch, so what it finds is not
 relayed; but each worker tells the hub what its discovery added (pod, URL, role, drained or
@@ -42,6 +48,8 @@ import socket
 from collections.abc import Awaitable, Callable
 
 import orjson
+
+from gateway.processes import claims
 
 log = logging.getLogger("gateway.processes.control_channel")
 
@@ -111,15 +119,29 @@ class Control:
         """Ask every other worker; their answers (those that answered in time)."""
         if self.workers <= 1:
             return []
+        try:
+            return await self._asked(msg, ASK_TIMEOUT)
+        except TimeoutError:
+            return []
+
+    async def ask_hub(self, msg: dict, timeout: float = ASK_TIMEOUT) -> object:
+        """Ask the hub itself (a kind of `claims.KINDS`): its answer; TimeoutError when it
+        did not come within `timeout`."""
+        results = await self._asked(msg, timeout)
+        return results[0] if results else None
+
+    def tell_hub(self, msg: dict) -> None:
+        """Ask the hub without waiting for its answer (number 0 is never awaited)."""
+        self._send({"ask": 0, "msg": msg})
+
+    async def _asked(self, msg: dict, timeout: float) -> list:
         number = next(self._numbers)
         future = asyncio.get_running_loop().create_future()
         self._pending[number] = future
         self._send({"ask": number, "msg": msg})
         try:
-            async with asyncio.timeout(ASK_TIMEOUT):
+            async with asyncio.timeout(timeout):
                 return await future
-        except TimeoutError:
-            return []
         finally:
             self._pending.pop(number, None)
 
@@ -173,6 +195,7 @@ class Hub:
         self.on_ready = on_ready  # told each time a worker says it serves
         self._servers: dict[str, dict[str, dict]] = {}  # url -> its latest admin changes
         self._found: dict[str, dict] = {}  # url -> what discovery last added there
+        self.claims = claims.Claims()  # which admin add of a URL won
 
     async def attach(self, worker: int, sock: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=sock)
@@ -228,6 +251,7 @@ class Hub:
     def detach(self, worker: int) -> None:
         writer = self.writers.pop(worker, None)
         self.ready.discard(worker)
+        self.claims.forget_worker(worker)
         if writer is not None:
             writer.close()
         for key, ask in list(self._asks.items()):  # a dead worker answers nothing
@@ -259,8 +283,13 @@ class Hub:
         elif "all" in obj:
             if isinstance(obj["all"], dict):
                 self.remember(obj["all"])
+                self.claims.told(worker, obj["all"])
             for other in others:
                 self._write(other, {"msg": obj["all"]})
+        elif "ask" in obj and isinstance(obj.get("msg"), dict) \
+                and obj["msg"].get("kind") in claims.KINDS:  # the hub's own to answer
+            self._write(worker, {"answers": obj["ask"],
+                                 "results": [self.claims.answer(worker, obj["msg"])]})
         elif "ask" in obj:
             key = (worker, obj["ask"])
             self._asks[key] = {"waiting": set(others), "results": []}

@@ -1,7 +1,9 @@
 """What one worker of `--workers N` does for the others, over the control channel.
 
 * Admin changes (a server added, removed, drained, undrained) are applied by the worker that
-  got the admin call and then by every other worker, so the workers keep one server set.
+  got the admin call and then by every other worker, so the workers keep one server set. An
+  add first claims its URL of the hub (`claimed`), so that of two adds of one URL made at once
+  through two workers only one registers it (gateway/processes/claims.py).
 * `/abort_request` names a request that may run in another worker: a worker that does not
   hold it asks the others, and the one that holds it (and finds the caller its owner) aborts it.
 * A Responses cancel first asks the others to write a turn's final save they hold pending
@@ -13,13 +15,16 @@ Without workers (`control` None) every call here does nothing.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from gateway.errors import ServiceUnavailable
+from gateway.errors import GatewayError, ServiceUnavailable
 from gateway.servers.role_switch import take_out
 
 log = logging.getLogger("gateway.processes.siblings")
+CLAIM_TIMEOUT = 3.0  # seconds an admin add waits for the hub's word on its URL
 
 
 class Siblings:
@@ -31,6 +36,7 @@ class Siblings:
         self.control = control
         self.pool, self.register, self.unregister = pool, register, unregister
         self.inflight, self.aborts = inflight, aborts
+        self._tokens = itertools.count(1)  # tells this worker's claims apart
         if control is not None:
             control.on("admin", self._apply)
             control.on("abort", self._abort)
@@ -39,6 +45,34 @@ class Siblings:
         """Tell the other workers what this one just did to its server set."""
         if self.control is not None:
             self.control.tell_all({"kind": "admin", "op": op, "url": url, **extra})
+
+    @contextlib.asynccontextmanager
+    async def claimed(self, url: str) -> AsyncIterator[None]:
+        """Hold `url` for an admin add while the body registers it and tells the others:
+        409 if another add of it (in any worker) holds it or added it; 503 if the hub does
+        not answer within CLAIM_TIMEOUT. Given back unless the body returns."""
+        if self.control is None:
+            yield
+            return
+        msg = {"kind": "claim", "url": url, "token": next(self._tokens)}
+        try:
+            answer = await self.control.ask_hub(msg, CLAIM_TIMEOUT)
+        except TimeoutError:
+            self.control.tell_hub({**msg, "kind": "release"})  # if it came late after all
+            raise ServiceUnavailable(
+                f"{url} was not added: the supervisor, which decides between adds of one "
+                f"URL through several workers, did not answer within {CLAIM_TIMEOUT:g}s; "
+                "try again",
+                headers={"retry-after": "1"}) from None
+        if not isinstance(answer, dict) or not answer.get("claimed"):
+            raise GatewayError(f"{url} is already registered", status=409)
+        added = False
+        try:
+            yield
+            added = True
+        finally:
+            if not added:  # its registration failed: the URL is free again
+                self.control.tell_hub({**msg, "kind": "release"})
 
     async def _apply(self, msg: dict) -> None:
         op, url = msg.get("op"), msg.get("url")

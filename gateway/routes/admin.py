@@ -119,12 +119,13 @@ async def add_server(request: Request, parts: AdminParts) -> Response:
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise BadRequest("'model' must be a model name")
-    try:
-        server = await parts.register(url, role, port, require_probe=True, model=model)
-    except ValueError:  # the same URL added by a call that probed it while this one did
-        raise GatewayError(f"{url} is already registered", status=409) from None
-    parts.siblings.admin_change("add", url, role=role, bootstrap_port=port,  # (the
-                             model=model)  # operator's: the others learn one themselves)
+    async with parts.siblings.claimed(url):  # with --workers: 409 if another worker's add
+        try:  # of it won (after the probe: docs/WORKERS.md, "One add per URL")
+            server = await parts.register(url, role, port, require_probe=True, model=model)
+        except ValueError:  # the same URL added by a call that probed it while this one did
+            raise GatewayError(f"{url} is already registered", status=409) from None
+        parts.siblings.admin_change("add", url, role=role, bootstrap_port=port,  # (the
+                                    model=model)  # operator's: the others learn one)
     return JSONResponse({"server": server.snapshot()}, status_code=201)
 
 

@@ -127,7 +127,8 @@ def test_a_foreign_server_answering_like_sglang_is_still_only_probed(keyed, fore
 def test_the_same_server_added_at_once_is_added_once(logs, sims):
     """Three admins add the same URL at once: each add probes it before it joins the pool,
     so all three pass the "already registered" check. One is added (201); the others were
-    a 500 and a traceback (the pool's refusal surfaced as an internal error), now 409."""
+    a 500 and a traceback (the pool's refusal surfaced as an internal error), now 409. With
+    `--workers`, adds through different workers: tests/integration/test_workers_admin_add.py."""
     gateway = start_gateway(logs, "adds", sims)
     try:
         r = gateway.session.request("DELETE", SERVERS, json={"url": sims.decode.tap.url})
