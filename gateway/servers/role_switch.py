@@ -23,7 +23,10 @@ at a time (switch_lock.py):
    read while waiting and before each call to `/pd_role_switch`) puts it back as it was and
    says why; a switch that broke midway (`safe_to_restore` false, or no answer to the
    switch itself) leaves it drained and marked misconfigured ("restart required"): out of
-   rotation until an operator removes and adds it again.
+   rotation until an operator removes and adds it again. The switch itself is waited for
+   up to 300 s (a healthy one cut off would be taken out), or the rebalancer's shorter
+   bound while every prefill is down (`answer_bound`, rebalance.py): in an outage a hung
+   server is given up on and another decode tried, not waited 300 s for.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from gateway.servers.switch_lock import SwitchBusy, SwitchLock
 
 log = logging.getLogger("gateway.servers.role_switch")
 
-SWITCH_TIMEOUT = 300.0  # SGLang tears down, rebuilds and may capture decode graphs
+SWITCH_TIMEOUT = 300.0  # at most: SGLang tears down, rebuilds, may capture decode graphs
 MAX_DEADLINE = 3600.0
 NOT_IDLE = "instance is not idle"
 RETRY_EVERY = 0.1  # seconds between asks while SGLang says it is not idle
@@ -66,6 +69,11 @@ class SwitchBroken(GatewayError):
     error_type = "upstream_error"
 
 
+class SwitchUnanswered(SwitchBroken):
+    """The switch itself had no answer in its bound (or lost its connection): taken out as
+    any broken switch; the rebalancer tries another decode at once in an outage."""
+
+
 class _Refused(Exception):
     def __init__(self, message: str, outcome: str = "refused") -> None:
         super().__init__(message)
@@ -73,18 +81,22 @@ class _Refused(Exception):
 
 
 class _Broken(Exception):
-    pass
+    def __init__(self, message: str, unanswered: bool = False) -> None:
+        super().__init__(message)
+        self.unanswered = unanswered
 
 
 @dataclass(frozen=True, slots=True)
 class SwitchAsk:
-    """One admin request: which server, to what, how long its drain may take."""
+    """One admin request: which server, to what, how long its drain may take;
+    `answer_within`: the switch's own answer bound (the rebalancer's, in an outage)."""
 
     url: str
     new_role: str
     deadline: float = 60.0
     graph_memory_gb: float | None = None
     graph_bs: tuple[int, ...] | None = None
+    answer_within: float | None = None
 
     @classmethod
     def parse(cls, body: dict) -> SwitchAsk:
@@ -154,7 +166,7 @@ class RoleSwitcher:
             raise SwitchRefused(str(exc), code="role_switch_in_progress") from None
 
     async def _locked(self, server: Server, ask: SwitchAsk) -> dict[str, Any]:
-        old = server.role
+        p, old = self.parts, server.role
         try:
             self._not_last(server)
             await self._peer_answers(server)
@@ -169,11 +181,12 @@ class RoleSwitcher:
             await self._wait_idle(server, deadline, ask.deadline)
             body = await self._body(server, ask)
             self._not_last(server)  # a peer may have died while this one drained
-            await self._call(server, {**body, "prepare_only": True}, deadline, prepare=True)
+            await self._call(server, {**body, "prepare_only": True}, deadline,
+                             p.probe_timeout)
             self._not_last(server)
             await self._peer_answers(server)
             asked = True
-            await self._call(server, body, deadline, prepare=False)
+            await self._call(server, body, deadline, answer_bound(ask, p.probe_timeout))
         except _Refused as exc:
             self._drain(server, was_draining)
             code = "role_empty" if exc.outcome == "empty" else f"role_switch_{exc.outcome}"
@@ -181,9 +194,10 @@ class RoleSwitcher:
                                 code=code) from None
         except _Broken as exc:
             self._take_out(server, ask.new_role, str(exc))
-            raise SwitchBroken(f"{server.url} broke while switching to {ask.new_role} and is "
-                               f"out of rotation until it is restarted and added again: {exc}",
-                               code="role_switch_failed") from None
+            broken = SwitchUnanswered if exc.unanswered else SwitchBroken
+            raise broken(f"{server.url} broke while switching to {ask.new_role} and is out "
+                         f"of rotation until it is restarted and added again: {exc}",
+                         code="role_switch_failed") from None
         except BaseException:  # cancelled (shutdown) or a bug: never left drained for nothing
             if asked:
                 self._take_out(server, ask.new_role, "the switch was interrupted")
@@ -282,20 +296,21 @@ class RoleSwitcher:
                     bs, list) else None
         return None, None
 
-    async def _call(self, server: Server, body: dict, deadline: float, prepare: bool) -> None:
-        """POST /pd_role_switch until it says yes, or raise _Refused (safe) / _Broken."""
+    async def _call(self, server: Server, body: dict, deadline: float, within: float) -> None:
+        """POST /pd_role_switch until it says yes, or raise _Refused (safe) / _Broken;
+        each ask answered `within` seconds."""
+        prepare = bool(body.get("prepare_only"))
         what = "prepare_only" if prepare else "the switch"
         while True:
             self._not_stopping()  # before each ask: nothing is sent once SIGTERM came
             try:
                 response = await self.parts.client.post(
-                    server.url + "/pd_role_switch", json=body,
-                    timeout=self.parts.probe_timeout if prepare else SWITCH_TIMEOUT)
+                    server.url + "/pd_role_switch", json=body, timeout=within)
             except httpx.HTTPError as exc:
-                why = f"no answer to {what}: {type(exc).__name__}"
+                why = f"no answer to {what} within {within:g}s: {type(exc).__name__}"
                 if prepare:
                     raise _Refused(why) from None
-                raise _Broken(why + " (its state is unknown)") from None
+                raise _Broken(why + " (its state is unknown)", unanswered=True) from None
             answer = _json(response)
             if response.status_code == 200 and answer.get("success") is True:
                 return
@@ -344,6 +359,16 @@ class RoleSwitcher:
         if draining:  # registered afresh, it would serve again (before: 23 requests in 4 s)
             self._drain(fresh, True)
         return fresh
+
+
+def answer_bound(ask: SwitchAsk, floor: float) -> float:
+    """Seconds the switch itself may take to answer: SWITCH_TIMEOUT, or the ask's
+    `answer_within` (never under `floor`, what `prepare_only` is given). Not the drain's
+    `deadline`: the switch is SGLang's own work (teardown, rebuild, graph capture), and one
+    cut off while healthy leaves its server taken out (docs/ROLE_SWITCH.md, decision)."""
+    if ask.answer_within is None:
+        return SWITCH_TIMEOUT
+    return min(SWITCH_TIMEOUT, max(ask.answer_within, floor))
 
 
 def take_out(server: Server, reason: str) -> None:
