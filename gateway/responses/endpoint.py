@@ -1,32 +1,78 @@
 """POST /v1/responses: the turn prepared here, served by the inference endpoint, kept here.
 
-The caller is identified first (without spending its key's request rate: the inference
-endpoint checks the role and charges it, and answers a caller without the role itself). The
-body is read, its history expanded from the store (gateway/responses/service.py), and the
-inference endpoint gets the prepared body as if the client had sent it: auth, admission,
-routing on the whole conversation, both legs with their bootstrap fields, retries before the
-first event and the relay are the chat path's. What it sends is watched on the way out: the
-final response (the whole JSON answer, or a stream's `response.completed`, `.incomplete` or
-`.failed` event) is kept BEFORE those bytes go to the client, so a client that sends its next
-turn as soon as it has this one finds it. The final save and a cancel race for the record
-(service.py): when the cancel won, the client is sent the final response as `cancelled`.
+The caller is identified here, once, its key's request rate charged (the inference endpoint
+is handed that caller, or this refusal, through `Identified`: no second check or charge, and a
+refused request never has its body read nor its history fetched). The body is read, its
+history expanded from the store (turns.prepare: nothing written yet), and the inference
+endpoint gets the prepared body as if the client had sent it: parse, model, context,
+admission, routing on the whole conversation, both legs with their bootstrap fields, retries
+before the first event and the relay are the chat path's. The turn's in_progress record is
+written only when that endpoint asks the servers (`_dispatch`), so a request it refused
+(rate, model, context, a full queue) leaves nothing in the store. What it sends is watched
+on the way out: the final response (the whole JSON answer, or a stream's
+`response.completed`, `.incomplete` or `.failed` event) is kept BEFORE those bytes go to the
+client, so a client that sends its next turn as soon as it has this one finds it. The final
+save and a cancel race for the record (service.py): when the cancel won, the client is sent
+the final response as `cancelled`. Whatever fails here unexpectedly is a JSON 500, as on the
+other endpoints, never a plain-text one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from contextvars import ContextVar
+
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.admission.auth import INFERENCE, PUBLIC, Auth
+from gateway.admission.auth import INFERENCE, Auth, Caller, Role
 from gateway.admission.body_budget import BodyBudget
+from gateway.dispatch.attempt import Answer
+from gateway.dispatch.inflight import Tracked
 from gateway.errors import GatewayError
+from gateway.request import RequestView
+from gateway.responses import turns
 from gateway.responses.service import Responses, Turn
 from gateway.routes.asgi import ClientGone, read_body, send_error
 from gateway.routes.inference import InferenceEndpoint, request_id_of
 from gateway.routes.server_protocol import CHUNKS, WHOLE
 from gateway.sse import EventSplitter, decoded, split_events, with_data
 
+log = logging.getLogger("gateway.responses")
+
 FINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed"})
+CALLER = "gateway.responses.caller"  # the scope's key: the caller identified here, or its
+# refusal (a GatewayError), for the inference endpoint (`Identified`)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Pending:
+    """A prepared turn waiting for dispatch; `dispatched`: the servers were asked, and its
+    record written then (when kept)."""
+
+    turn: Turn
+    placeholder: dict | None  # its in_progress response (None: not kept)
+    dispatched: bool = False
+
+
+PENDING: ContextVar[Pending | None] = ContextVar("responses_pending", default=None)
+
+
+class Identified:
+    """The inference endpoint's `auth` on this route: the caller `ResponsesEndpoint`
+    identified, whose key's rate it charged, or the refusal it got; never a second check."""
+
+    def __init__(self, auth: Auth) -> None:
+        self.auth = auth
+
+    def caller(self, scope: Scope, needed: Role | tuple[Role, ...]) -> Caller:
+        found = scope.get(CALLER)
+        if found is None:  # not through ResponsesEndpoint
+            return self.auth.caller(scope, needed)
+        if isinstance(found, GatewayError):
+            raise found
+        return found
 
 
 class ResponsesEndpoint:
@@ -38,35 +84,80 @@ class ResponsesEndpoint:
         self.max_body_bytes = max_body_bytes
         self.bodies = bodies  # the upload counts in flight; the inner endpoint then charges
         # the prepared body (the conversation expanded) as it reads it again
+        self._serve = inner.parts.serve
+        inner.parts = dataclasses.replace(inner.parts, auth=Identified(auth),
+                                          serve=self._dispatch)  # this route's own inner
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch: AnswerWatch | None = None
         try:
-            caller = self.auth.caller(scope, PUBLIC)
-        except GatewayError:
-            caller = None
-        if caller is None or INFERENCE not in caller.roles:
+            pending = await self._prepare(scope, receive, send)
+            if pending is None:
+                return
+            watch = AnswerWatch(self.responses, pending.turn, send)
+            await self._run(scope, receive, pending, watch)
+        except Exception:  # a bug: a JSON 500 as the other endpoints answer, no traceback
+            await self._internal_error(scope, send, watch is not None and watch.started)
+
+    async def _prepare(self, scope: Scope, receive: Receive, send: Send) -> Pending | None:
+        """The caller identified and charged, the body read, its turn prepared (nothing
+        stored); None when refused (answered: a refused caller by the inference endpoint, so
+        it is counted there as on every route)."""
+        try:
+            scope[CALLER] = self.auth.caller(scope, INFERENCE)
+        except GatewayError as refused:
+            scope[CALLER] = refused
             await self.inner(scope, receive, send)  # it refuses the caller in its own words
-            return
+            return None
         lease = self.bodies.lease()
         try:
             raw = await read_body(scope, receive, self.max_body_bytes, lease=lease)
-            turn = await self.responses.begin(caller.tenant, raw)
+            turn, placeholder = await turns.prepare(self.responses, scope[CALLER].tenant, raw)
             del raw  # the turn holds the prepared body, which the inner endpoint charges
         except GatewayError as err:
             await send_error(send, err, request_id_of(scope))
-            return
+            return None
         except (ClientGone, OSError):
-            return
+            return None
         finally:
             lease.release()
+        return Pending(turn, placeholder)
+
+    async def _run(self, scope: Scope, receive: Receive, pending: Pending,
+                   watch: AnswerWatch) -> None:
+        """The inference endpoint serves the prepared body; a dispatched turn that ended
+        without its final response is kept as failed."""
+        turn = pending.turn
         _prepared(scope, len(turn.body))
-        watch = AnswerWatch(self.responses, turn, send)
+        waiting = PENDING.set(pending)
         try:
             await self.inner(scope, _replay(turn.body, receive), watch.send)
         finally:
+            PENDING.reset(waiting)
             self.responses.end(turn)
-            if turn.store and not watch.done:  # refused, failed or cut: not in progress
+            if pending.dispatched and turn.store and not watch.done:  # failed or cut
                 await self.responses.keep(turn, failed(turn, watch.status))
+
+    async def _dispatch(self, view: RequestView, tracked: Tracked) -> Answer:
+        """The inference endpoint asks the servers now: every check that refuses a request
+        before them passed, so the turn's record is written here, never for a refused one."""
+        pending = PENDING.get()
+        if pending is not None and not pending.dispatched:
+            pending.dispatched = True
+            await turns.start(self.responses, pending.turn, pending.placeholder)
+        return await self._serve(view, tracked)
+
+    async def _internal_error(self, scope: Scope, send: Send, started: bool) -> None:
+        request_id = request_id_of(scope)
+        log.exception("unexpected error on /v1/responses (request %s)", request_id)
+        if started:  # the answer began: the client sees it cut
+            return
+        err = GatewayError("internal gateway error; see the gateway log", status=500)
+        self.inner.parts.state.note_error(err, self.inner.endpoint, request_id)
+        try:
+            await send_error(send, err, request_id)
+        except Exception:  # noqa: BLE001 - the client may be gone
+            pass
 
 
 def _prepared(scope: Scope, length: int) -> None:
@@ -137,6 +228,7 @@ class AnswerWatch:
         self.done = False
         self.restore = restorer(turn)
         self.head: Message | None = None  # a whole answer's head, sent with its body
+        self.started = False  # a head went to the client
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -147,6 +239,7 @@ class AnswerWatch:
             if self.status == 200 and not self.stream:
                 self.head = message  # its length follows the restored body
                 return
+            self.started = True
         elif message["type"] == "http.response.body" and self.status == 200:
             message = await self._body(message)
             if message is None:
@@ -177,6 +270,7 @@ class AnswerWatch:
             headers.append((b"content-length", str(len(body)).encode()))
             await self._send({**self.head, "headers": headers})
             self.head = None
+            self.started = True
         return {"type": "http.response.body", "body": body, "more_body": more}
 
     async def _cancelled(self, final: dict) -> bool:

@@ -16,21 +16,31 @@ reader (GET, a next turn, a cancel, in any process) then reads it as failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.dispatch.inflight import new_id
-from gateway.errors import BadRequest
 from gateway.responses import history
-from gateway.responses.store import RENEW_EVERY, Retention, SQLiteStore, Store, StoreDown
+from gateway.responses.store import (
+    DELETED,
+    RENEW_EVERY,
+    Retention,
+    SQLiteStore,
+    Store,
+    StoreDown,
+)
 
 log = logging.getLogger("gateway.responses")
 
-SAVE_AGAIN = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # seconds before each new try of a final save
+SAVE_AGAIN = (1.0, 2.0, 4.0, 5.0)  # seconds between the rounds that try the pending final
+# saves again (the last repeats), or sooner once a write here succeeds (the store is back)
+SAVE_FOR = 60.0  # seconds a pending final save is tried before it is given up
+WAKE_GAP = 0.25  # seconds at least between two rounds
 
 REFUSED = {
     "background": "background responses are not supported by this gateway: send "
@@ -69,9 +79,11 @@ class Responses:
                               "Response store operations that failed, by operation",
                               ["operation"], registry=registry)
         self._saving: set[asyncio.Task] = set()  # final saves behind the answer (`keep`)
-        self.pending: dict[str, tuple[Turn, dict]] = {}  # turns ended here whose final save
-        # the store refused, with their final response: their leases are renewed until it is
-        # kept, and a cancel finds them finished (`settle`)
+        self.pending: dict[str, tuple[Turn, dict, float]] = {}  # turns ended here whose final
+        # save the store refused, with their final response and when it is given up: their
+        # leases are renewed until it is kept, and a reader finds them finished (`settle`)
+        self._retrier: asyncio.Task | None = None  # tries them again (`_save_pending`)
+        self._back = asyncio.Event()  # set by a write that succeeded: the store is back
 
     async def start(self) -> None:
         self.store.on_cancel(self._cancel_here)
@@ -94,38 +106,6 @@ class Responses:
         await asyncio.gather(*self._saving, return_exceptions=True)
         await self.store.close()
 
-    async def begin(self, tenant: str, raw: bytes | bytearray) -> Turn:
-        """Check the body, expand its history, note it running (and, when stored, as
-        in_progress)."""
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        for name, message in REFUSED.items():
-            if body.get(name) not in (None, False):
-                raise BadRequest(message, code=f"unsupported_{name}")
-        store = body.get("store", True)
-        if not isinstance(store, bool):
-            raise BadRequest("'store' must be a boolean")
-        previous_id = body.get("previous_response_id")
-        previous = None
-        if previous_id is not None:
-            if not isinstance(previous_id, str) or not previous_id:
-                raise BadRequest("'previous_response_id' must be a response id")
-            previous = await self.read(tenant, previous_id, "previous")
-            if previous is None:
-                raise history.not_found(previous_id)
-        rid = "resp_" + new_id()
-        new = history.expand(body, previous, rid)
-        turn = Turn(rid, tenant, store, new["input"], orjson.dumps(new), previous_id)
-        if store:
-            response = history.placeholder(rid, body, previous_id)
-            await self.keep(turn, response, "start")
-        self.running[rid] = turn
-        return turn
-
     def end(self, turn: Turn) -> None:
         self.running.pop(turn.rid, None)
 
@@ -134,7 +114,7 @@ class Responses:
         write; a store that refused it is tried at the next period (the lease outlasts two)."""
         while True:
             await asyncio.sleep(self.renew_every)
-            turns = (*self.running.values(), *(turn for turn, _ in self.pending.values()))
+            turns = (*self.running.values(), *(p[0] for p in self.pending.values()))
             keys = [(t.tenant, t.rid) for t in turns if t.kept]
             if not keys:
                 continue
@@ -143,33 +123,41 @@ class Responses:
             except StoreDown as exc:
                 self.errors.labels("renew").inc()
                 log.warning("responses: %d leases not renewed: %s", len(keys), exc.detail)
+            else:
+                self._back.set()
 
     async def read(self, tenant: str, rid: str, operation: str) -> dict | None:
-        """The record of `rid` for `tenant` (None: none), as it stands: an in_progress one
-        whose lease lapsed reads as failed (its process stopped). StoreDown passes up (503)."""
+        """The record of `rid` for `tenant` (None: none, or deleted), as it stands: an
+        in_progress one whose lease lapsed reads as failed (its process stopped). One whose
+        final save is pending (here or in a sibling worker) is written first, so a client that
+        got the whole answer can continue it (it read in_progress: 400) as soon as the store
+        takes writes again. StoreDown passes up (503, Retry-After)."""
         try:
-            raw = await self.store.get(tenant, rid)
-            if raw is None:
-                return None
-            record = history.parse_record(raw)
-            here = rid in self.running or rid in self.pending  # its lease is renewed here
-            if record.get("status") != "in_progress" or here:
+            record = await self._get(tenant, rid)
+            if record is None or record.get("status") != "in_progress" or rid in self.running:
                 return record
+            if await self._settled(tenant, rid):
+                return await self._get(tenant, rid)  # finished now
             if await self.store.leased(tenant, rid):
                 return record
-            raw = await self.store.get(tenant, rid)  # it may have finished meanwhile (a
+            record = await self._get(tenant, rid)  # it may have finished meanwhile (a
             # final save ends the lease with the in_progress record, in one write)
         except StoreDown:
             self.errors.labels(operation).inc()
             raise
-        if raw is None:
-            return None
-        record = history.parse_record(raw)
-        return history.stopped(record) if record.get("status") == "in_progress" else record
+        if record is not None and record.get("status") == "in_progress":
+            return history.stopped(record)
+        return record
+
+    async def _get(self, tenant: str, rid: str) -> dict | None:
+        """The stored record, None when there is none or only its tombstone."""
+        raw = await self.store.get(tenant, rid)
+        record = None if raw is None else history.parse_record(raw)
+        return None if record is None or record.get("status") == DELETED else record
 
     async def keep(self, turn: Turn, response: dict, operation: str = "save") -> str | None:
         """Write the turn's record; a failure is logged and counted, never the client's. A
-        final save that failed is tried again while the store recovers (`_save_later`).
+        final save that failed is tried again while the store recovers (`_save_pending`).
         The status the record holds now (None: not kept): a final save that a cancel came
         before says `cancelled`, and so does `response` then (what the client is sent).
 
@@ -183,73 +171,113 @@ class Responses:
 
     async def _try(self, turn: Turn, response: dict, operation: str) -> str | None:
         try:
-            return await self._write(turn, response, operation)
+            status = await self._write(turn, response, operation)
         except StoreDown as exc:
             self.errors.labels(operation).inc()
             log.warning("response %s not kept: %s", turn.rid, exc.detail)
             if operation == "save":  # its placeholder says in_progress (when the store
                 # refused its start, it may have been written all the same: a Redis reply
                 # that timed out)
-                self.pending[turn.rid] = (turn, response)
-                self._behind(self._save_later(turn, response))
+                self.pending[turn.rid] = (turn, response, time.monotonic() + SAVE_FOR)
+                if self._retrier is None or self._retrier.done():
+                    self._retrier = self._behind(self._save_pending())
             return None
+        self._back.set()
+        return status
 
-    def _behind(self, work) -> None:
+    def _behind(self, work) -> asyncio.Task:
         """Run a write after the answer; `stop` ends those still running."""
         task = asyncio.get_running_loop().create_task(work)
         self._saving.add(task)
         task.add_done_callback(self._saving.discard)
+        return task
 
     async def _write(self, turn: Turn, response: dict, operation: str) -> str | None:
-        if not (turn.kept and operation == "save"):
-            await self.store.put(turn.tenant, turn.rid, history.record_of(response, turn.items),
-                                 leased=operation == "start")
-            turn.kept = True
-            return response.get("status")
-        # the final save and a cancel each change the in_progress record, atomically: the
-        # first wins, and the other finds the record finished
-        if await self.store.swap(turn.tenant, turn.rid, "in_progress",
-                                 history.record_of(response, turn.items)):
-            return response.get("status")
-        current = await self.store.get(turn.tenant, turn.rid)
-        if current is None:  # deleted while it ran: it stays deleted
+        if operation == "save":
+            return await self._finish(turn, response)
+        await self.store.put(turn.tenant, turn.rid, history.record_of(response, turn.items),
+                             leased=True)
+        turn.kept = True
+        return response.get("status")
+
+    async def _finish(self, turn: Turn, response: dict) -> str | None:
+        """The final save. It and a cancel each change the in_progress record, atomically:
+        the first wins, and the other finds the record finished. A record that is gone was
+        lost, not deleted (a delete leaves a tombstone): it is written again, or the client
+        had the whole answer and GET and the next turn got 404 (a byte limit once evicted
+        a long turn's running record)."""
+        record = history.record_of(response, turn.items)
+        for expected in ("in_progress", None):
+            if await self.store.swap(turn.tenant, turn.rid, expected, record):
+                if expected is None and turn.kept:
+                    log.warning("response %s: its running record was gone; written again",
+                                turn.rid)
+                turn.kept = True
+                return response.get("status")
+            current = await self.store.get(turn.tenant, turn.rid)
+            if current is not None:
+                break
+        else:
             return None
         status = history.parse_record(current).get("status")
+        if status == DELETED:  # deleted while it ran: it stays deleted, its mark goes
+            await self.store.delete(turn.tenant, turn.rid, tombstone=False)
+            return None
         if status == "cancelled":  # a cancel came first: what was made is kept, cancelled
             response["status"] = "cancelled"
             await self.store.swap(turn.tenant, turn.rid, "cancelled",
                                   history.record_of(response, turn.items))
         return status
 
-    async def _save_later(self, turn: Turn, response: dict) -> None:
-        """The final save, tried again: the record stays in_progress otherwise, and no next
-        turn may follow it (a store paused for 4 s at a turn's end left it so for good)."""
-        try:
-            for delay in SAVE_AGAIN:
-                await asyncio.sleep(delay)
+    async def _save_pending(self) -> None:
+        """Try the pending final saves again, oldest first, in rounds, until none is left:
+        their records say in_progress meanwhile, and no next turn may follow them. A round
+        stops at the first refusal (one failed write per round while the store is down,
+        however many wait); rounds come after SAVE_AGAIN's gaps, or once a write here
+        succeeded, so a record is kept within 5 s of the store's return (it took 30 s)."""
+        for round_ in itertools.count():
+            if not self.pending:
+                return
+            gap, began = SAVE_AGAIN[min(round_, len(SAVE_AGAIN) - 1)], time.monotonic()
+            self._back.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._back.wait(), gap)
+            await asyncio.sleep(began + min(gap, WAKE_GAP) - time.monotonic())
+            for rid, (turn, response, _) in list(self.pending.items()):
+                if rid not in self.pending:
+                    continue  # settled meanwhile
                 try:
                     await self._write(turn, response, "save")
                 except StoreDown:
                     self.errors.labels("save").inc()
-                    continue
-                log.warning("response %s kept after all", turn.rid)
-                return
-        finally:
-            self.pending.pop(turn.rid, None)
-        log.error("response %s not kept: the store did not recover within %gs; its record "
-                  "reads failed once its lease lapses", turn.rid, sum(SAVE_AGAIN))
+                    self._give_up(time.monotonic())
+                    break
+                self.pending.pop(rid, None)
+                log.warning("response %s kept after all", rid)
+
+    def _give_up(self, now: float) -> None:
+        """Drop the pending saves tried for SAVE_FOR: their records read failed once their
+        leases lapse (they are renewed no more)."""
+        for rid, (_, _, until) in list(self.pending.items()):
+            if now >= until:
+                del self.pending[rid]
+                log.error("response %s not kept: the store did not recover within %gs; its "
+                          "record reads failed once its lease lapses", rid, SAVE_FOR)
 
     async def settle(self, rid: str, tenant: str) -> bool:
         """Write now the final save of `rid` pending here (a turn that finished while the
-        store was down): True when there was one. A cancel asks it first, here and in the
-        sibling workers, so a response its client got whole is not made cancelled after it
-        (StoreDown passes up: the cancel is answered 503, not let win)."""
+        store was down): True when there was one. A reader (GET, a next turn, a cancel) asks
+        it first, here and in the sibling workers, so a response its client got whole is not
+        read in_progress, nor made cancelled after it (StoreDown passes up: 503, not let
+        win)."""
         pending = self.pending.get(rid)
         if pending is None or pending[0].tenant != tenant:
             return False
-        turn, response = pending
+        turn, response, _ = pending
         await self._write(turn, response, "save")
-        log.warning("response %s kept after all, before a cancel", rid)
+        if self.pending.get(rid) is pending:
+            del self.pending[rid]
+        log.warning("response %s kept after all, before a reader", rid)
         return True
 
     async def cancel(self, tenant: str, rid: str) -> dict | None:
@@ -263,11 +291,7 @@ class Responses:
                 return None
             await self.abort(rid)  # running, not stored (store=false)
             return {"id": rid, "object": "response", "status": "cancelled", "output": []}
-        if record.get("status") not in history.TERMINAL and await self._settled(tenant, rid):
-            record = await self.read(tenant, rid, "cancel")  # finished: its final save won
-            if record is None:
-                return None
-        response = record["response"]
+        response = record["response"]  # a pending final save was written by the read
         if record.get("status") not in history.TERMINAL:
             response["status"] = "cancelled"
             try:
@@ -287,13 +311,10 @@ class Responses:
         return response  # finished: a cancel changes nothing (as SGLang's)
 
     async def _settled(self, tenant: str, rid: str) -> bool:
-        """A final save of `rid` pending here or in a sibling worker was written now."""
-        try:
-            return await self.settle(rid, tenant) or (
-                self.siblings is not None and await self.siblings.settle(rid, tenant))
-        except StoreDown:
-            self.errors.labels("cancel").inc()
-            raise
+        """A final save of `rid` pending here or in a sibling worker was written now
+        (StoreDown, or ServiceUnavailable from a sibling, when the store refused it again)."""
+        return await self.settle(rid, tenant) or (
+            self.siblings is not None and await self.siblings.settle(rid, tenant))
 
     async def abort(self, rid: str) -> None:
         """Abort the legs of `rid`: here, in a sibling worker, or in another replica."""

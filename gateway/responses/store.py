@@ -39,6 +39,9 @@ from gateway.errors import ServiceUnavailable
 DEADLINE = 2.0  # seconds an operation may take from its asking, its queueing included
 RENEW_EVERY = 10.0  # seconds between two renewals of the running turns' leases
 LEASE = 3 * RENEW_EVERY  # seconds a lease holds unrenewed: two renewals may be missed
+DELETED = "deleted"  # the status of a tombstone: what a delete leaves of a running turn's record
+TOMBSTONE = b'{"status":"deleted"}'  # so that turn's final save sees it was deleted (and not
+# lost: a record missing at the final save is written again), in any worker or replica
 
 
 class StoreDown(ServiceUnavailable):
@@ -74,12 +77,17 @@ class Store(Protocol):
         """Whether the record's lease still holds (False: never had one, or not renewed
         within the lease). A final save or a cancel (`swap`) ends the lease."""
 
-    async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
-        """Write `record` only if the stored one's status is `expected`, in one atomic step
-        (True: written). A turn's final save and a cancel both change an in_progress record:
-        a read, then a write, would let each overwrite the other."""
+    async def swap(self, tenant: str, rid: str, expected: str | None, record: bytes) -> bool:
+        """Write `record` only if the stored one's status is `expected` (None: only if there
+        is no record), in one atomic step (True: written). A turn's final save and a cancel
+        both change an in_progress record: a read, then a write, would let each overwrite the
+        other."""
 
-    async def delete(self, tenant: str, rid: str) -> bool: ...
+    async def delete(self, tenant: str, rid: str, tombstone: bool = True) -> bool:
+        """Forget the record (True: there was one, not a tombstone), its lease ended. An
+        in_progress record is replaced by `TOMBSTONE` (never evicted, never renewed), so its
+        turn's final save knows it was deleted; `tombstone=False` removes whatever is there
+        (that final save's cleanup)."""
 
     async def announce_cancel(self, rid: str) -> None:
         """Tell every gateway sharing the store to abort `rid` if it runs it."""
@@ -107,6 +115,15 @@ WHERE tenant = ? AND id = ? AND written > ?
   AND CASE WHEN json_valid(CAST(record AS TEXT))
       THEN json_extract(CAST(record AS TEXT), '$.status') END = ?
 """
+
+
+_STATUS = ("CASE WHEN json_valid(CAST(record AS TEXT)) "
+           "THEN json_extract(CAST(record AS TEXT), '$.status') END")
+# a delete: an in_progress record becomes a tombstone (its lease ended); else it goes, unless
+# it is a tombstone already (deleted, its turn still running)
+_BURY = ("UPDATE responses SET record = ?, size = ?, renewed = NULL "
+         f"WHERE tenant = ? AND id = ? AND {_STATUS} = ?")
+_DELETE = f"DELETE FROM responses WHERE tenant = ? AND id = ? AND {_STATUS} IS NOT ?"
 
 
 def _add_lease_column(db: sqlite3.Connection) -> None:
@@ -209,8 +226,9 @@ class SQLiteStore:
             now = time.time()
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.executemany("UPDATE responses SET renewed = ? WHERE tenant = ? AND id = ?",
-                               [(now, tenant, rid) for tenant, rid in keys])
+                db.executemany("UPDATE responses SET renewed = ? WHERE tenant = ? AND id = ? "
+                               "AND record IS NOT ?",  # a tombstone holds no lease
+                               [(now, tenant, rid, TOMBSTONE) for tenant, rid in keys])
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
@@ -225,12 +243,19 @@ class SQLiteStore:
         at = await self._run(renewed)
         return at is not None and at > time.time() - self.lease
 
-    async def swap(self, tenant: str, rid: str, expected: str, record: bytes) -> bool:
+    async def swap(self, tenant: str, rid: str, expected: str | None, record: bytes) -> bool:
         return await self._run(self._swap, tenant, rid, expected, record)
 
-    def _swap(self, db: sqlite3.Connection, tenant: str, rid: str, expected: str,
+    def _swap(self, db: sqlite3.Connection, tenant: str, rid: str, expected: str | None,
               record: bytes) -> bool:
         def update(db: sqlite3.Connection, now: float) -> bool:
+            if expected is None:  # only where none is (one past its TTL is none)
+                db.execute("DELETE FROM responses WHERE tenant = ? AND id = ? AND written <= ?",
+                           (tenant, rid, now - self.retention.ttl))
+                return db.execute(
+                    "INSERT OR IGNORE INTO responses (tenant, id, written, size, record, "
+                    "renewed) VALUES (?, ?, ?, ?, ?, NULL)",
+                    (tenant, rid, now, len(record), record)).rowcount == 1
             cur = db.execute(_SWAP, (now, len(record), record, tenant, rid,
                                      now - self.retention.ttl, expected))
             return cur.rowcount == 1
@@ -250,7 +275,8 @@ class SQLiteStore:
                 count, size = db.execute(
                     "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
                 if count > r.max_count or size > r.max_bytes:
-                    self._evict(db, count - r.max_count, size - r.max_bytes, (tenant, rid))
+                    self._evict(db, count - r.max_count, size - r.max_bytes, (tenant, rid),
+                                now - self.lease)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -259,27 +285,35 @@ class SQLiteStore:
 
     @staticmethod
     def _evict(db: sqlite3.Connection, extra_count: int, extra_bytes: int,
-               written: tuple[str, str]) -> None:
+               written: tuple[str, str], lapsed: float) -> None:
         """Delete the oldest records until both limits hold, never the one just `written`
         (as Redis's script: one record over the byte bound is kept alone, not dropped with
-        every other tenant's)."""
+        every other tenant's), nor a running turn's (its lease renewed after `lapsed`): its
+        final save would find nothing, and a response its client got whole was lost; nor a
+        tombstone (its turn's final save removes it). When only those are left, the limits
+        are passed until they finish (docs/RESPONSES.md)."""
         doomed = []
-        for tenant, rid, size in db.execute(
-                "SELECT tenant, id, size FROM responses ORDER BY written"):
+        for tenant, rid, size, renewed, buried in db.execute(
+                "SELECT tenant, id, size, renewed, record = ? FROM responses ORDER BY written",
+                (TOMBSTONE,)):
             if extra_count <= 0 and extra_bytes <= 0:
                 break
-            if (tenant, rid) == written:
+            if (tenant, rid) == written or buried or (renewed is not None and renewed > lapsed):
                 continue
             doomed.append((tenant, rid))
             extra_count -= 1
             extra_bytes -= size
         db.executemany("DELETE FROM responses WHERE tenant = ? AND id = ?", doomed)
 
-    async def delete(self, tenant: str, rid: str) -> bool:
+    async def delete(self, tenant: str, rid: str, tombstone: bool = True) -> bool:
         def remove(db: sqlite3.Connection) -> bool:
-            cur = db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?",
-                             (tenant, rid))
-            return cur.rowcount > 0
+            key = (tenant, rid)
+            if not tombstone:
+                return db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?",
+                                  key).rowcount > 0
+            if db.execute(_BURY, (TOMBSTONE, len(TOMBSTONE), *key, "in_progress")).rowcount:
+                return True  # one statement: a final save cannot come between
+            return db.execute(_DELETE, (*key, DELETED)).rowcount > 0
         return await self._run(remove)
 
     async def announce_cancel(self, rid: str) -> None:

@@ -15,6 +15,7 @@ from gateway.errors import BadRequest
 from gateway.responses.redis_store import RedisStore
 from gateway.responses.service import Responses
 from gateway.responses.store import Retention
+from tests.responses_turns import begin
 from tests.rigs.redis_server import redis_server
 
 RENEW, LEASE = 0.1, 1.0  # seconds
@@ -40,14 +41,14 @@ def test_a_replica_that_stopped_mid_turn_leaves_a_record_every_replica_reads_fai
         serving = await _replica(redis_url, "test-lease-stop:")
         other = await _replica(redis_url, "test-lease-stop:")
         try:
-            turn = await serving.begin("t", BODY)
+            turn = await begin(serving, "t", BODY)
             await asyncio.sleep(3 * LEASE)  # renewed all along
             running = (await other.read("t", turn.rid, "get"))["status"]
             serving._renewer.cancel()  # killed: no renewal, nothing of the turn ends
             await asyncio.sleep(2 * LEASE)
             got = await other.read("t", turn.rid, "get")
             with pytest.raises(BadRequest) as chained:
-                await other.begin("t", orjson.dumps(
+                await begin(other, "t", orjson.dumps(
                     {"model": "m", "input": "next", "previous_response_id": turn.rid}))
             return running, got, chained.value, await other.cancel("t", turn.rid)
         finally:
@@ -68,8 +69,8 @@ def test_the_final_save_and_a_delete_end_the_lease_in_the_same_write(redis_url):
         serving = await _replica(redis_url, "test-lease-end:")
         store = serving.store
         try:
-            saved = await serving.begin("t", BODY)
-            deleted = await serving.begin("t", BODY)
+            saved = await begin(serving, "t", BODY)
+            deleted = await begin(serving, "t", BODY)
             held = [await store.leased("t", t.rid) for t in (saved, deleted)]
             serving.end(saved)  # renewed no more (a renewal racing the final save would
             serving.end(deleted)  # leave a lease on a finished record, unread, 1 s)

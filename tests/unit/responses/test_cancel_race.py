@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from gateway.responses.endpoint import AnswerWatch
 from gateway.responses.service import Responses
 from gateway.responses.store import Retention, SQLiteStore
+from tests.responses_turns import begin
 
 
 class HookedStore(SQLiteStore):
@@ -93,7 +94,7 @@ def test_one_wins_and_the_client_the_cancel_and_the_store_agree(first, winner):
 
 async def _race(first: str, winner: str) -> None:
     responses, store, siblings = await _serving()
-    turn = await responses.begin("t", b'{"model": "m", "input": "hi"}')
+    turn = await begin(responses, "t", b'{"model": "m", "input": "hi"}')
     final, answered = _final(turn.rid), {}
 
     async def save() -> None:
@@ -125,7 +126,7 @@ async def _answer_after_a_cancel(stream: bool, framed=None,
     `framed(kind, response)`: the final event's bytes (`_event`'s by default), `cut(last)`:
     where a chunk ends inside it (its middle by default)."""
     responses, store, _ = await _serving()
-    turn = await responses.begin("t", b'{"model": "m", "input": "hi", "stream": true}')
+    turn = await begin(responses, "t", b'{"model": "m", "input": "hi", "stream": true}')
     sent: list[dict] = []
 
     async def send(message: dict) -> None:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from gateway.errors import BadRequest
 from gateway.responses.service import Responses
 from gateway.responses.store import Retention, SQLiteStore
+from tests.responses_turns import begin
 
 RENEW, LEASE = 0.05, 0.5  # seconds: a loaded machine may delay a renewal or two
 BODY = b'{"model": "m", "input": "hi"}'
@@ -51,14 +52,14 @@ def test_a_turn_whose_process_stopped_reads_as_failed_to_get_a_chain_and_a_cance
     async def go():
         serving, other = [await _started(s) for s in stores(tmp_path)]
         try:
-            turn = await serving.begin("t", BODY)
+            turn = await begin(serving, "t", BODY)
             await asyncio.sleep(3 * LEASE)  # renewed all along: still running
             running = (await other.read("t", turn.rid, "get"))["status"]
             _killed(serving)
             await asyncio.sleep(2 * LEASE)
             got = await other.read("t", turn.rid, "get")
             with pytest.raises(BadRequest) as chained:
-                await other.begin("t", orjson.dumps(
+                await begin(other, "t", orjson.dumps(
                     {"model": "m", "input": "next", "previous_response_id": turn.rid}))
             cancelled = await other.cancel("t", turn.rid)
             return running, got, chained.value, cancelled
@@ -85,7 +86,7 @@ def test_a_finished_turn_ends_its_lease_and_reads_as_it_finished(tmp_path):
         one, two = _shared_file(tmp_path)
         serving, other = await _started(one), await _started(two)
         try:
-            turn = await serving.begin("t", BODY)
+            turn = await begin(serving, "t", BODY)
             held = await two.leased("t", turn.rid)
             serving.end(turn)
             await serving.keep(turn, {"id": turn.rid, "status": "completed", "output": []})
@@ -117,8 +118,8 @@ def test_the_running_turns_are_renewed_together_once_per_period():
         store = CountingStore()
         responses = await _started(store)
         try:
-            turns = [await responses.begin("t", BODY) for _ in range(3)]
-            unkept = await responses.begin("t", b'{"model": "m", "input": "x", "store": false}')
+            turns = [await begin(responses, "t", BODY) for _ in range(3)]
+            unkept = await begin(responses, "t", b'{"model": "m", "input": "x", "store": false}')
             store.renewals.clear()  # those before every turn had begun
             await asyncio.sleep(10 * RENEW)
             return store.renewals, sorted(("t", t.rid) for t in turns), unkept.rid
@@ -152,7 +153,7 @@ def test_a_database_of_the_version_without_leases_opens_and_its_running_rows_rea
     async def go():
         responses = await _started(SQLiteStore(path, Retention(ttl=1e10), lease=LEASE))
         try:
-            turn = await responses.begin("t", BODY)  # the new column is written
+            turn = await begin(responses, "t", BODY)  # the new column is written
             return ((await responses.read("t", "resp_a", "get"))["status"],
                     (await responses.read("t", "resp_b", "get"))["status"],
                     (await responses.read("t", turn.rid, "get"))["status"])

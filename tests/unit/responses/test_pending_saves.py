@@ -18,6 +18,7 @@ from gateway.processes.siblings import Siblings
 from gateway.responses import service as service_module
 from gateway.responses.service import Responses
 from gateway.responses.store import Retention, SQLiteStore, StoreDown
+from tests.responses_turns import begin
 
 BODY = b'{"model": "m", "input": "hi"}'
 
@@ -94,7 +95,7 @@ async def _status(store, rid: str) -> str:
 
 async def _finished_while_down(serving: Responses, store: PausedStore):
     """A turn whose final save (completed, sent whole to its client) the store refused."""
-    turn = await serving.begin("t", BODY)
+    turn = await begin(serving, "t", BODY)
     store.down = 1
     await serving.keep(turn, {"id": turn.rid, "status": "completed", "output": ["x"]})
     serving.end(turn)
@@ -146,7 +147,7 @@ def test_a_start_written_though_refused_gets_its_final_save_tried_again(monkeypa
         await responses.start()
         try:
             store.down, store.applied = 2, 1  # the start written, its answer lost; the
-            turn = await responses.begin("t", BODY)  # final save refused once
+            turn = await begin(responses, "t", BODY)  # final save refused once
             started = await _status(store, turn.rid)
             await responses.keep(turn, {"id": turn.rid, "status": "completed", "output": []})
             responses.end(turn)

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from gateway.responses import service as service_module
 from gateway.responses.service import Responses
 from gateway.responses.store import Retention, SQLiteStore, StoreDown
+from tests.responses_turns import begin
 
 
 class FlakyStore(SQLiteStore):
@@ -49,7 +50,7 @@ def test_a_final_save_the_store_refused_is_kept_once_it_recovers(monkeypatch):
         store = FlakyStore()
         responses = Responses(store, None, None, None, CollectorRegistry())
         await responses.start()
-        turn = await responses.begin("t", b'{"model": "m", "input": "hi"}')
+        turn = await begin(responses, "t", b'{"model": "m", "input": "hi"}')
         assert await status_of(store, turn.rid) == "in_progress"
         store.down = 2  # the final save and its first retry fail
         await responses.keep(turn, {"id": turn.rid, "status": "completed", "output": []})
@@ -68,7 +69,7 @@ def test_a_store_that_never_recovers_gives_up_without_hanging_the_stop(monkeypat
         store = FlakyStore()
         responses = Responses(store, None, None, None, CollectorRegistry())
         await responses.start()
-        turn = await responses.begin("t", b'{"model": "m", "input": "hi"}')
+        turn = await begin(responses, "t", b'{"model": "m", "input": "hi"}')
         store.down = 10
         await responses.keep(turn, {"id": turn.rid, "status": "completed", "output": []})
         await asyncio.sleep(0.05)

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.responses.service import Responses
 from gateway.responses.store import Retention, SQLiteStore, StoreDown
+from tests.responses_turns import begin
 
 AT_ONCE = 8
 BOUND = 3.0  # seconds each operation may take: the 2 s deadline, and room for a slow runner
@@ -130,7 +131,7 @@ def test_turns_during_a_lock_are_served_within_the_deadline_and_counted(tmp_path
         try:
             with locked(path):
                 began = await all_within(
-                    [responses.begin("t", body) for _ in range(AT_ONCE)])
+                    [begin(responses, "t", body) for _ in range(AT_ONCE)])
                 assert [took < BOUND for _, took in began] == [True] * AT_ONCE
                 turns = [turn for turn, _ in began]
                 assert not any(turn.kept for turn in turns)
@@ -154,12 +155,12 @@ def test_reads_and_cancels_during_a_lock_are_answered_within_the_deadline(tmp_pa
     async def go() -> None:
         responses, registry = await _responses(path)
         try:
-            first = await responses.begin("t", b'{"model": "m", "input": "hi"}')
+            first = await begin(responses, "t", b'{"model": "m", "input": "hi"}')
             if operation == "previous":  # finished, so a next turn may follow it
                 await responses.keep(first, {"id": first.rid, "status": "completed"})
             body = orjson.dumps({"model": "m", "input": "on", "previous_response_id": first.rid})
             work = (responses.cancel("t", first.rid) if operation == "cancel"
-                    else responses.begin("t", body))
+                    else begin(responses, "t", body))
             with locked(path):
                 [(outcome, took)] = await all_within([work])
             assert took < BOUND
