@@ -19,10 +19,13 @@ class ClientGone(Exception):
 async def read_body(scope: dict, receive: Receive, limit: int, buffer: bool = False,
                     lease: BodyLease | None = None) -> bytes | bytearray:
     """The whole request body, refusing more than `limit` bytes without reading them all.
-    `buffer`: a body with a Content-Length is read into one bytearray of that size, so a
-    large body is held once while it arrives, not as chunks and then their join (twice).
-    `lease`: the in-flight body budget's share of this request, charged chunk by chunk (a
-    declared length that does not fit is refused before anything is read). One loop for
+    `buffer`: a body with a Content-Length is read into one bytearray grown as its chunks
+    arrive, so a large body is held once, not as chunks and then their join (twice); never
+    allocated at its declared size up front: a head declaring 32 MiB and no body then held
+    32 MiB (40 such heads took one process from 72 to 1,331 MiB, past the budget, which
+    charges bytes received). `lease`: the in-flight body budget's share of this request,
+    charged chunk by chunk (a declared length that does not fit is refused before anything
+    is read). One loop for
     every way, straight on the server's `receive`: no coroutine frame of its own per chunk."""
     declared = 0
     for name, value in scope["headers"]:
@@ -37,7 +40,7 @@ async def read_body(scope: dict, receive: Receive, limit: int, buffer: bool = Fa
             break
     if lease is not None and declared > 0:
         lease.declared(declared)
-    data = bytearray(declared) if buffer and declared > 0 else None
+    data = bytearray() if buffer and declared > 0 else None
     chunks = []
     size = 0
     while True:
@@ -54,11 +57,10 @@ async def read_body(scope: dict, receive: Receive, limit: int, buffer: bool = Fa
             if data is None:
                 chunks.append(chunk)
             else:
-                data[size:end] = chunk
+                data += chunk
             size = end
         if not message.get("more_body", False):
             if data is not None:
-                del data[size:]  # (a body shorter than declared: the parser refuses it first)
                 return data
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
