@@ -22,7 +22,9 @@ most urgent waiter (class, and since when) there; a slot is handed to a local wa
 taken from the shared pool by the poller (slots freed elsewhere are seen within `POLL`
 seconds), only while no other worker has a waiter ahead of it: a more urgent class, or the
 same class waiting longer. So classes hold across workers and no worker's waiters starve;
-weights are honoured within each worker (docs/TENANCY.md).
+weights are honoured within each worker (docs/TENANCY.md). `--max-queue` bounds the gateway's
+queue too: each worker publishes how many wait in it, and a new waiter takes its place in
+that count under the lock (`SharedState.try_queue`); a worker sheds only its own waiters.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class Admission:
     async def _wait(self, tenant: Tenant, klass: int, deadline: float | None) -> None:
         loop = self.timers.loop()
         now = loop.time()
-        if len(self._queue) >= self.max_queue:
+        if not self._room():
             self._make_room(tenant, klass)
         waiter = Waiter(loop.create_future(), tenant, klass, now)
         expiry = now + self.queue_timeout
@@ -147,14 +149,24 @@ class Admission:
             self.metrics.queue_time.observe(waited)
             self._wait_histogram(tenant.name, klass).observe(waited)
 
+    def _room(self) -> bool:
+        """Room for one more waiter: in this process, or with workers in the gateway's
+        queue as a whole (one locked take in shared memory, on the waiting path only)."""
+        if self.shared is None:
+            return len(self._queue) < self.max_queue
+        state, worker = self.shared
+        return state.try_queue(worker, self.max_queue, len(self._queue))
+
     def _make_room(self, tenant: Tenant, klass: int) -> None:
-        """The queue is full: shed a waiter of a lower class, or refuse this arrival."""
+        """The queue is full: shed a waiter of a lower class, or refuse this arrival. Only
+        this worker's waiters can be shed: a lower one in another worker does not make room
+        (docs/WORKERS.md). The arrival takes the victim's place at once (nothing published
+        between), so no other worker takes that place meanwhile."""
         shed = self._queue.evict_below(klass)
         if shed is None:
             raise self._refuse(tenant, klass, "queue_full", TooManyRequests(
                 "gateway is at capacity and its queue is full; retry later",
                 headers={"retry-after": RETRY_AFTER["full"][klass]}))
-        self._publish()
         victim: Waiter = shed[2]
         victim.timer.cancel()
         if not victim.future.done():  # else its task is leaving already (cancelled)
@@ -230,7 +242,7 @@ class Admission:
             state, worker = self.shared
             head = self._head()
             state.publish_waiting(worker, None if head is None else head.klass,
-                                  0.0 if head is None else head.since)
+                                  0.0 if head is None else head.since, len(self._queue))
 
     def _watch_others(self) -> None:
         """With workers: while waiters queue here, look for slots freed in other workers."""

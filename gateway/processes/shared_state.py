@@ -13,7 +13,9 @@ Layout (8-byte words): a header; per worker: active requests; per server slot: t
 then in-flight requests and in-flight prompt tokens per worker; per API key: two token
 buckets (requests, prompt tokens: gateway/admission/key_limits.py), each (tokens, last refill time) as
 doubles; per worker: its most urgent waiter's class and wait start (gateway/admission/slots.py);
-per worker: its open client connections (gateway/processes/fair_accept.py); then the table of where each process sent its prompts (gateway/prefix/shared.py).
+per worker: its open client connections (gateway/processes/fair_accept.py); per worker: its
+waiters, so that `--max-queue` bounds the gateway's queue, not each worker's; then the table of
+where each process sent its prompts (gateway/prefix/shared.py).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class SharedState:
         self._buckets = self._tokens + SERVER_SLOTS * workers
         self._waiting = self._buckets + 4 * max(keys, 1)
         self._connections = self._waiting + 2 * workers
-        self._prefixes = self._connections + workers
+        self._queued = self._connections + workers
+        self._prefixes = self._queued + workers
         words = self._prefixes + PREFIX_WORDS
         if create:
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=8 * words)
@@ -139,6 +142,7 @@ class SharedState:
         words = self.words
         with self.locked():
             words[self._active + worker] = 0
+            words[self._queued + worker] = 0  # its waiters are gone with it
         words[self._waiting + 2 * worker] = -1
         words[self._connections + worker] = DEAD_CONNECTIONS
         for column in (self._in_flight, self._tokens):
@@ -146,12 +150,31 @@ class SharedState:
                               self.workers):
                 words[slot] = 0
 
-    def publish_waiting(self, worker: int, klass: int | None, since: float) -> None:
+    def publish_waiting(self, worker: int, klass: int | None, since: float,
+                        queued: int = 0) -> None:
         """This worker's most urgent waiter: its class (None: nobody waits here) and since
-        when it waits (gateway/admission/slots.py)."""
+        when it waits (gateway/admission/slots.py), and how many wait here. The count may go
+        down without the lock (only this worker writes it; a stale higher figure only makes
+        another worker's `try_queue` refuse once); it goes up only in `try_queue`."""
         at = self._waiting + 2 * worker
         self.floats[at + 1] = since
         self.words[at] = -1 if klass is None else klass
+        self.words[self._queued + worker] = queued
+
+    def try_queue(self, worker: int, limit: int, mine: int) -> bool:
+        """Count one more waiter for `worker` (which has `mine`), if fewer than `limit` wait
+        gateway-wide. Under the lock, and counted before the waiter is pushed, so that two
+        workers never both take the queue's last place (the same care as `try_admit`)."""
+        at = self._queued
+        with self.locked():
+            if sum(self.words[at:at + self.workers]) - self.words[at + worker] + mine >= limit:
+                return False
+            self.words[at + worker] = mine + 1
+            return True
+
+    def queued(self) -> int:
+        """Waiters in every worker together."""
+        return sum(self.words[self._queued:self._queued + self.workers])
 
     def waits_longer_elsewhere(self, worker: int, klass: int, since: float) -> bool:
         """Whether another worker has a waiter ahead of (klass, since): of a more urgent
