@@ -287,10 +287,13 @@ def _chat_view(body: dict, stream: bool, model: str | None) -> RequestView:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
     fetches = False  # a part names media by URL (gateway/reach.py)
+    extra = 0  # characters the template renders besides the messages' text (estimate only)
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'")
         content = message.get("content")
+        if len(message) > 2 or content is None:  # not just role and content: a name, tool
+            extra += _message_extra(message)  # calls, reasoning (the cheap test first)
         if content is not None and not isinstance(content, (str, list)):
             raise BadRequest(f"'messages[{i}].content' must be a string or a list of parts")
         if isinstance(content, list):
@@ -300,12 +303,38 @@ def _chat_view(body: dict, stream: bool, model: str | None) -> RequestView:
                                      "'text', if any, is a string")
                 fetches |= reach.part(part, f"messages[{i}].content[{j}]")
     text = render_messages(messages)
+    tools = body.get("tools")
+    if tools:  # the template renders every definition (name, description, parameters)
+        extra += len(orjson.dumps(tools))
     return RequestView(
         endpoint=CHAT, body=body, stream=stream, batch_size=None, n=_n(body.get("n"), "n"),
-        routing_text=text, routing_tokens=None, prompt_tokens=len(text) // 4 + 1,
+        routing_text=text, routing_tokens=None, prompt_tokens=(len(text) + extra) // 4 + 1,
         model=model, logprob_merge=False,
         needs=frozenset((reach.MEDIA_URLS,)) if fetches else reach.NOTHING,
     )
+
+
+def _message_extra(message: dict) -> int:
+    """Characters of a message the template renders besides its content, for the estimate:
+    its `name`, `reasoning_content`, and each tool call's name and arguments (a flood of
+    tool calls passed a token limit that the same text as content met)."""
+    extra = 0
+    for field in ("name", "reasoning_content"):
+        value = message.get(field)
+        if isinstance(value, str):
+            extra += len(value)
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                continue
+            for value in (function.get("name"), function.get("arguments")):
+                if isinstance(value, str):
+                    extra += len(value)
+                elif value is not None:  # arguments as an object: rendered as JSON
+                    extra += len(orjson.dumps(value))
+    return extra
 
 
 def _completions_view(body: dict, stream: bool, model: str | None) -> RequestView:

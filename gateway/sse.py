@@ -159,3 +159,35 @@ def reported_failure(obj: object) -> tuple[int, str] | None:
         if isinstance(status, int) and 400 <= status < 600:
             return status, str(reason.get("message", "generation aborted"))
     return None
+
+
+# streams that end with a typed last event, not [DONE]: SGLang's /v1/responses
+# (`_responses_stream_generator_non_harmony`: response.completed, .incomplete or .failed)
+FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n",
+                b"event: response.failed\n",
+                b"event: message_stop\n")  # /v1/messages (`_generate_anthropic_stream`)
+FINAL_NAMES = frozenset(e[len(b"event: "):-1] for e in FINAL_EVENTS)
+
+
+def ends_finished(last: bytes, prior: bytes = b"") -> bool:
+    """Whether the last events relayed end with a stream's typed final event, or [DONE] in
+    another framing than `DONE`'s. SGLang's framing is checked first; any other (a proxy's:
+    other line ends, field order or spacing) is read field by field. Comments (": ping", a
+    proxy's keep-alive) after the final event are no events: skipped, and when `last` holds
+    nothing else, the chunk before it (`prior`) is read (until 2026-12-07 a complete stream
+    with a comment after its end was ended with an error event)."""
+    start = last.rfind(b"\n\n", 0, len(last) - 2) + 2  # (0 when `last` is one event)
+    if last.startswith(FINAL_EVENTS, start if start > 1 else 0):
+        return True
+    events = [e for e in split_events(last) if not _comment(e)]
+    if not events:
+        return bool(prior) and (prior.endswith(DONE) or ends_finished(prior))
+    final = events[-1]
+    names = (line[6:].removeprefix(b" ") for line in final.split(b"\n")
+             if line.startswith(b"event:"))
+    return event_data(final) == b"[DONE]" or any(name in FINAL_NAMES for name in names)
+
+
+def _comment(event: bytes) -> bool:
+    """An event of comment lines only (no field): SSE readers ignore it."""
+    return all(line.startswith(b":") for line in event.split(b"\n") if line)

@@ -6,9 +6,13 @@ Two buckets per inference key, refilled continuously:
 * prompt tokens: `--rate-limit-tokens` per minute, up to one minute's worth at once (taken
   once the prompt is counted: exactly with the served model's tokenizer or for token-id
   prompts, else the characters/4 estimate). A request larger than a whole minute's worth
-  could never pass: it is refused with 429 at once rather than queued forever. Completion
-  tokens are not charged: they are bounded per request by its own max_tokens, and known only
-  at the end.
+  could never pass: it is refused with 429 at once rather than queued forever. A request of
+  `n` samples is charged its prompt n times (each sample is a request to the servers).
+  The charge is taken before the request waits for a slot, so a key over its limit never
+  queues, and queued requests see each other's charges; a request refused or gone before a
+  server was asked (context, SLO, queue full, deadline, shed, client left) gets it back
+  (`give_back`, once: docs/TENANCY.md). Completion tokens are not charged: they are bounded
+  per request by its own max_tokens, and known only at the end.
 
 With `--workers N` the buckets live in the shared block (gateway/processes/shared_state.py), so the
 limits hold for the gateway as a whole; `take` below is the one refill-and-take rule both
@@ -29,11 +33,12 @@ def take(tokens: float, last: float, now: float, rate: float, burst: float,
          cost: float) -> tuple[float, float, float]:
     """(tokens left, refill time, seconds to wait: 0.0 if `cost` was taken).
 
-    A bucket never used (`last` 0) starts full."""
+    A bucket never used (`last` 0) starts full. A negative `cost` gives tokens back, never
+    past `burst` (a refund cannot mint more than a full bucket)."""
     tokens = burst if last == 0.0 else min(burst, tokens + (now - last) * rate)
     if tokens < cost:
         return tokens, now, (cost - tokens) / rate
-    return tokens - cost, now, 0.0
+    return min(burst, tokens - cost), now, 0.0
 
 
 class KeyRateLimited(TooManyRequests):
@@ -64,18 +69,37 @@ class KeyLimits:
             self._take(key, REQUESTS, self.rate, self.burst, 1.0,
                        f"rate limit of {self.rate:g} requests/s for this API key exceeded")
 
-    def take_tokens(self, key: int | None, count: int) -> None:
-        """`count` prompt tokens of key number `key` (None: no key, no limit), or 429."""
+    def take_tokens(self, key: int | None, count: int, samples: int = 1) -> int:
+        """`count` prompt tokens x `samples` of key number `key` (None: no key, no limit),
+        or 429. Returns what was charged (0: nothing), for `give_back`."""
         if self.tokens_per_minute <= 0 or key is None:
+            return 0
+        tpm = self.tokens_per_minute
+        cost = count * samples
+        if cost > tpm:
+            self._refused()
+            times = f" x {samples} samples" if samples > 1 else ""
+            raise TooManyRequests(
+                f"the prompt's {count} tokens{times} exceed this API key's limit of {tpm:g} "
+                "prompt tokens per minute; send a shorter prompt")
+        self._take(key, TOKENS, tpm / 60.0, tpm, float(cost),
+                   f"limit of {tpm:g} prompt tokens per minute for this API key exceeded")
+        return cost
+
+    def give_back(self, key: int | None, charged: int) -> None:
+        """Return `charged` (take_tokens' answer) to key `key`'s token bucket: the request
+        was refused before any server was asked, so it sent no prompt tokens. The caller
+        calls it at most once per charge."""
+        if not charged or key is None:
             return
         tpm = self.tokens_per_minute
-        if count > tpm:
-            self._refused()
-            raise TooManyRequests(
-                f"the prompt's {count} tokens exceed this API key's limit of {tpm:g} prompt "
-                "tokens per minute; send a shorter prompt")
-        self._take(key, TOKENS, tpm / 60.0, tpm, float(count),
-                   f"limit of {tpm:g} prompt tokens per minute for this API key exceeded")
+        now = self._clock()
+        if self._shared is not None:
+            self._shared.take_from_bucket(key, TOKENS, tpm / 60.0, tpm, -float(charged), now)
+        else:
+            bucket = self._local[key][TOKENS]
+            bucket[0], bucket[1], _ = take(bucket[0], bucket[1], now, tpm / 60.0, tpm,
+                                           -float(charged))
 
     def _take(self, key: int, kind: int, rate: float, burst: float, cost: float,
               message: str) -> None:

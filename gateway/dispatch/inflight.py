@@ -88,55 +88,97 @@ class Tracked:
     not_after: float | None = None  # the client's own deadline (loop time), if it sent one
     # attempts of this request that failed after waiting (health/deadlines.py: `urgency`)
     silences: int = 0
+    # the error a begun stream ended with, its event already sent: the request counts with
+    # its status, not the 200 of its head (routes/inference.py)
+    failure: object | None = None
 
     def keys(self) -> tuple[str, ...]:
         return (self.request_id, *self.rids)
 
 
 class InFlight:
-    """The table of requests in flight (one per gateway process)."""
+    """The table of requests in flight (one per gateway process).
+
+    Client-chosen ids (`x-request-id`, `rid`) are not unique: two callers, or one caller
+    twice, may hold the same id at once. A key's first holder is in `_by_key` (the only dict
+    work for the common, unique case); later holders of a held key wait in `_more`, so an
+    abort can look among one owner's requests and no one's id hides another's."""
 
     def __init__(self) -> None:
-        self._by_key: dict[str, Tracked] = {}
+        self._by_key: dict[str, Tracked] = {}  # key -> its first holder in flight
+        self._more: dict[str, list[Tracked]] = {}  # key -> its later holders (rare)
 
     def __len__(self) -> int:
-        return len({id(t) for t in self._by_key.values()})
+        return len(self._tracked())
 
     def add(self, tracked: Tracked) -> None:
-        """Register under every id not taken yet (a client may reuse its own ids; the first
-        request in flight keeps them)."""
+        """Register under every id; an id already held keeps its holder and gets another."""
         table = self._by_key
         if not tracked.rids:  # most requests: their id alone, no tuple of keys to build
-            table.setdefault(tracked.request_id, tracked)
+            key = tracked.request_id
+            if table.setdefault(key, tracked) is not tracked:
+                self._more.setdefault(key, []).append(tracked)
             return
         for key in tracked.keys():
-            if key not in table:
-                table[key] = tracked
+            held = table.setdefault(key, tracked)
+            if held is not tracked:
+                more = self._more.setdefault(key, [])
+                if tracked not in more:  # its x-request-id may also be one of its rids
+                    more.append(tracked)
 
     def remove(self, tracked: Tracked) -> None:
         table = self._by_key
-        for key in tracked.keys():
+        if not tracked.rids and not self._more:  # nothing shared: its own key alone
+            key = tracked.request_id
             if table.get(key) is tracked:
                 del table[key]
+            return
+        for key in tracked.keys():
+            self._drop(key, tracked)
+
+    def _drop(self, key: str, tracked: Tracked) -> None:
+        """`tracked` no longer holds `key`; its next holder, if any, becomes the first."""
+        more = self._more.get(key)
+        if self._by_key.get(key) is tracked:
+            if more:
+                self._by_key[key] = more.pop(0)
+            else:
+                del self._by_key[key]
+        elif more and tracked in more:
+            more.remove(tracked)
+        if more is not None and not more:
+            del self._more[key]
+
+    def holders(self, key: str, owner: str | None = None) -> list[Tracked]:
+        """Every request known by `key` (of `owner` only, if given): by request id or own
+        rid, and by the upstream rid of a running attempt (SGLang's `meta_info.id`), exact."""
+        found = []
+        first = self._by_key.get(key)
+        if first is not None:
+            found = [first, *self._more.get(key, ())]
+        for tracked in self._tracked():
+            if tracked not in found and any(key in a.rid_list for a in tracked.attempts):
+                found.append(tracked)
+        return found if owner is None else [t for t in found if t.owner == owner]
 
     def find(self, key: str) -> Tracked | None:
-        """The request known by `key`: its request id or own rid, else the upstream rid of one
-        of its running attempts (what SGLang reports as `meta_info.id`), matched exactly."""
-        tracked = self._by_key.get(key)
-        if tracked is not None:
-            return tracked
-        for tracked in set(self._by_key.values()):
-            for attempt in tracked.attempts:
-                if key in attempt.rid_list:
-                    return tracked
-        return None
+        """The first request known by `key` (for ids only the gateway makes, which are
+        unique; an abort by a client's id looks through `holders`)."""
+        found = self.holders(key)
+        return found[0] if found else None
 
     def prefix_safe(self, rid: str, of: Tracked) -> bool:
         """No other request in flight has an upstream rid that starts with `rid`."""
-        for tracked in set(self._by_key.values()):
+        for tracked in self._tracked():
             if tracked is of:
                 continue
             for attempt in tracked.attempts:
                 if any(other.startswith(rid) for other in attempt.rid_list):
                     return False
         return True
+
+    def _tracked(self) -> set[Tracked]:
+        every = set(self._by_key.values())
+        for more in self._more.values():
+            every.update(more)
+        return every

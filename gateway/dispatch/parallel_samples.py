@@ -87,7 +87,7 @@ class Samples:
         if not view.stream:
             merged = merge_bodies(view, sample_bodies(view, answers))
             return Answer(answers[0].status, answers[0].content_type, orjson.dumps(merged))
-        stream = MergedStream(view, tasks)
+        stream = MergedStream(view, tasks, tracked)
         return Answer(200, first.content_type, stream=stream.events(), close=stream.close)
 
 
@@ -227,10 +227,12 @@ class MergedStream:
     One pump task per sample waits for that sample's answer and reads its relay (the relay's
     deadlines belong to the task that reads it) into a small queue; the client's sender
     drains the queue, so a slow client holds the pumps back and their send deadline applies.
-    A sample that fails before its first chunk, once the stream runs, is an error event."""
+    A sample that fails before its first chunk, once the stream runs, is an error event,
+    and the request's failure (`tracked.failure`: it counts with the error's status)."""
 
-    def __init__(self, view: RequestView, samples: list[asyncio.Task]) -> None:
+    def __init__(self, view: RequestView, samples: list[asyncio.Task], tracked=None) -> None:
         self.view = view
+        self.tracked = tracked
         self.samples = samples  # each sample's `proxy.handle`: its answer, or its failure
         self.queue: asyncio.Queue = asyncio.Queue(QUEUE_DEPTH)
         self.pumps: list[asyncio.Task] = []
@@ -270,6 +272,8 @@ class MergedStream:
             if not isinstance(exc, GatewayError):
                 log.exception("sample %d of a merged stream failed", j)
                 exc = GatewayError("internal gateway error; see the gateway log")
+            if self.tracked is not None:
+                self.tracked.failure = exc
             await self.queue.put((j, frame(exc.body())))
         await self.queue.put((j, None))
 

@@ -209,6 +209,7 @@ class Resumed:
         cont = Continuation.build(view, self.seen.objects()) if self.seen.usable else None
         if cont is None:
             self.failovers.labels(view.endpoint, "not_resumable").inc()
+            self.tracked.failure = error
             yield error_end(error)
             return
         if cont.view is None:  # the answer was complete; only its [DONE] was missing
@@ -219,6 +220,7 @@ class Resumed:
                                           avoid=(broken.decode,))
         except GatewayError as exc:
             self.failovers.labels(view.endpoint, "failed").inc()
+            self.tracked.failure = exc
             yield error_end(exc)
             return
         self.failovers.labels(view.endpoint, "continued").inc()

@@ -12,6 +12,10 @@
   event: once this stream is cleaned up, the same generator goes on with what
   `attempt.on_broken(StreamBroken)` yields (proxy.Resumed: the rest from another pair,
   gateway/dispatch/failover.py). So a resumable stream costs no extra generator layer per chunk.
+* At its end a stream tells the request's usage how many chunks it relayed and its last
+  events (an OpenAI stream cut before its usage event still counts what it relayed:
+  gateway/observability/answer_tokens.py `relayed_tokens`): the capture's chunks, or a
+  local count per chunk where there is none.
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ from gateway.sse import (
     DONE,
     EventSplitter,
     data_objects,
+    ends_finished,
     event_data,
     frame,
     parsed,
-    split_events,
     whole_events,
 )
 from gateway.timers import Timers
@@ -62,22 +66,26 @@ class StreamBroken(Exception):
 
 
 class Capture:
-    """The events relayed so far, for a continuation (bounded: past the limit, none)."""
+    """The events relayed so far, for a continuation (bounded: past the limit, none; only
+    how many chunks, for the usage of a stream cut before its usage event)."""
 
-    __slots__ = ("chunks", "size", "usable")
+    __slots__ = ("chunks", "size", "usable", "past")
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
         self.size = 0
         self.usable = True
+        self.past = 0  # chunks not kept, past the limit
 
     def add(self, data: bytes) -> None:
         if self.usable:
             self.size += len(data)
             if self.size > CAPTURE_LIMIT:
-                self.usable, self.chunks = False, []
+                self.usable, self.past, self.chunks = False, len(self.chunks) + 1, []
             else:
                 self.chunks.append(data)
+        else:
+            self.past += 1
 
     def objects(self) -> list[dict]:
         """The JSON objects of the relayed events, in order."""
@@ -160,12 +168,11 @@ class StreamRelay:
         ok = broken = failure = None  # ok: bool | None; broken: StreamBroken | None
         splitter, watchdog = (EventSplitter() if merger else None), self._start(attempt)
         model, url, loop = self.model, attempt.decode.url, watchdog.loop
-        gaps, queue = model.gaps_of(url), watchdog.queued
-        held = last = b""  # last: the last events relayed (whole events, [DONE] among them)
+        gaps, queue, relayed = model.gaps_of(url), watchdog.queued, 0  # relayed: see below
+        held = last = prior = b""  # last: the last events relayed ([DONE] among them)
         unsuffix, capture, trace = attempt.unsuffix, attempt.capture, attempt.trace
         try:
-            (opening, at, to), chunk = marks(attempt.view.endpoint), first  # bytes | None
-            now = loop.time()
+            (opening, at, to), chunk, now = marks(attempt.view.endpoint), first, loop.time()
             while chunk is not None:
                 out = _merge_events(splitter, merger, chunk) if splitter else chunk
                 if held:
@@ -178,10 +185,11 @@ class StreamRelay:
                     if out[at:to] == b"e" and out.startswith(opening):  # see stream_failure
                         out, failure = _failed(out, attempt)
                 if out:
-                    last = out
-                    watchdog.since, watchdog.reading = now, False  # handing out
-                    if capture is not None:
+                    prior, last, watchdog.since, watchdog.reading = last, out, now, False
+                    if capture is not None:  # (its chunks counted there, for usage.py)
                         capture.add(out)
+                    else:  # chunks relayed, each of whole events: a cut stream's count
+                        relayed += 1
                     if trace is not None:
                         trace.relayed(out)
                     yield out
@@ -201,7 +209,7 @@ class StreamRelay:
                     model.gap(gaps, now - started)
             if rest := _rest(held, splitter, merger, url, unsuffix):
                 yield (last := _noted(rest, capture, trace))
-            if not (last.endswith(DONE) or _final_event(last)):
+            if not (last.endswith(DONE) or ends_finished(last, prior)):
                 raise _unfinished(url)
             ok = True
         except UpstreamError as exc:
@@ -209,7 +217,7 @@ class StreamRelay:
             if ending:  # none when the rest comes from another pair
                 yield ending
         finally:
-            self._end(attempt, response, p_task, ok, watchdog, broken)
+            self._end(attempt, response, p_task, ok, watchdog, broken, relayed, last)
         if broken is not None:  # this pair is done with; the rest comes from another
             async with contextlib.aclosing(attempt.on_broken(broken)) as rest_of:
                 async for chunk in rest_of:
@@ -241,10 +249,17 @@ class StreamRelay:
         return watchdog
 
     def _end(self, attempt: Attempt, response: UpstreamResponse, p_task: asyncio.Task,
-             ok: bool | None, watchdog: StreamWatchdog, broken: StreamBroken | None) -> None:
+             ok: bool | None, watchdog: StreamWatchdog, broken: StreamBroken | None,
+             relayed: int, last: bytes) -> None:
         watchdog.close()
         watchdog.upstream.close()
         self.ended(attempt, response, p_task, ok)
+        usage = attempt.tracked.usage if attempt.tracked is not None else None
+        if usage is not None and usage.streams is not None:  # an OpenAI stream's: what it
+            capture = attempt.capture  # still counts when cut before its usage event
+            if capture is not None:
+                relayed = len(capture.chunks) + capture.past
+            usage.streams.append((ok, relayed, last, capture))
         if attempt.trace is not None:
             attempt.trace.relay_done(ok, broken is not None)
 
@@ -264,6 +279,8 @@ def _ended_by(exc: UpstreamError, attempt: Attempt
     stream that failed: not retryable is the request's fault, no verdict on the server."""
     if exc.retryable and attempt.on_broken is not None:
         return False, StreamBroken(exc, attempt.decode), b""
+    if attempt.tracked is not None:  # the request failed, its error event sent: counted so
+        attempt.tracked.failure = exc  # (routes/inference.py), not as its head's 200
     ending = (error_event(exc) if attempt.view.endpoint == MESSAGES  # Anthropic's
               else frame(exc.body()) + DONE)
     return (False if exc.retryable else None), None, ending
@@ -288,30 +305,6 @@ def _failure(exc: BaseException, watchdog: StreamWatchdog, url: str) -> BaseExce
     if isinstance(exc, asyncio.CancelledError):
         return watchdog.upstream.reason() or exc
     return leg_error("decode", url, exc)
-
-
-# streams that end with a typed last event, not [DONE]: SGLang's /v1/responses
-# (`_responses_stream_generator_non_harmony`: response.completed, .incomplete or .failed)
-FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n",
-                b"event: response.failed\n",
-                b"event: message_stop\n")  # /v1/messages (`_generate_anthropic_stream`)
-FINAL_NAMES = frozenset(e[len(b"event: "):-1] for e in FINAL_EVENTS)
-
-
-def _final_event(last: bytes) -> bool:
-    """Whether the last events relayed end with a stream's typed final event, or [DONE] in
-    another framing than `DONE`'s. SGLang's framing is checked first; any other (a proxy's:
-    other line ends, field order or spacing) is read field by field."""
-    start = last.rfind(b"\n\n", 0, len(last) - 2) + 2  # (0 when `last` is one event)
-    if last.startswith(FINAL_EVENTS, start if start > 1 else 0):
-        return True
-    events = split_events(last)
-    if not events:
-        return False
-    final = events[-1]
-    names = (line[6:].removeprefix(b" ") for line in final.split(b"\n")
-             if line.startswith(b"event:"))
-    return event_data(final) == b"[DONE]" or any(name in FINAL_NAMES for name in names)
 
 
 def _unfinished(url: str) -> UpstreamError:

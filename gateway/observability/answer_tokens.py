@@ -26,6 +26,12 @@ are scanned at its end, and only two kinds of stream pay a substring test per ch
 
 A string value cannot hold the key: inside a JSON string every `"` is escaped, so the
 bytes `"completion_tokens"` followed by `:` only occur as a key.
+
+An OpenAI stream cut before its usage event (the client left, the decode failed, the gateway
+stopped) counts a lower bound from what each decode stream relayed (`relayed_tokens`, read
+once at the request's end, docs/TENANCY.md): SGLang sends an event per decode step (one
+token or more, `stream_interval`), so the events that carry a choice's new text are at most
+its tokens.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import re
 import orjson
 
 from gateway.request import CHAT, COMPLETIONS, GENERATE, RequestView
-from gateway.sse import data_objects
+from gateway.sse import DONE, data_objects
 
 KEY = b'"completion_tokens"'
 USAGE_MARKS = (b'"usage":{', b'"usage": {')
@@ -205,3 +211,70 @@ def _payload(event: bytes) -> object:
             except orjson.JSONDecodeError:
                 return None
     return None
+
+
+# -- a stream cut before its usage event ------------------------------------------------------
+
+# events a choice's stream may send after its last token, none with text: its finish, hidden
+# states, two `sglext` events, usage (SGLang's `_generate_chat_stream`)
+TRAILING = 5
+FINISHED = (b'"finish_reason":"', b'"finish_reason": "')  # a reason, not null
+
+
+def relayed_tokens(endpoint: str, chunks: int, last: bytes, capture) -> int:
+    """At least the completion tokens one decode stream relayed (one choice: the gateway
+    splits n > 1), from what the relay has at hand at its end (relay.StreamRelay._end):
+
+    * the count of its last events, when they hold one (a sample's usage event);
+    * else its last chunk's events with text, plus one per earlier chunk (each holds a whole
+      event or more), less the chunks that may hold none: a chat's role event (not when
+      its chunk is kept and holds more), the events after the last token when the last
+      chunk has neither text nor a finish. One event a chunk: exact;
+    * but where the chunks were kept for a continuation (`capture`: a resumable stream, the
+      default for plain chat and completions) and held more than one event each on average
+      (the decode ran ahead of the relay: a slow client, which one per chunk would let pay
+      for a fraction), or were 2 at most: their events with text, scanned."""
+    if last == DONE:  # (nothing to read in it)
+        found, ended = 0, False
+    else:
+        count = completion_final(last) if last else None
+        if count is not None:
+            return count
+        found = text_events(last, endpoint)
+        ended = found or FINISHED[0] in last or FINISHED[1] in last
+    spare = (0 if ended else TRAILING) + (endpoint == CHAT and chunks > 1)  # (a role's)
+    kept = capture.chunks if capture is not None and capture.usable else ()
+    if len(kept) > 2:
+        one = min(len(kept[1]), len(kept[-2]))  # one event (the client kept up then)
+        if 2 * capture.size <= 3 * len(kept) * one:  # one event a chunk: no scan
+            spare -= endpoint == CHAT and 2 * len(kept[0]) >= 3 * one  # role and text
+            return found + max(0, chunks - 1 - spare)
+    elif not kept:
+        return found + max(0, chunks - 1 - spare)
+    return max(found + max(0, chunks - 1 - spare), text_events(b"".join(kept), endpoint))
+
+
+def text_events(events: bytes, endpoint: str) -> int:
+    """The events of one choice that carry new text, each at least one token: keys counted,
+    no parse (a JSON string escapes every `"`, so text that names a key never matches). A
+    chat step can give two events (a reasoning parser's end of the reasoning and the
+    answer's start; text, then a tool call): one less for each kind of text beyond the
+    first."""
+    keys = _SPACED if b'": "' in events else _COMPACT  # SGLang's pydantic, or json.dumps
+    if endpoint == COMPLETIONS:
+        return events.count(keys[0]) - events.count(keys[0] + b'"')
+    reasoning = events.count(keys[1]) - events.count(keys[1] + b'"')
+    content = events.count(keys[2]) - events.count(keys[2] + b'"') - reasoning
+    tools = events.count(keys[3])
+    kinds = (reasoning > 0) + (content > 0) + (tools > 0)
+    return reasoning + content + tools - max(0, kinds - 1)
+
+
+def _keys(colon: bytes) -> tuple[bytes, ...]:
+    """A key of new text and the start of its value: a completion's text, a chat's reasoning,
+    its content (the reasoning's key ends the same), a tool call (a list of objects)."""
+    return (b'"text"' + colon + b'"', b'reasoning_content"' + colon + b'"',
+            b'content"' + colon + b'"', b'"tool_calls"' + colon + b"[{")
+
+
+_COMPACT, _SPACED = _keys(b":"), _keys(b": ")

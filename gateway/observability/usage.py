@@ -13,6 +13,8 @@ Where the figures come from (docs/TENANCY.md, "Usage accounting"):
   continuation of a resumed stream), so the tenants' sum equals the servers' sum
   (`gateway_prompt_tokens`);
 * completion tokens: from the answer the client received (gateway/observability/answer_tokens.py);
+  an OpenAI stream cut before its usage event, at least what its decode streams relayed
+  (`RequestUsage.streams`, told by the relay as each ends; read only when needed);
 * requests and errors: by the status the client got (499: the client left).
 
 Labels are bounded: a tenant is a name from the key file (`KEY TENANT`), `default` (a key
@@ -30,7 +32,13 @@ import time
 from collections.abc import Callable, Iterable
 
 from gateway.admission.auth import ANONYMOUS
-from gateway.observability.answer_tokens import StreamTokens, completion_final, completion_total
+from gateway.observability.answer_tokens import (
+    StreamTokens,
+    completion_final,
+    completion_total,
+    relayed_tokens,
+)
+from gateway.request import CHAT, COMPLETIONS
 from gateway.scheduling.models import OTHER
 
 KINDS = ("cached", "uncached", "completion")
@@ -62,7 +70,7 @@ class RequestUsage:
     __slots__ = ("owner", "endpoint", "request_id", "time", "started", "tenant", "model",
                  "stream", "status", "ttft", "duration", "prompt", "cached",
                  "completion", "attempts", "retries", "failovers", "prefill", "decode",
-                 "open_legs", "ended", "tail", "meter", "counters")
+                 "open_legs", "ended", "tail", "meter", "counters", "streams")
 
     def __init__(self, owner: Usage, endpoint: str, request_id: str, started: float) -> None:
         self.owner = owner
@@ -89,6 +97,11 @@ class RequestUsage:
         self.tail = b""  # the whole answer, or a stream's last two chunks
         self.meter: StreamTokens | None = None
         self.counters: _Children | None = None  # its (tenant, model)'s, once the body is parsed
+        # an OpenAI stream's: (ended by itself, chunks, last events, capture) per decode
+        # stream, appended by the relay as each ends (relay.StreamRelay._end); its events
+        # carry no running count, so a stream cut before its usage event counts these
+        # (`Usage.finish`, only then)
+        self.streams: list | None = None
 
     # -- called by the request path ---------------------------------------------------------
 
@@ -131,6 +144,8 @@ class Usage:
         `model` to."""
         record.model = self.label(view.model)
         record.stream = view.stream
+        if view.stream and (view.endpoint == CHAT or view.endpoint == COMPLETIONS):
+            record.streams = []
         # the tenant is known before the body is read (routes/inference.py): its counters
         # are looked up once for the request's later figures
         record.counters = self.children(record.tenant, record.model)
@@ -155,7 +170,13 @@ class Usage:
             tail = record.tail
             record.completion = completion_final(tail) if record.stream \
                 else completion_total(tail)
-        record.tail = b""
+        streams, record.tail, record.streams = record.streams, b"", None
+        # cut before its usage event: what it got (a lone decode stream that ended by itself
+        # passed its usage event on, if its server sends one: nothing was cut)
+        if record.completion is None and streams and (len(streams) > 1 or not streams[0][0]):
+            record.completion = 0
+            for _, chunks, last, capture in streams:
+                record.completion += relayed_tokens(record.endpoint, chunks, last, capture)
         children = record.counters or self.children(record.tenant, record.model)
         children.requests.pending += 1
         if status >= 500:

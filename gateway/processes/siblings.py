@@ -4,8 +4,9 @@
   got the admin call and then by every other worker, so the workers keep one server set. An
   add first claims its URL of the hub (`claimed`), so that of two adds of one URL made at once
   through two workers only one registers it (gateway/processes/claims.py).
-* `/abort_request` names a request that may run in another worker: a worker that does not
-  hold it asks the others, and the one that holds it (and finds the caller its owner) aborts it.
+* `/abort_request` names a request that may run in another worker: the worker that got it
+  asks the others, and each aborts the caller's own requests holding that id (an admin's:
+  first `owners`, so that an id several callers hold aborts none; docs/SECURITY.md, Aborts).
 * A Responses cancel first asks the others to write a turn's final save they hold pending
   (the store refused it; gateway/responses/service.py), so it does not win over a response
   its client got whole.
@@ -91,14 +92,27 @@ class Siblings:
             take_out(server, str(msg.get("why") or "a role switch failed"))
 
     async def abort(self, rid: str, owner: str, admin: bool) -> dict | None:
-        """Abort `rid` in whichever other worker holds it; its answer, or None."""
+        """Abort `rid` in the other workers: every request of `owner` holding it (an admin
+        with no owner: the holders, if they are all one owner's); their answers merged, or
+        None when none aborted anything."""
         if self.control is None:
             return None
-        for answer in await self.control.ask({"kind": "abort", "rid": rid, "owner": owner,
-                                              "admin": admin}):
-            if isinstance(answer, dict) and answer.get("found"):
-                return answer
-        return None
+        found = [a for a in await self.control.ask({"kind": "abort", "rid": rid,
+                                                    "owner": owner, "admin": admin})
+                 if isinstance(a, dict) and a.get("found")]
+        if not found:
+            return None
+        ids = [i for a in found for i in a.get("request_ids") or [a["request_id"]]]
+        return {"found": True, "request_id": ids[0], "request_ids": ids,
+                "results": [r for a in found for r in a["results"]]}
+
+    async def owners(self, rid: str, owner: str | None) -> set[str]:
+        """Whose requests in the other workers hold `rid` (of `owner` only, if given)."""
+        if self.control is None:
+            return set()
+        answers = await self.control.ask({"kind": "abort", "rid": rid, "owner": owner or "",
+                                          "admin": True, "count": True})
+        return {o for a in answers if isinstance(a, dict) for o in a.get("owners", ())}
 
     def on_settle(self, settle: Callable[[str, str], Awaitable[bool]]) -> None:
         """`settle(rid, tenant)` answers the others' `settle` (the process's Responses)."""
@@ -123,8 +137,17 @@ class Siblings:
         return any(isinstance(a, dict) and a.get("settled") for a in answers)
 
     async def _abort(self, msg: dict) -> dict:
-        tracked = self.inflight.find(msg["rid"])
-        if tracked is None or (tracked.owner != msg["owner"] and not msg.get("admin")):
+        """A caller's abort reaches its own requests only; an admin's without an owner only
+        when the holders are one owner's (several: none, as at the admin's own worker)."""
+        owner = msg.get("owner") or None
+        if owner is None and not msg.get("admin"):
             return {"found": False}
-        results = await self.aborts.abort(tracked)
-        return {"found": True, "request_id": tracked.request_id, "results": results}
+        held = self.inflight.holders(msg["rid"], owner)
+        owners = {t.owner for t in held}
+        if msg.get("count"):
+            return {"found": bool(held), "owners": sorted(owners)}
+        if not held or len(owners) > 1:
+            return {"found": False, "owners": sorted(owners)}
+        results = [r for t in held for r in await self.aborts.abort(t)]
+        return {"found": True, "request_id": held[0].request_id,
+                "request_ids": [t.request_id for t in held], "results": results}

@@ -3,21 +3,21 @@
 auth -> tenancy headers (tenant, priority class, deadline, session:
 gateway/admission/tenancy.py) -> read body (charged to the in-flight body budget:
 gateway/admission/body_budget.py) -> parse once -> the request's model
-(gateway/scheduling/models.py: 404 for an unknown one) -> a prompt over the context by its
-size alone refused -> count prompt tokens (exact with the model's tokenizer) -> per-key token
-limit -> context check -> in-flight table -> admission
-slot (fair queue) -> serve (one PD request, or n single-sample ones for n > 1) -> the answer,
-an ASGI response that sends itself (gateway/routes/answer.py). The disconnect watch is armed
-once the body is read, so a client that leaves while its prompt is counted (a server's
-/v1/tokenize may be slow) or while queued stops the request at once (a queued one leaves the
-queue); one that left earlier (while a Responses turn waited for its store) stops it there. The
-work runs in the request's own task, under one `Interrupt`: the client's departure fires it
-(told by the server protocol directly, `server_protocol.Departure`; under another ASGI server
-a watcher task waits for `http.disconnect` instead), `/abort_request` fires it when it must
-stop the request itself, and the stream relay fires it when the client stops reading
-(`--send-timeout`); the server protocol also cuts a connection whose response stalls that
-long (`server_protocol.STALLED`: counted as a slow client too). Whatever fired, both upstream
-legs are cancelled.
+(gateway/scheduling/models.py: 404 for an unknown one) -> a prompt over the context by its size
+alone refused -> count prompt tokens (exact with the model's tokenizer) -> per-key token limit
+(x n samples; given back if refused before a server is asked) -> context check -> in-flight
+table -> admission slot (fair queue) -> serve (one PD request, or n single-sample ones for n >
+1) -> the answer, an ASGI response that sends itself (gateway/routes/answer.py). The disconnect
+watch is armed once the body is read, so a client that leaves while its prompt is counted (a
+server's /v1/tokenize may be slow) or while queued stops the request at once (a queued one
+leaves the queue); one that left earlier (while a Responses turn waited for its store) stops it
+there. The work runs in the request's own task, under one `Interrupt`: the client's departure
+fires it (told by the server protocol directly, `server_protocol.Departure`; under another ASGI
+server a watcher task waits for `http.disconnect` instead), `/abort_request` fires it when it
+must stop the request itself, and the stream relay fires it when the client stops reading
+(`--send-timeout`); the server protocol also cuts a connection whose response stalls that long
+(`server_protocol.STALLED`: counted as a slow client too). Whatever fired, both upstream legs
+are cancelled.
 
 Each endpoint gets `InferenceParts`, built once by the app, never the whole gateway.
 """
@@ -194,7 +194,34 @@ class InferenceEndpoint:
             # (a server's /v1/tokenize), and a client that leaves meanwhile stops it at once
             if parts.tokens.wanted(view):
                 view = await parts.tokens.count(view)
-            parts.limits.take_tokens(caller.key_index, view.prompt_tokens)
+            view, tracked = await self._admitted(scope, view, caller, ticket, interrupt,
+                                                 trace, usage)
+            try:
+                answer = await parts.serve(view, tracked)
+                try:
+                    response = answer_response(answer, tracked.request_id, watch,
+                                               self._meter, usage, view)
+                    await response(scope, receive, send)
+                    if tracked.failure is not None:  # the stream's error event is out
+                        raise StreamCut(tracked.failure)
+                    return answer.status
+                finally:
+                    if answer.close is not None:
+                        await answer.close()
+            finally:
+                parts.admission.release()
+                parts.inflight.remove(tracked)
+                tracked.attempts.clear()  # attempt -> tracked -> attempts: no cycle left
+
+    async def _admitted(self, scope: Scope, view: RequestView, caller: Caller, ticket: Ticket,
+                        interrupt: Interrupt, trace, usage) -> tuple[RequestView, Tracked]:
+        """The request charged to its key's token limit (before it may queue: a key over its
+        limit never waits for a slot), checked, in the in-flight table, holding a slot.
+        Refused or gone before a server is asked: its tokens given back, here only, once."""
+        parts = self.parts
+        key = caller.key_index
+        charged = parts.limits.take_tokens(key, view.prompt_tokens, view.n)
+        try:
             counting = parts.context.check(view)  # a coroutine only near the context limit
             if counting is not None:
                 view = await counting
@@ -207,26 +234,22 @@ class InferenceEndpoint:
             if trace is not None:
                 trace.admitted(caller, view)
             parts.inflight.add(tracked)
-            admission = parts.admission
             try:
-                await admission.acquire(ticket.tenant, ticket.klass, ticket.deadline)
+                await parts.admission.acquire(ticket.tenant, ticket.klass, ticket.deadline)
                 try:
                     if view.slo is not None:  # nothing starts that is certain to miss
                         await parts.slo.admit(view)
-                    answer = await parts.serve(view, tracked)
-                    try:
-                        response = answer_response(answer, tracked.request_id, watch,
-                                                   self._meter, usage, view)
-                        await response(scope, receive, send)
-                        return answer.status
-                    finally:
-                        if answer.close is not None:
-                            await answer.close()
-                finally:
-                    admission.release()
-            finally:
+                except BaseException:
+                    parts.admission.release()
+                    raise
+            except BaseException:
                 parts.inflight.remove(tracked)
-                tracked.attempts.clear()  # attempt -> tracked -> attempts: no cycle left
+                tracked.attempts.clear()
+                raise
+        except BaseException:
+            parts.limits.give_back(key, charged)
+            raise
+        return view, tracked
 
     async def _internal_error(self, send: Send, request_id: str) -> None:
         log.exception("unexpected error on %s (request %s)", self.endpoint, request_id)

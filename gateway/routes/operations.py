@@ -4,7 +4,8 @@
   of the model (every server of a model has the same tokenizer), body and answer as is.
 * `/abort_request`: through the in-flight table (`gateway/dispatch/inflight.py`): a caller aborts
   its own requests by the id it was given (`x-request-id` or `meta_info.id`) or its own
-  `rid`; an admin may abort any, or all (`abort_all`). Only `{"rid": ...}` or
+  `rid` (every one of its requests holding it); an admin may abort any, or all
+  (`abort_all`): an id several callers hold is 409 unless `owner` names one. Only `{"rid": ...}` or
   `{"abort_all": true}` ever reaches a server.
 * Fleet operations, admin only, sent to every server with per-server results (as
   `/flush_cache`): `/flush_cache`, `/start_profile`, `/stop_profile`, `/pause_generation`,
@@ -28,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.admission.body_budget import BodyBudget
 from gateway.dispatch.aborts import Aborts
 from gateway.dispatch.inflight import InFlight
-from gateway.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
+from gateway.errors import BadRequest, Forbidden, GatewayError, NotFound, ServiceUnavailable
 from gateway.processes.siblings import Siblings
 from gateway.routes.asgi import read_json, read_json_raw
 from gateway.routes.fleet import Fleet, post_all
@@ -92,15 +93,34 @@ async def abort_request(request: Request, parts: OperationParts) -> Response:
     if not isinstance(rid, str) or not rid or len(rid) > 256:
         raise BadRequest("'rid' must be the id of a request in flight (x-request-id, "
                          "meta_info.id or your own rid)")
-    tracked = parts.inflight.find(rid)
-    if tracked is None or (tracked.owner != caller.owner and not caller.is_admin):
-        elsewhere = await parts.siblings.abort(rid, caller.owner, caller.is_admin)
-        if elsewhere is not None:  # another worker process holds it
-            return JSONResponse({"success": True, "request_id": elsewhere["request_id"],
-                                 "results": elsewhere["results"]})
+    if not caller.is_admin:  # its own requests only: another caller's id never hides them
+        return await _abort_of(parts, rid, caller.owner)
+    owner = body.get("owner")
+    if owner is not None and (not isinstance(owner, str) or not owner):
+        raise BadRequest("'owner' must be the key id (inference:N) or anonymous@<address> "
+                         "of the request's caller")
+    owners = {t.owner for t in parts.inflight.holders(rid, owner)}
+    owners |= await parts.siblings.owners(rid, owner)
+    if len(owners) > 1:  # a client-chosen id several callers use: never guess which
+        raise GatewayError(
+            f"{len(owners)} callers have a request {rid!r} in flight "
+            f"({', '.join(sorted(owners))}); none was aborted: add \"owner\" to choose one",
+            status=409)
+    return await _abort_of(parts, rid, owners.pop() if owners else "")
+
+
+async def _abort_of(parts: OperationParts, rid: str, owner: str) -> Response:
+    """Abort every request of `owner` holding `rid`, in this worker and the others."""
+    held = parts.inflight.holders(rid, owner)
+    results = [r for tracked in held for r in await parts.aborts.abort(tracked)]
+    ids = [tracked.request_id for tracked in held]
+    elsewhere = await parts.siblings.abort(rid, owner, False) if owner else None
+    if elsewhere is not None:  # other worker processes held some
+        ids += elsewhere["request_ids"]
+        results += elsewhere["results"]
+    if not ids:
         raise NotFound(f"no request {rid!r} of yours is in flight")
-    results = await parts.aborts.abort(tracked)
-    return JSONResponse({"success": True, "request_id": tracked.request_id,
+    return JSONResponse({"success": True, "request_id": ids[0], "request_ids": ids,
                          "results": results})
 
 

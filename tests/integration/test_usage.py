@@ -4,6 +4,7 @@ keys in front of the simulated cluster (1 prefill + 2 decode) on loopback.
 Every request's own answer says what it cost (meta_info, or usage); the gateway's figures per
 tenant (/admin/usage, /metrics) and its access log must say the same, and an OpenAI stream
 whose client did not ask for usage must reach it without the usage event the gateway read.
+A third tenant's clients leave their streams early: each still pays for what it got.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from tests.integration.conftest import sim_cluster
 
 KEYS = {"acme": "key-acme-0123456789", "beta": "key-beta-0123456789"}
+LEAVER, LEAVER_KEY = "gamma", "key-gamma-0123456789"  # the streams its clients leave
 ADMIN = "admin-key-0123456789"
 PROMPT = "A prompt about lighthouses, repeated so the prefix cache has something to hit. " * 3
 SECRET_WORD = "lighthouses"  # in every prompt: it must never reach the access log
@@ -27,7 +29,8 @@ SECRET_WORD = "lighthouses"  # in every prompt: it must never reach the access l
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory):
     home = tmp_path_factory.mktemp("usage")
-    (home / "keys").write_text("".join(f"{key} {name}\n" for name, key in KEYS.items()))
+    (home / "keys").write_text("".join(f"{key} {name}\n" for name, key in
+                                       (*KEYS.items(), (LEAVER, LEAVER_KEY))))
     (home / "admin").write_text(ADMIN + "\n")
     log = home / "access.log"
     args = ["--api-key-file", str(home / "keys"), "--admin-api-key-file", str(home / "admin"),
@@ -179,7 +182,7 @@ def test_metrics_show_the_same_figures_and_add_up_to_the_servers(served):
 def test_the_access_log_has_one_line_per_request_and_no_secrets(served):
     _, log, _, statuses, report = served
     text = log.read_text()
-    lines = [json.loads(line) for line in text.splitlines()]
+    lines = [x for line in text.splitlines() if (x := json.loads(line))["tenant"] != LEAVER]
     assert len(lines) == sum(statuses.values())
     assert Counter((x["tenant"], x["status"]) for x in lines) == statuses
     for tenant in KEYS:
@@ -201,3 +204,85 @@ def test_usage_needs_the_admin_key(served):
     as_tenant = httpx.get(cluster.gateway + "/admin/usage", timeout=10,
                           headers={"authorization": f"Bearer {KEYS['acme']}"})
     assert as_tenant.status_code == 403
+
+
+# -- streams their clients leave (metering: what the client got is paid for) --------------
+
+LONG = 400  # tokens asked for: a few seconds of the sim's decode, left long before the end
+LEFT_AFTER = 10  # events with text the client reads before it leaves
+CUT = {
+    "chat": ("/v1/chat/completions", {"model": "sim-model", "max_tokens": LONG, "stream": True,
+                                      "messages": [{"role": "user", "content": PROMPT}]}),
+    "chat-n2": ("/v1/chat/completions", {"model": "sim-model", "max_tokens": LONG, "n": 2,
+                                         "stream": True, "temperature": 0,
+                                         "messages": [{"role": "user", "content": PROMPT}]}),
+    "completions": ("/v1/completions", {"model": "sim-model", "prompt": PROMPT,
+                                        "max_tokens": LONG, "stream": True}),
+}
+
+
+def leaver_usage(cluster) -> dict:
+    return settled_usage(cluster)["tenants"].get(LEAVER, {}).get("total", {})
+
+
+def generated(cluster) -> float:
+    """Tokens the decode servers generated so far (`sglang:generation_tokens_total`)."""
+    total = 0.0
+    for url in cluster.decode:
+        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("sglang:generation_tokens_total"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def has_text(obj: dict) -> bool:
+    choice = (obj.get("choices") or [{}])[0]
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+def read_then_leave(gateway: str, path: str, body: dict) -> int:
+    """Read a stream until LEFT_AFTER events with text came, then close the connection:
+    how many came."""
+    got = 0
+    with httpx.Client(base_url=gateway, timeout=30) as client, client.stream(
+            "POST", path, json=body, headers={"authorization": f"Bearer {LEAVER_KEY}"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                obj = orjson.loads(line[len("data: "):])
+                assert "usage" not in obj or obj["usage"] is None, obj
+                got += has_text(obj)
+                if got >= LEFT_AFTER:
+                    break
+    return got
+
+
+@pytest.mark.parametrize("kind", list(CUT))
+def test_a_client_that_leaves_mid_stream_pays_for_what_it_got(tenants, kind):
+    """The client reads 10 events with text and leaves. Its OpenAI stream never had its usage
+    event (the decode's last), so it counted 0 completion tokens: a long answer cut just
+    before its end was free. Now it counts at least the events with text the client got,
+    and no more than the decode servers generated for it."""
+    cluster, _ = tenants
+    path, body = CUT[kind]
+    before, made = leaver_usage(cluster), generated(cluster)
+    got = read_then_leave(cluster.gateway, path, body)
+    deadline = time.monotonic() + 15
+    while leaver_usage(cluster).get("requests", 0) < before.get("requests", 0) + 1 or \
+            any(cluster.stats(u)["in_flight"] for u in cluster.decode):  # its decodes stopped
+        assert time.monotonic() < deadline, "the request never ended"
+    counted = leaver_usage(cluster)["completion_tokens"] - before.get("completion_tokens", 0)
+    assert got == LEFT_AFTER
+    assert got <= counted <= generated(cluster) - made < LONG * body.get("n", 1), (got, counted)
+
+
+def test_a_whole_stream_still_counts_its_usage_event_exactly(tenants):
+    cluster, _ = tenants
+    path, body = CUT["chat"]
+    before = leaver_usage(cluster).get("completion_tokens", 0)
+    r = httpx.post(cluster.gateway + path, timeout=30,
+                   json={**body, "max_tokens": 12, "stream_options": {"include_usage": True}},
+                   headers={"authorization": f"Bearer {LEAVER_KEY}"})
+    usage = sse_objects(r.content)[-1]["usage"]
+    assert usage["completion_tokens"] == 12
+    assert leaver_usage(cluster)["completion_tokens"] - before == 12

@@ -199,3 +199,63 @@ def test_a_request_refused_by_its_keys_rate_limit_counts_as_the_keys_tenant(tmp_
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert sorted((x["tenant"], x["status"]) for x in lines) == \
         [("acme", 200), ("acme", 429), ("acme", 429)]  # a line is written when usage settles
+
+
+def chat_event(finish: object = None, **delta) -> bytes:
+    return frame({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "fake",
+                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+ROLE = chat_event(role="assistant", content="")
+REFUSED = frame({"error": {"message": "refused mid-stream", "code": 400}})  # no continuation
+
+
+@pytest.mark.parametrize("flags, counted", [((), 4), (("--no-midstream-failover",), 2)],
+                         ids=["kept-for-a-continuation", "chunks-only"])
+def test_a_stream_cut_before_its_usage_event_counts_what_it_relayed(flags, counted):
+    """The decode relayed 4 events with text (in 3 reads) and then failed: the client got
+    them, but without the usage event the stream counted 0 completion tokens. Now a stream
+    kept for a continuation counts its events with text (4: more events than chunks, so
+    they are scanned); one not kept, one per chunk relayed but the role event's (2: a lower
+    bound, never more than the tokens)."""
+    decode = FakeServer("decode", chunks=[
+        ROLE + chat_event(content="a") + chat_event(content="b"), b"<pause>",
+        chat_event(content="c"), b"<pause>", chat_event(content="d"), b"<pause>", REFUSED])
+    cluster = FakeCluster({P1: FakeServer("prefill"), D1: decode})
+
+    async def go():
+        async with gateway(cluster, *flags) as (client, gw):
+            r = await client.post("/v1/chat/completions", json=CHAT)
+            assert b"refused mid-stream" in r.content and len(decode.received) == 1
+            return await settled(client, gw)
+
+    assert run(go())["total"]["completion_tokens"] == counted
+
+
+def test_a_whole_stream_counts_its_usage_event_and_not_its_events_too():
+    decode = FakeServer("decode", chunks=[
+        ROLE + chat_event(content="a"), b"<pause>", chat_event(content="b"), b"<pause>",
+        chat_event(finish="length"), b"<pause>", frame(USAGE) + DONE])
+    cluster = FakeCluster({P1: FakeServer("prefill"), D1: decode})
+
+    async def go():
+        async with gateway(cluster) as (client, gw):
+            await client.post("/v1/chat/completions", json=CHAT)
+            return await settled(client, gw)
+
+    assert run(go())["total"]["completion_tokens"] == 5  # the usage event's, exactly
+
+
+def test_a_whole_stream_whose_server_sent_no_usage_event_counts_none_as_before():
+    """A lone decode stream that ended by itself passed on its usage event if its server
+    sends one; without one (not SGLang, which always sends it when asked) nothing was cut,
+    and the stream counts no completion tokens, as it did."""
+    decode = FakeServer("decode", chunks=[ROLE, b"<pause>", chat_event(content="a"), DONE])
+    cluster = FakeCluster({P1: FakeServer("prefill"), D1: decode})
+
+    async def go():
+        async with gateway(cluster) as (client, gw):
+            assert (await client.post("/v1/chat/completions", json=CHAT)).content.endswith(DONE)
+            return await settled(client, gw)
+
+    assert run(go())["total"]["completion_tokens"] == 0
