@@ -15,6 +15,7 @@ import orjson
 
 from gateway.dispatch.inflight import new_id
 from gateway.errors import BadRequest
+from gateway.request import json_object
 from gateway.responses import history
 from gateway.responses.service import REFUSED, Responses, Turn
 
@@ -27,12 +28,7 @@ async def prepare(responses: Responses, tenant: str,
                   raw: bytes | bytearray) -> tuple[Turn, dict | None]:
     """The turn (the body checked, its history expanded and encoded) and, when it is to be
     kept, its in_progress response; nothing written, nothing running yet."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = json_object(raw)
     for name, message in REFUSED.items():
         if body.get(name) not in (None, False):
             raise BadRequest(message, code=f"unsupported_{name}")

@@ -9,22 +9,15 @@ the prefix policies send a conversation back to the prefill that holds its prefi
 
 from __future__ import annotations
 
-import orjson
-
 from gateway import reach
 from gateway.dispatch.inflight import client_rids
 from gateway.errors import BadRequest
-from gateway.request import DP_FIELDS, PD_FIELDS, RequestView, render_messages
+from gateway.request import DP_FIELDS, PD_FIELDS, RequestView, json_object, render_messages
 
 
 def parse_responses(endpoint: str, raw: bytes | bytearray) -> RequestView:
     """The view of a body the Responses endpoint prepared (history expanded, its rid set)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = json_object(raw)
     check_owned(body)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
