@@ -303,15 +303,26 @@ def _chat_view(body: dict, stream: bool, model: str | None) -> RequestView:
                                      "'text', if any, is a string")
                 fetches |= reach.part(part, f"messages[{i}].content[{j}]")
     text = render_messages(messages)
-    tools = body.get("tools")
-    if tools:  # the template renders every definition (name, description, parameters)
-        extra += len(orjson.dumps(tools))
+    extra += tools_chars(body)
     return RequestView(
         endpoint=CHAT, body=body, stream=stream, batch_size=None, n=_n(body.get("n"), "n"),
         routing_text=text, routing_tokens=None, prompt_tokens=(len(text) + extra) // 4 + 1,
         model=model, logprob_merge=False,
         needs=frozenset((reach.MEDIA_URLS,)) if fetches else reach.NOTHING,
     )
+
+
+def tools_chars(body: dict) -> int:
+    """Characters of the body's tool definitions, for the estimate: the template renders each
+    one (name, description, parameters), so a prompt of huge definitions is a huge prompt
+    (chat, Messages and Responses alike; unserializable values are the parser's to refuse)."""
+    tools = body.get("tools")
+    if not tools:
+        return 0
+    try:
+        return len(orjson.dumps(tools))
+    except (orjson.JSONEncodeError, TypeError):
+        return 0
 
 
 def _message_extra(message: dict) -> int:

@@ -29,7 +29,14 @@ import orjson
 from gateway import reach
 from gateway.dispatch.inflight import client_rids
 from gateway.errors import BadRequest
-from gateway.request import DP_FIELDS, PD_FIELDS, RequestView, json_object, render_messages
+from gateway.request import (
+    DP_FIELDS,
+    PD_FIELDS,
+    RequestView,
+    json_object,
+    render_messages,
+    tools_chars,
+)
 
 ROLES = ("user", "assistant", "system")
 
@@ -47,7 +54,7 @@ def parse_messages(endpoint: str, raw: bytes | bytearray) -> RequestView:
     text = render_messages(conversation(body))
     fetches = reach.items_fetch(body["messages"], "messages")  # (a file path: 400)
     view = RequestView(endpoint=endpoint, body=body, stream=stream, batch_size=None, n=1,
-                       routing_text=text, routing_tokens=None, prompt_tokens=len(text) // 4 + 1,
+                       routing_text=text, routing_tokens=None, prompt_tokens=(len(text) + tools_chars(body)) // 4 + 1,
                        model=body["model"], logprob_merge=False,
                        needs=frozenset((reach.MEDIA_URLS,)) if fetches else reach.NOTHING)
     view.size, view.source = len(raw), (body, raw)

@@ -163,7 +163,11 @@ class InFlight:
 
     def find(self, key: str) -> Tracked | None:
         """The first request known by `key` (for ids only the gateway makes, which are
-        unique; an abort by a client's id looks through `holders`)."""
+        unique; an abort by a client's id looks through `holders`): a request id is found in
+        the table at once, and only an upstream rid needs the walk over every attempt."""
+        first = self._by_key.get(key)
+        if first is not None:
+            return first
         found = self.holders(key)
         return found[0] if found else None
 

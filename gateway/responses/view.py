@@ -12,7 +12,14 @@ from __future__ import annotations
 from gateway import reach
 from gateway.dispatch.inflight import client_rids
 from gateway.errors import BadRequest
-from gateway.request import DP_FIELDS, PD_FIELDS, RequestView, json_object, render_messages
+from gateway.request import (
+    DP_FIELDS,
+    PD_FIELDS,
+    RequestView,
+    json_object,
+    render_messages,
+    tools_chars,
+)
 
 
 def parse_responses(endpoint: str, raw: bytes | bytearray) -> RequestView:
@@ -28,7 +35,7 @@ def parse_responses(endpoint: str, raw: bytes | bytearray) -> RequestView:
     text = render_messages(messages_of(body))
     fetches = reach.items_fetch(body.get("input"), "input")  # (a file path: 400)
     view = RequestView(endpoint=endpoint, body=body, stream=stream, batch_size=None, n=1,
-                       routing_text=text, routing_tokens=None, prompt_tokens=len(text) // 4 + 1,
+                       routing_text=text, routing_tokens=None, prompt_tokens=(len(text) + tools_chars(body)) // 4 + 1,
                        model=model, logprob_merge=False,
                        needs=frozenset((reach.MEDIA_URLS,)) if fetches else reach.NOTHING)
     view.size, view.source = len(raw), (body, raw)

@@ -55,3 +55,24 @@ def test_malformed_tool_calls_do_not_break_the_estimate():
     body = {"messages": [{"role": "assistant", "content": "x", "name": 3,
                           "tool_calls": ["not a call", {"function": "nope"}, {"x": 1}]}]}
     assert estimate(body) >= 1
+
+
+def test_messages_and_responses_count_their_tool_definitions():
+    """The Messages and Responses estimates ignored `tools`: ~12 KB of definitions cost the
+    token limit nothing there while chat charged them (2026-12-07)."""
+    from gateway.anthropic.view import parse_messages
+    from gateway.responses.view import parse_responses
+
+    schema = {"type": "object", "properties": {"q": {"type": "string", "description": "p" * 2000}}}
+    custom = {"name": "lookup", "description": "d" * 4000, "input_schema": schema}
+    plain = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    bare = parse_messages("messages", orjson.dumps(plain)).prompt_tokens
+    tooled = parse_messages("messages", orjson.dumps({**plain, "tools": [custom, custom]}))
+    assert bare < 10 and tooled.prompt_tokens >= 2 * 6000 // 4
+
+    function = {"type": "function", "name": "lookup", "description": "d" * 4000,
+                "parameters": schema}
+    asked = {"model": "m", "input": "hi"}
+    bare = parse_responses("responses", orjson.dumps(asked)).prompt_tokens
+    tooled = parse_responses("responses", orjson.dumps({**asked, "tools": [function] * 2}))
+    assert bare < 10 and tooled.prompt_tokens >= 2 * 6000 // 4

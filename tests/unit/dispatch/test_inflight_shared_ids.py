@@ -80,3 +80,29 @@ def test_prefix_safety_sees_every_holder_of_a_shared_id():
     table.add(bob)
     assert not table.prefix_safe("abc-1", alice)
     assert table.prefix_safe("abc-12", bob)
+
+
+class _Unread:
+    """An attempt whose upstream rids must not be looked at."""
+
+    @property
+    def rid_list(self) -> list:
+        raise AssertionError("find by a request id walked the other requests' attempts")
+
+
+def test_find_by_a_request_id_does_not_walk_the_table():
+    """A running response's cancel finds its request by id: one dict hit, however many
+    requests are in flight (it walked every attempt of every request before)."""
+    table = InFlight()
+    for n in range(50):
+        other = Tracked(f"other-{n}", "inference:0")
+        other.attempts.add(_Unread())
+        table.add(other)
+    wanted = Tracked("resp-1", "inference:1")
+    table.add(wanted)
+    assert table.find("resp-1") is wanted
+    up = Tracked("by-upstream", "inference:2")
+    up.attempts.add(Attempt(["a" * 32]))
+    plain = InFlight()
+    plain.add(up)
+    assert plain.find("a" * 32) is up and plain.find("b" * 32) is None
