@@ -2,9 +2,8 @@
 
 `Gateway.start()` (called by the lifespan) opens the data-path upstream, probes the servers,
 and starts the background loops; `Gateway.stop()` closes all of them. What changes while it
-runs (shutting down, recent errors) is its `state` (`routes/state.py`). Nothing here is global:
-the app holds one Gateway in `app.state.gateway`, and each route gets only its own parts
-(`gateway/app.py`).
+runs (shutting down, recent errors) is its `state` (`routes/state.py`). Nothing is global: the
+app holds one Gateway in `app.state.gateway`; each route gets its own parts (`gateway/app.py`).
 """
 
 from __future__ import annotations
@@ -359,14 +358,15 @@ class Gateway:
         return server
 
     def unregister(self, url: str) -> Server | None:
-        """Out of the pool, with what was learned of it: a server added again under the same
-        URL (a role switch, a pod replaced at the same address) starts afresh, not with the
-        quarantines of its old pairs nor the deadlines learned of its old role or process."""
+        """Out of the pool, with what was learned of it and its metric series: added again at
+        the same URL (a role switch, a pod replaced) it starts afresh, not with its old pairs'
+        quarantines nor the deadlines learned of its old role or process."""
         server = self.pool.remove(url)
         if server is not None:
             if self.health is not None:
                 self.health.unwatch(url)
             self.scheduler.pairs.forget(url)
+            self.metrics.forget(server)
             if self.dispatcher is not None:
                 self.dispatcher.model.forget(url)
         return server

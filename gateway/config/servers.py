@@ -39,7 +39,10 @@ def split_list(value: str) -> list[str]:
 
 def validate_url(url: str) -> str:
     """Check a backend URL and return it without a trailing slash."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. brackets around what is not an IPv6 address
+        raise ConfigError(f"bad server URL {url!r}: {exc}") from None
     if parts.scheme not in SCHEMES or not parts.hostname:
         raise ConfigError(f"bad server URL {url!r}: expected http(s)://host:port")
     try:

@@ -85,6 +85,11 @@ class MetricBuffer:
         self._children.append(buffered)
         return buffered
 
+    def discard(self, buffered: BufferedCounter | BufferedHistogram) -> None:
+        """No longer flushed (its series left with its server)."""
+        if buffered in self._children:
+            self._children.remove(buffered)
+
     def flush(self) -> None:
         for child in self._children:
             child.flush()

@@ -30,6 +30,7 @@ class Metrics:
         of them; the gauges read at scrape time (pool, scheduler) are the answering server's
         view, with in-flight figures summed over the workers."""
         self.registry = registry
+        self.multiprocess = multiprocess
         own = registry
         if multiprocess:
             from prometheus_client import multiprocess as mp  # noqa: PLC0415 - workers only
@@ -189,6 +190,20 @@ class Metrics:
             values = (server.url, *labels) if url_first or not labels else (*labels, server.url)
             child = server.metric_children[key] = self.buffer.counter(metric.labels(*values))
         return child
+
+    def forget(self, server) -> None:
+        """A server left the pool: its labelled series go (pod churn at new addresses grew
+        /metrics and the flush for the gateway's whole life), what it counted published
+        first. With `--workers` the multiprocess files keep the series until a restart:
+        prometheus_client removes no labels in that mode."""
+        children, server.metric_children = server.metric_children, {}
+        for (metric, labels), buffered in children.items():
+            buffered.flush()
+            self.buffer.discard(buffered)
+            if not self.multiprocess:  # the key does not say where the URL went: try both
+                metric.remove(server.url, *labels)
+                if labels:
+                    metric.remove(*labels, server.url)
 
     def flush(self) -> None:
         """Publish what the request path buffered (before any read of the registry)."""

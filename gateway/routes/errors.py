@@ -46,4 +46,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
                     status_code=status, media_type="application/json", headers=headers)
 
 
-HANDLERS = {GatewayError: gateway_error, HTTPException: http_error}
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug on a Starlette route: the usual JSON shape, nothing of the exception (Starlette's
+    ServerErrorMiddleware logs it and re-raises after this answer), not a text/plain 500."""
+    return json_error(GatewayError("internal error"), request.url.path)
+
+
+HANDLERS = {GatewayError: gateway_error, HTTPException: http_error, Exception: internal_error}

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import httpx
-import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -31,7 +30,7 @@ from gateway.dispatch.aborts import Aborts
 from gateway.dispatch.inflight import InFlight
 from gateway.errors import BadRequest, Forbidden, GatewayError, NotFound, ServiceUnavailable
 from gateway.processes.siblings import Siblings
-from gateway.routes.asgi import read_json, read_json_raw
+from gateway.routes.asgi import SMALL_BODY, read_json, read_json_raw
 from gateway.routes.fleet import Fleet, post_all
 from gateway.servers.pool import ROLES
 from gateway.upstream.client import upstream_message
@@ -136,7 +135,7 @@ async def update_weights(request: Request, parts: OperationParts) -> Response:
 
 
 async def _broadcast(request: Request, fleet: Fleet, one_model: bool) -> Response:
-    body = await read_json(request)
+    raw, _ = await read_json_raw(request, SMALL_BODY)  # relayed as sent: a JSON object
     role = request.query_params.get("role")
     if role is not None and role not in ROLES:
         raise BadRequest("'role' must be prefill or decode")
@@ -148,7 +147,9 @@ async def _broadcast(request: Request, fleet: Fleet, one_model: bool) -> Respons
     elif one_model and not fleet.models.open:
         raise BadRequest(f"{request.url.path} with several models needs ?model=NAME: "
                          f"{', '.join(fleet.models.names())}")
-    ok, results = await post_all(fleet, request.url.path, orjson.dumps(body), servers)
+    # the bytes as sent, not re-encoded: orjson reads 1,024 levels of nesting but writes 254,
+    # and a deeper body was a plain-text 500 here (2026-12-07)
+    ok, results = await post_all(fleet, request.url.path, bytes(raw) or b"{}", servers)
     return JSONResponse({"success": ok, "results": results}, status_code=200 if ok else 502)
 
 

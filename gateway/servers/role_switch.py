@@ -86,6 +86,9 @@ class _Broken(Exception):
         self.unanswered = unanswered
 
 
+MAX_URL = 2048  # characters of a server URL in a switch's body
+
+
 @dataclass(frozen=True, slots=True)
 class SwitchAsk:
     """One admin request: which server, to what, how long its drain may take;
@@ -102,7 +105,8 @@ class SwitchAsk:
     def parse(cls, body: dict) -> SwitchAsk:
         """Validate the JSON body (400 naming the field)."""
         url, role = body.get("url"), body.get("role")
-        if not isinstance(url, str):
+        if not isinstance(url, str) or len(url) > MAX_URL or not url.isprintable():
+            # (logged before it is looked up: a newline or an escape would forge log lines)
             raise BadRequest("'url' must be a server URL")
         if role not in ROLES:
             raise BadRequest("'role' must be 'prefill' or 'decode' (the role to switch to)")
