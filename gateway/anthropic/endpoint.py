@@ -42,8 +42,15 @@ COUNT_PATH = "/v1/messages/count_tokens"
 async def send_anthropic_error(send: Send, err: GatewayError, request_id: str | None) -> None:
     extra = [(k.encode(), v.encode()) for k, v in err.headers.items()]
     if request_id:
-        extra.append((b"x-request-id", request_id.encode()))
+        extra += id_headers(request_id)
     await send_bytes(send, err.status, error_bytes(err, request_id), b"application/json", extra)
+
+
+def id_headers(request_id: str) -> list[tuple[bytes, bytes]]:
+    """The request's id as both headers: ours (`x-request-id`) and Anthropic's (`request-id`,
+    what its SDK exposes as `request_id` on answers and errors)."""
+    value = request_id.encode()
+    return [(b"x-request-id", value), (b"request-id", value)]
 
 
 class MessagesEndpoint(InferenceEndpoint):
@@ -90,8 +97,7 @@ class CountTokens:
             return
         finally:
             lease.release()
-        await send_bytes(send, status, content, b"application/json",
-                         [(b"x-request-id", request_id.encode())])
+        await send_bytes(send, status, content, b"application/json", id_headers(request_id))
 
     async def _count(self, scope: Scope, receive: Receive,
                      lease: BodyLease) -> tuple[int, bytes]:

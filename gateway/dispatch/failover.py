@@ -184,6 +184,7 @@ class Continuation:
                     + self.generated
                 if self.prompt_tokens is not None:
                     meta["prompt_tokens"] = self.prompt_tokens
+                    _cached_within(meta, "cached_tokens", self.prompt_tokens)
                 if self.stream_id is not None:
                     meta["id"] = self.stream_id
                 finish = meta.get("finish_reason")
@@ -205,12 +206,24 @@ class Continuation:
             completion = int(usage.get("completion_tokens") or 0) + self.generated
             usage.update(prompt_tokens=prompt, completion_tokens=completion,
                          total_tokens=prompt + completion)
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                _cached_within(details, "cached_tokens", prompt)
         return obj
 
     def closing(self) -> bytes:
         """The end of a stream that had nothing left to generate when its decode failed:
         its missing finish and usage events (gateway/dispatch/stream_end.py), [DONE]."""
         return self._end
+
+
+def _cached_within(figures: dict, key: str, prompt: int) -> None:
+    """The continuation's server counted its cached prefix over the prompt AND the text
+    generated before the break; of the original prompt that prefix covers at most all of it
+    (a cached count above the prompt count read as negative uncached tokens, 2026-12-07)."""
+    cached = figures.get(key)
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached > prompt:
+        figures[key] = prompt
 
 
 def _finished(reason: object) -> bool:

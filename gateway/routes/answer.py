@@ -101,6 +101,8 @@ def answer_response(answer: Answer, request_id: str, watch: ClientWatch, meter: 
                     usage, view) -> WholeAnswer | StreamedAnswer:
     """The response that sends `answer` (a whole body or a stream)."""
     headers = [(b"content-type", answer.content_type), (b"x-request-id", request_id.encode())]
+    if view.endpoint == MESSAGES:  # where Anthropic's SDK reads the id (`_request_id`)
+        headers.append((b"request-id", headers[1][1]))
     if answer.stream is None:
         return WholeAnswer(answer, headers, watch, meter, usage)
     return StreamedAnswer(answer, headers, watch, meter, usage, view)

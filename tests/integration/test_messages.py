@@ -168,3 +168,21 @@ def test_route_errors_under_messages_are_anthropic(fresh, method, path, status, 
     r = httpx.request(method, fresh.gateway + path, headers={"x-api-key": KEY}, timeout=10)
     assert r.status_code == status
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind
+
+
+def test_the_sdk_sees_the_request_id_of_answers_streams_and_errors(fresh):
+    """Anthropic's SDK reads `request-id` (its `_request_id`, `APIStatusError.request_id`); the
+    gateway sent only `x-request-id`, so every id there was None (2026-12-07)."""
+    asked = {"model": "sim-model", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    raw = client(fresh).messages.with_raw_response.create(**asked)
+    assert raw.request_id and raw.request_id == raw.headers["x-request-id"]
+    assert raw.parse()._request_id == raw.request_id
+    streamed = client(fresh).messages.with_raw_response.create(**asked, stream=True)
+    assert streamed.request_id and streamed.request_id == streamed.headers["x-request-id"]
+    assert [event.type for event in streamed.parse()][-1] == "message_stop"
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        client(fresh, key="not-the-key").messages.create(**asked)
+    assert caught.value.request_id and caught.value.request_id == caught.value.body["request_id"]
+    counted = client(fresh).messages.with_raw_response.count_tokens(
+        model="sim-model", messages=asked["messages"])
+    assert counted.request_id == counted.headers["x-request-id"]

@@ -206,3 +206,43 @@ def test_a_request_without_a_budget_continues_with_what_is_left_of_the_servers_d
     assert budget[key] == left
     if path == "/generate":  # the budget the client's request had, not the continuation's
         assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
+
+
+def test_a_continuations_cached_count_stays_within_the_original_prompt():
+    """The continuation's server counts its cached prefix over the prompt plus the text
+    generated before the break: relayed as it was, a continued stream reported more cached
+    tokens than prompt tokens (prompt 1, cached 2; 2026-12-07)."""
+    dying = [chat_chunk({"role": "assistant", "content": ""}), chat_chunk({"content": "a"}),
+             chat_chunk({"content": "b"}), b"<error>"]
+    usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8,
+             "prompt_tokens_details": {"cached_tokens": 6}}
+    rest = [chat_chunk({"content": "c"}, cid="chat-2"), chat_chunk({}, "stop", cid="chat-2"),
+            sse({"id": "chat-2", "object": "chat.completion.chunk", "choices": [],
+                 "usage": usage}), b"data: [DONE]\n\n"]
+    fake = cluster(dying, rest)
+
+    async def go():
+        async with gateway(fake) as (client, _):
+            return await client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "max_tokens": 10, "stream_options": {"include_usage": True}})
+
+    final = objects(run(go()).text)[-1]["usage"]
+    assert final["prompt_tokens"] == 5 and final["completion_tokens"] == 3
+    assert final["prompt_tokens_details"]["cached_tokens"] == 5
+
+
+def test_a_native_continuations_cached_count_stays_within_the_original_prompt():
+    dying = [native(" a", [11]), native(" a b", [11, 12]), b"<error>"]
+    meta = {"id": "next", "prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": 5,
+            "finish_reason": {"type": "length", "length": 1}}
+    rest = [sse({"text": " c", "output_ids": [13], "meta_info": meta}), b"data: [DONE]\n\n"]
+    fake = cluster(dying, rest)
+
+    async def go():
+        async with gateway(fake) as (client, _):
+            return await client.post("/generate", json={
+                "input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 3}})
+
+    last = objects(run(go()).text)[-1]["meta_info"]
+    assert last["prompt_tokens"] == 3 and last["cached_tokens"] == 3
