@@ -27,15 +27,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 
-from gateway.anthropic.errors import error_event
 from gateway.cancel import Interrupt
 from gateway.dispatch.attempt import Attempt, Timeouts
 from gateway.dispatch.prompt_logprobs import StreamMerger
-from gateway.dispatch.stream_failure import failing_event, marks
+from gateway.dispatch.stream_failure import error_ending, failing_event, marks
 from gateway.errors import UpstreamError
 from gateway.health.deadlines import LatencyModel
 from gateway.health.queue_wait import DecodeQueue
-from gateway.request import MESSAGES
 from gateway.sse import (
     DONE,
     EventSplitter,
@@ -281,9 +279,7 @@ def _ended_by(exc: UpstreamError, attempt: Attempt
         return False, StreamBroken(exc, attempt.decode), b""
     if attempt.tracked is not None:  # the request failed, its error event sent: counted so
         attempt.tracked.failure = exc  # (routes/inference.py), not as its head's 200
-    ending = (error_event(exc) if attempt.view.endpoint == MESSAGES  # Anthropic's
-              else frame(exc.body()) + DONE)
-    return (False if exc.retryable else None), None, ending
+    return (False if exc.retryable else None), None, error_ending(exc, attempt.view.endpoint)
 
 
 def _failed(out: bytes, attempt: Attempt) -> tuple[bytes, UpstreamError | None]:

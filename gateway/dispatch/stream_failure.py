@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.anthropic.errors import STATUSES
-from gateway.request import MESSAGES
-from gateway.sse import event_data, reported_failure, split_events
+from gateway.anthropic.errors import STATUSES, error_event
+from gateway.errors import GatewayError
+from gateway.request import MESSAGES, RESPONSES
+from gateway.sse import DONE, event_data, frame, reported_failure, split_events
 
 OPENING = b'data: {"error"'  # orjson's `{"error":` and json.dumps's `{"error": ` alike
 MESSAGES_OPENING = b"event: error"
@@ -36,6 +37,16 @@ MESSAGES_OPENING = b"event: error"
 def marks(endpoint: str) -> tuple[bytes, int, int]:
     """The opening of a failure event in `endpoint`'s stream, and the slice of its "e"."""
     return (MESSAGES_OPENING, 7, 8) if endpoint == MESSAGES else (OPENING, 8, 9)
+
+
+def error_ending(exc: GatewayError, endpoint: str) -> bytes:
+    """The gateway's event that ends `endpoint`'s stream on `exc`: Anthropic's error event;
+    on /v1/responses the error alone, no `[DONE]` (SGLang sends none there), which the
+    turn's watch makes `response.failed` (gateway/responses/stream_end.py); elsewhere the
+    OpenAI error event and `[DONE]`."""
+    if endpoint == MESSAGES:
+        return error_event(exc)
+    return frame(exc.body()) + (b"" if endpoint == RESPONSES else DONE)
 
 
 def failing_event(chunk: bytes, endpoint: str) -> tuple[bytes, int, str] | None:

@@ -34,6 +34,7 @@ from gateway.errors import GatewayError
 from gateway.request import RequestView
 from gateway.responses import turns
 from gateway.responses.service import Responses, Turn
+from gateway.responses.stream_end import FAILED, StreamEnd, cut, failed, gateway_error
 from gateway.routes.asgi import ClientGone, read_body, send_error
 from gateway.routes.inference import InferenceEndpoint, request_id_of
 from gateway.routes.server_protocol import CHUNKS, WHOLE
@@ -129,14 +130,18 @@ class ResponsesEndpoint:
         without its final response is kept as failed."""
         turn = pending.turn
         _prepared(scope, len(turn.body))
-        waiting = PENDING.set(pending)
+        waiting, client_cut = PENDING.set(pending), False
         try:
             await self.inner(scope, _replay(turn.body, receive), watch.send)
+            # a begun stream ended without its final event, yet no server failed (a failed
+            # decode ends it with `response.failed`): the client cut it
+            client_cut = watch.stream and watch.status == 200
         finally:
             PENDING.reset(waiting)
             self.responses.end(turn)
             if pending.dispatched and turn.store and not watch.done:  # failed or cut
-                await self.responses.keep(turn, failed(turn, watch.status))
+                await self.responses.keep(turn, cut(turn) if client_cut
+                                          else failed(turn, watch.status))
 
     async def _dispatch(self, view: RequestView, tracked: Tracked) -> Answer:
         """The inference endpoint asks the servers now: every check that refuses a request
@@ -184,13 +189,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-def failed(turn: Turn, status: int) -> dict:
-    """The response of a turn that ended without one (what GET shows of it)."""
-    return {"id": turn.rid, "object": "response", "status": "failed", "output": [],
-            "error": {"code": "server_error",
-                      "message": f"the request ended without a response (HTTP {status})"}}
-
-
 def restorer(turn: Turn):
     """What the client asked, back in the answer: the servers were sent `store: false` and no
     `previous_response_id` (the gateway holds the state), so the response they made says
@@ -229,6 +227,7 @@ class AnswerWatch:
         self.restore = restorer(turn)
         self.head: Message | None = None  # a whole answer's head, sent with its body
         self.started = False  # a head went to the client
+        self.end = StreamEnd(turn)  # for a stream that fails: its typed end
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -303,4 +302,16 @@ class AnswerWatch:
                     return body
                 events[i] = with_data(event, obj)
                 return b"".join(e if j == i else e + b"\n\n" for j, e in enumerate(events))
+            if isinstance(obj, dict):
+                if (message := gateway_error(obj)) is not None:
+                    return await self._failed(events[:i], message)
+                self.end.seen(obj)
         return body
+
+    async def _failed(self, before: list[bytes], message: str) -> bytes:
+        """`before`, then the stream's typed end for the gateway's error event (its
+        response kept first, as any final one): stream_end.py."""
+        obj = self.end.failed(message, self.turn.rid)
+        await self._cancelled(obj["response"])
+        return b"".join(e + b"\n\n" for e in before) + b"event: " + FAILED.encode() + \
+            b"\ndata: " + orjson.dumps(obj) + b"\n\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.responses import history
+from gateway.responses import history, items
 from gateway.responses.service import Responses
 from gateway.responses.store import StoreDown
 
@@ -29,15 +29,14 @@ async def retrieve(request: Request, responses: Responses) -> Response:
 
 
 async def input_items(request: Request, responses: Responses) -> Response:
-    """The whole input the response answered (OpenAI's `input_items`, oldest first)."""
+    """The whole input the response answered, one page of it as OpenAI lists it (items.py:
+    typed, with ids, `order`, `limit` and `after` applied)."""
     rid = _id(request)
     record = await responses.read(request.state.caller.tenant, rid, "get")
     if record is None:
         raise history.not_found(rid)
-    items = list(record.get("input") or ())
-    return JSONResponse({"object": "list", "data": items, "has_more": False,
-                         "first_id": items[0].get("id") if items else None,
-                         "last_id": items[-1].get("id") if items else None})
+    return JSONResponse(items.page(items.normalised(list(record.get("input") or ()), rid),
+                                   request.query_params))
 
 
 async def delete(request: Request, responses: Responses) -> Response:

@@ -141,7 +141,7 @@ def test_a_responses_chain_is_served_until_it_no_longer_fits(
             turn = answer.json()
             used.append(turn["usage"]["input_tokens"])
             previous = turn["id"]
-        items = httpx.get(f"{url}/v1/responses/{previous}/input_items",
+        items = httpx.get(f"{url}/v1/responses/{previous}/input_items?order=asc&limit=100",
                           timeout=30).json()["data"]
     assert refusal is not None and len(used) >= 3, used
     assert refusal.status_code == 400, refusal.text  # never 503 "retry shortly"

@@ -69,7 +69,7 @@ def test_chain_of_five_turns_over_both_decodes(sglang_cluster: SglangCluster) ->
             turns.append(r)
             previous = r.id
         metrics = httpx.get(url + "/metrics", timeout=30).text
-        items = httpx.get(f"{url}/v1/responses/{turns[-1].id}/input_items",
+        items = httpx.get(f"{url}/v1/responses/{turns[-1].id}/input_items?order=asc",
                           timeout=30).json()["data"]
     decodes = {s.url for s in sglang_cluster.decode}
     picks = {line.split('server="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])

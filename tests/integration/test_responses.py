@@ -94,9 +94,10 @@ def test_chain_of_five_turns_over_both_decodes_keeps_conversation_and_prefix(clu
         assert hits[i] >= inputs[i - 1] - 16, (i, hits, inputs)  # (a page short at most)
     assert prefill_cached(cluster) > cached_before
     items = httpx.get(f"{cluster.gateway}/v1/responses/{turns[-1].id}/input_items",
-                      headers=_auth("tenant-a"), timeout=10).json()["data"]
+                      params={"order": "asc"}, headers=_auth("tenant-a"), timeout=10
+                      ).json()["data"]
     assert [i["role"] for i in items] == ["user", "assistant"] * 4 + ["user"]
-    assert items[0]["content"] == "turn 0: tell me more"
+    assert items[0]["content"] == [{"type": "input_text", "text": "turn 0: tell me more"}]
     for k in range(4):
         assert items[2 * k + 1]["content"][0]["text"] == turns[k].output_text
 
