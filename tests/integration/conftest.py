@@ -10,8 +10,11 @@ import pytest
 
 from tests.procs import HOST, free_port, python, running
 
+# every knob of /sim/faults: a stall or a cut left on by one test stalled the next (a test
+# asking after `test_decode_stalling_mid_stream...` got 504s)
 NO_FAULTS = {"error_rate": 0.0, "hang": False, "crash_after": 0, "slow_start": 0.0,
-             "health_fail": False, "first_token_delay": 0.0, "fail_bootstrap_port": 0}
+             "health_fail": False, "first_token_delay": 0.0, "fail_bootstrap_port": 0,
+             "truncate_rate": 0.0, "stall_after": 0, "withhold_kv": False}
 SIM_FAST = ["--bootstrap-timeout", "5", "--waiting-timeout", "5",
             "--bootstrap-retries", "3", "--bootstrap-retry-interval", "0.2"]
 
