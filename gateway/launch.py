@@ -61,6 +61,9 @@ class LocalCluster:
         server: Server | None = self.pool.get(launched.url)
         if server is None:
             return
+        # while its process is down the launcher alone puts it back: a health check that
+        # counted a request success from before the crash marked it up with no process there
+        server.held_out = state is not ServerState.READY
         if state is ServerState.READY:
             server.healthy = True
             server.breaker.reset()

@@ -132,7 +132,8 @@ class HealthChecker:
             log.warning("%s server %s marked DOWN", server.role, server.url)
             if self.on_down is not None:
                 self.on_down(server)
-        elif not server.healthy and streak >= self.successes and server.verified:
+        elif not server.healthy and streak >= self.successes and server.verified \
+                and not server.held_out:  # (a crashed launched server: the launcher's word)
             server.healthy = True
             server.breaker.reset()
             server.comebacks += 1  # its pairs' quarantines end: the next pick probes them

@@ -111,6 +111,7 @@ class Server(Counted):
     verified: bool = False  # role and bootstrap port confirmed by /server_info
     misconfigured: str | None = None  # why the server can never be used (role mismatch)
     refused: bool = False  # its last health check was refused a connection: nothing listens
+    held_out: bool = False  # launched: its process crashed, out until the launcher says ready
     last_success: float = 0.0  # monotonic time of the last successful request
     kv_events: dict | None = None  # the server's KV event publisher (/server_info kv_events)
     load_balance_method: str = "follow_bootstrap_room"  # how the server picks a DP rank

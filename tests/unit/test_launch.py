@@ -59,3 +59,28 @@ def test_a_partners_restart_leaves_other_pairs_quarantined(cluster: LocalCluster
     quarantine(cluster.pairs, prefill.url, broken.url, working.url)
     cluster._on_state(working, ServerState.READY)
     assert cluster.pairs.quarantined() == [(prefill.url, broken.url)]
+
+
+def test_a_crashed_launched_server_stays_out_until_the_launcher_says_ready(
+        cluster: LocalCluster) -> None:
+    """A health check whose probe was refused still counts a request success from before the
+    crash as a good check: the checker marked a crashed server UP while no process listened
+    (1.8 s before its restart was ready; 2026-12-07). The launcher's word decides now."""
+    import time
+
+    from gateway.health.checker import HealthChecker
+
+    _, (crashed, _) = handles(cluster)
+    server = cluster.pool.get(crashed.url)
+    server.verified = True
+    checker = HealthChecker(cluster.pool, None, endpoint="/health", interval=1, timeout=1,
+                            failures=2, successes=1, loads_interval=1)
+    since = time.monotonic()
+    server.last_success = since + 0.01  # a request answered just before the process died
+    cluster._on_state(crashed, ServerState.CRASHED)
+    for _ in range(3):
+        checker.record(server, False, since)  # refused, yet "a recent success"
+        checker.record(server, True)
+    assert not server.healthy
+    cluster._on_state(crashed, ServerState.READY)
+    assert server.healthy and not server.held_out
