@@ -210,6 +210,14 @@ class Launcher:
             server.last_exit_code = await server.process.wait()
             if self._stopping:
                 return
+            if server.process.group_alive():
+                # its leader died, its group did not (SGLang's scheduler and detokenizer are
+                # its children): what survives holds the port, the GPU and answers /health,
+                # so the restart failed on "address already in use" and read the orphan as
+                # ready; stopped now, as `stop` would
+                log.warning("%s: its leader exited; stopping the rest of its process group",
+                            server.name)
+                await server.process.stop(self.topology.stop_grace_s)
             stable = (
                 server.ready_since is not None
                 and time.monotonic() - server.ready_since >= policy.stable_after_s

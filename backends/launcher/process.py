@@ -23,6 +23,7 @@ from backends.launcher.commands import LaunchCommand
 
 PR_SET_PDEATHSIG = 1
 READ_CHUNK = 65536
+EXIT_POLL_S = 0.1  # how often `wait` looks for the leader's exit code
 
 
 def _die_with_parent() -> None:
@@ -116,10 +117,16 @@ class ServerProcess:
         self._pump = asyncio.create_task(self._pump_output(self._proc), name=f"log-{self.name}")
 
     async def wait(self) -> int:
-        """Wait for the leader to exit; returns its exit code (negative: killed by a signal)."""
-        if self._proc is None:
+        """Wait for the leader to exit; returns its exit code (negative: killed by a signal).
+        Its exit code is polled: on Python 3.11 `Process.wait()` also waits for the output
+        pipe to close, which a child of the leader that outlived it holds (SGLang's scheduler
+        and detokenizer), and a SIGKILLed leader was never seen to exit, never restarted."""
+        proc = self._proc
+        if proc is None:
             raise RuntimeError(f"{self.name} was never spawned")
-        return await self._proc.wait()
+        while proc.returncode is None:
+            await asyncio.sleep(EXIT_POLL_S)
+        return proc.returncode
 
     def group_alive(self) -> bool:
         return self.pid is not None and bool(group_members(self.pid))

@@ -259,3 +259,27 @@ def test_background_launcher(standin_topology: Callable[..., Topology]) -> None:
         assert response.status_code == 200
     assert_gone([pid for pid in pgids if pid is not None])
     background.stop()  # idempotent
+
+
+def test_a_dead_leaders_group_is_stopped_before_its_restart(
+    standin_topology: Callable[..., Topology],
+) -> None:
+    """SGLang's server leads a group (scheduler, detokenizer). Its leader killed alone, the
+    rest lived on: the restart failed on "address already in use" while the orphan answered
+    /health, and it outlived the gateway (2026-12-07). Now the group goes before the restart."""
+    topology = standin_topology(decode=1, defaults={"decode": {"args": ["--spawn-child"]}})
+
+    async def scenario() -> tuple[int, bool]:
+        launcher = launcher_for(topology)
+        await launcher.start()
+        victim = launcher.server("decode-0")
+        await until(lambda: "standin child pid" in victim.log_path.read_text())
+        child = int(re.search(r"standin child pid (\d+)", victim.log_path.read_text()).group(1))
+        os.kill(victim.pid or 0, signal.SIGKILL)  # the leader alone
+        await until(lambda: victim.restarts == 1 and victim.state is S.READY)
+        gone = not pid_alive(child)
+        await launcher.stop()
+        return child, gone
+
+    child, gone = asyncio.run(scenario())
+    assert gone, f"the dead leader's child {child} outlived the restart"
