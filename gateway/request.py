@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import pydantic
 
 from gateway import reach
 from gateway.dispatch.inflight import client_rids
@@ -85,9 +86,8 @@ class RequestView:
 
     @property
     def routing_key(self) -> str | tuple[int, ...]:
-        if self.routing_tokens is not None:
-            return self.routing_tokens
-        return self.routing_text or ""
+        tokens = self.routing_tokens
+        return tokens if tokens is not None else self.routing_text or ""
 
 
 def json_object(raw: bytes | bytearray) -> dict:
@@ -109,7 +109,7 @@ def parse_request(endpoint: str, raw: bytes | bytearray) -> RequestView:
     needs = reach.NOTHING
     if not _CHECKED.isdisjoint(body):  # (one C-level test for the usual body without them)
         needs = _seldom_fields(body, endpoint)
-    stream = _bool(body, "stream")
+    stream = _bool(body, "stream") if endpoint == GENERATE else _lax(body, "stream", bool, False)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string")
@@ -127,8 +127,7 @@ def parse_request(endpoint: str, raw: bytes | bytearray) -> RequestView:
 
 
 def _seldom_fields(body: dict, endpoint: str) -> frozenset[str]:
-    """The fields the gateway owns refused (docs/FIDELITY.md), and what the others need
-    (gateway/reach.py)."""
+    """The gateway's own fields refused (docs/FIDELITY.md); what others need (gateway/reach.py)."""
     for name in PD_FIELDS:
         if body.get(name) is not None:
             raise BadRequest(f"'{name}' is assigned by the gateway; do not send it")
@@ -140,12 +139,26 @@ def _seldom_fields(body: dict, endpoint: str) -> frozenset[str]:
 
 
 def _bool(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
         raise BadRequest(f"'{name}' must be a boolean")
-    return value
+    return bool(value)
+
+
+_LAX = {bool: pydantic.TypeAdapter(bool), int: pydantic.TypeAdapter(int)}
+
+
+def _lax(body: dict, name: str, kind: type, default: Any) -> Any:
+    """An OpenAI body's bool or int field read by pydantic's lax mode, as SGLang's
+    `CompletionRequest`/`ChatCompletionRequest` read `n`, `stream`, `echo`, `logprobs` ("true",
+    1, "2", 2.0), so the gateway's stream, n split and logprob merge are SGLang's (else 400)."""
+    value = body.get(name)
+    if value is None or type(value) is kind:
+        return default if value is None else value
+    try:
+        return _LAX[kind].validate_python(value)
+    except pydantic.ValidationError:
+        raise BadRequest(f"'{name}' must be {('an integer', 'a boolean')[kind is bool]}") from None
 
 
 def _logprobs(body: dict, batch: int | None, n: int) -> bool:
@@ -162,17 +175,13 @@ def _logprobs(body: dict, batch: int | None, n: int) -> bool:
 
 
 def _n(value: Any, name: str) -> int:
-    if value is None:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if value is not None and (type(value) is not int or value < 1):
         raise BadRequest(f"'{name}' must be a positive integer")
-    return value
+    return value or 1
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    )
+    return isinstance(value, list) and all(type(t) is int for t in value)
 
 
 def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
@@ -221,11 +230,24 @@ def _generate_view(body: dict, stream: bool, model: str | None) -> RequestView:
         batch, tokens = _embeds(embeds, prompt=True)
     if isinstance(params, list) and len(params) != (batch or 1):
         raise BadRequest("'sampling_params' list length must equal the batch size")
+    if isinstance(params, list) and batch is None:
+        body = _one_params(body, params, n)
     return RequestView(
         endpoint=GENERATE, body=body, stream=stream, batch_size=batch, n=n,
         routing_text=routing_text, routing_tokens=routing_tokens, prompt_tokens=tokens,
         model=model, logprob_merge=_logprobs(body, batch, n), lengths=lengths,
     )
+
+
+def _one_params(body: dict, params: list, n: int) -> dict:
+    """A single prompt's one-item `sampling_params` list, as SGLang's
+    `GenerateReqInput._handle_parallel_sampling` takes it. n > 1 makes the prompt a batch of one
+    and `_normalize_sampling_params` repeats the list n times: the request (and the answer, a list
+    of n) of the object alone, which the n split needs, so the object goes on. With n == 1 the
+    prompt stays single and `TokenizerManager._validate_one_request` fails on the list (a 500)."""
+    if n == 1:
+        raise BadRequest("'sampling_params' must be an object for a single prompt with n = 1")
+    return {**body, "sampling_params": params[0]}
 
 
 _NUMBERS = frozenset((float, int, bool))
@@ -262,13 +284,10 @@ def _rows(value: Any) -> bool:
 
 
 def _float_text(text: str) -> bool:
-    if not text.strip().isascii():
-        return False
     try:
-        float(text)
+        return text.strip().isascii() and float(text) is not None
     except ValueError:
         return False
-    return True
 
 
 def render_messages(messages: list[dict]) -> str:
@@ -302,12 +321,17 @@ def _chat_view(body: dict, stream: bool, model: str | None) -> RequestView:
                     raise BadRequest(f"'messages[{i}].content[{j}]' must be an object whose "
                                      "'text', if any, is a string")
                 fetches |= reach.part(part, f"messages[{i}].content[{j}]")
-    text = render_messages(messages)
-    extra += tools_chars(body)
+    ids, text, lengths = body.get("input_ids"), None, None
+    if ids and _is_token_list(ids):  # serving_chat's `if request.input_ids is not None`: the
+        tokens, lengths = len(ids), (len(ids),)  # prompt as is, no template (like /generate's)
+    else:
+        text = render_messages(messages)
+        tokens = (len(text) + extra + tools_chars(body)) // 4 + 1
     return RequestView(
-        endpoint=CHAT, body=body, stream=stream, batch_size=None, n=_n(body.get("n"), "n"),
-        routing_text=text, routing_tokens=None, prompt_tokens=(len(text) + extra) // 4 + 1,
-        model=model, logprob_merge=False,
+        endpoint=CHAT, body=body, stream=stream, batch_size=None,
+        n=_n(_lax(body, "n", int, 1), "n"), routing_text=text,
+        routing_tokens=tuple(ids) if lengths else None, prompt_tokens=tokens,
+        model=model, logprob_merge=False, lengths=lengths,
         needs=frozenset((reach.MEDIA_URLS,)) if fetches else reach.NOTHING,
     )
 
@@ -364,17 +388,13 @@ def _completions_view(body: dict, stream: bool, model: str | None) -> RequestVie
         lengths = tuple(len(p) for p in prompt)
         tokens = sum(lengths)
     else:
-        raise BadRequest(
-            "'prompt' must be a string, a list of strings, a list of token ids "
-            "or a list of token-id lists"
-        )
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
-        raise BadRequest("'logprobs' must be an integer")
-    echo = _bool(body, "echo")
+        raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids "
+                         "or a list of token-id lists")
+    logprobs = _lax(body, "logprobs", int, None)
+    echo = _lax(body, "echo", bool, False)
     return RequestView(
         endpoint=COMPLETIONS, body=body, stream=stream, batch_size=batch,
-        n=_n(body.get("n"), "n"), routing_text=routing_text, routing_tokens=routing_tokens,
-        prompt_tokens=tokens, model=model, logprob_merge=echo and logprobs is not None,
-        lengths=lengths,
+        n=_n(_lax(body, "n", int, 1), "n"), routing_text=routing_text,
+        routing_tokens=routing_tokens, prompt_tokens=tokens, model=model,
+        logprob_merge=echo and logprobs is not None, lengths=lengths,
     )
