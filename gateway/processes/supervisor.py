@@ -7,7 +7,9 @@ what the workers share: the shared-memory block (gateway/processes/shared_state.
 prometheus_client's multiprocess metrics, and the hub of the control channel
 (gateway/processes/control_channel.py), and with `--launch` the local cluster (started once, before the workers,
 which are given its servers as `--prefill`/`--decode`). A worker that exits unexpectedly is
-started again (backoff 1 s doubling to 30 s, reset after a minute of service); SIGTERM or
+started again (backoff 1 s doubling to 30 s, reset after a minute of service), unless it
+failed its start (exit 2 or 3 before it ever served: the configuration cannot start, so the
+supervisor stops the others and exits with that code, as one process would); SIGTERM or
 SIGINT stops every worker gracefully (each finishes its requests within --shutdown-grace),
 then the cluster, then the supervisor cleans up and exits.
 """
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -26,12 +29,15 @@ import sys
 import tempfile
 import time
 
-from gateway.config.settings import GatewayConfig
+from gateway.config.settings import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILURE, GatewayConfig
 from gateway.processes.control_channel import Hub
 from gateway.processes.shared_state import SharedState
 
 RESTART_BACKOFF = (1.0, 30.0)
 PR_SET_PDEATHSIG = 1  # prctl(2)
+# a worker's exit codes that mean "this configuration cannot start" (gateway/cli.py): fatal
+# before the worker ever served, since every restart fails the same way
+FATAL_BEFORE_READY = (EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILURE)
 
 
 def worker_count(setting: int | str) -> int:
@@ -72,6 +78,8 @@ class Supervisor:
         self.spawned: dict[int, float] = {}
         self.hub = Hub(self._announce)
         self._announced = False
+        self.served: set[int] = set()  # workers that said "ready" once (hub.ready forgets)
+        self.exit_code = 0
         self.stopping = False
         self.started_at = time.monotonic()
 
@@ -80,18 +88,23 @@ class Supervisor:
         # the port first: taken, the start fails with nothing made yet to clean up
         self.sock = None if c.workers_socket == "reuseport" else bound_socket(c)
         workdir = tempfile.mkdtemp(prefix="pd-gateway-")
-        metrics_dir = os.path.join(workdir, "metrics")
-        os.mkdir(metrics_dir)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers
-        name = f"pdgw-{os.getpid()}"
-        self.shared = SharedState(name, self.count, len(c.api_keys),
-                                  os.path.join(workdir, "lock"), create=True)
-        try:
+        shared: SharedState | None = None
+        try:  # from the directory on: a start that fails below removes it
+            metrics_dir = os.path.join(workdir, "metrics")
+            os.mkdir(metrics_dir)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers
+            # unique per start, not per pid: in a container the supervisor is always PID 1,
+            # and a kill of the whole group leaves the block behind (its resource tracker
+            # dies too), so `pdgw-1` of the last run made the next start fail (EEXIST)
+            name = f"pdgw-{os.getpid()}-{secrets.token_hex(4)}"
+            shared = self.shared = SharedState(name, self.count, len(c.api_keys),
+                                               os.path.join(workdir, "lock"), create=True)
             return asyncio.run(self._main(name, workdir))
         finally:
             if self.sock is not None:
                 self.sock.close()
-            self.shared.close(unlink=True)
+            if shared is not None:
+                shared.close(unlink=True)
             shutil.rmtree(workdir, ignore_errors=True)
 
     async def _launch(self):
@@ -112,6 +125,7 @@ class Supervisor:
 
     def _announce(self, worker: int) -> None:
         """One line once every worker serves (what tests and scripts wait for)."""
+        self.served.add(worker)
         if not self._announced and len(self.hub.ready) == self.count:
             self._announced = True
             print(f"gateway: {self.count} workers serving "
@@ -144,6 +158,9 @@ class Supervisor:
             for worker, proc in list(self.procs.items()):
                 if proc.poll() is not None and not done.is_set():
                     delay = self._exited(worker, proc.returncode)
+                    if delay is None:  # it cannot start: neither can the others
+                        done.set()
+                        break
                     task = loop.create_task(self._restart(worker, name, workdir, delay))
                     restarts.add(task)
                     task.add_done_callback(restarts.discard)
@@ -155,7 +172,7 @@ class Supervisor:
         await self._stop_all()
         if launcher is not None:
             await launcher.stop()
-        return 0
+        return self.exit_code
 
     async def _spawn(self, worker: int, name: str, workdir: str) -> None:
         ours, theirs = socket.socketpair()
@@ -172,18 +189,25 @@ class Supervisor:
         theirs.close()
         await self.hub.attach(worker, ours)
 
-    def _exited(self, worker: int, code: int) -> float:
+    def _exited(self, worker: int, code: int) -> float | None:
         """`worker` exited: out of the hub and the shared block's figures; the seconds to
-        wait before starting it again."""
+        wait before starting it again, or None when its start failed for good (exit 2 or 3
+        before it ever served): restarting it looped forever, backoff capped at 30 s, with
+        the pod Running and never ready instead of the start-up error's exit."""
         self.hub.detach(worker)
         self.shared.forget_worker(worker)  # its slots, legs and waiter died with it
+        del self.procs[worker]
+        if code in FATAL_BEFORE_READY and worker not in self.served:
+            print(f"gateway: worker {worker} exited with {code} before it served (its error "
+                  "is above); stopping the gateway", file=sys.stderr, flush=True)
+            self.exit_code = code
+            return None
         if time.monotonic() - self.spawned.get(worker, 0.0) > 60:
             self.backoff.pop(worker, None)  # it had served a while: not a crash loop
         delay = self.backoff.get(worker, RESTART_BACKOFF[0])
         print(f"gateway: worker {worker} exited with {code}; restarting in {delay:g}s",
               file=sys.stderr, flush=True)
         self.backoff[worker] = min(RESTART_BACKOFF[1], delay * 2)
-        del self.procs[worker]
         return delay
 
     async def _restart(self, worker: int, name: str, workdir: str, delay: float) -> None:

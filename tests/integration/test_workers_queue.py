@@ -17,6 +17,7 @@ import contextlib
 import os
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -47,7 +48,8 @@ def gateway(tmp_path):
         deadline = time.monotonic() + 30
         while "workers serving" not in proc.log() and time.monotonic() < deadline:
             time.sleep(0.1)  # the supervisor's line once every worker accepts
-        state = SharedState(f"pdgw-{proc.popen.pid}", 2, 0, str(tmp_path / "lock"))
+        name = next(Path("/dev/shm").glob(f"pdgw-{proc.popen.pid}-*")).name  # one per start
+        state = SharedState(name, 2, 0, str(tmp_path / "lock"))
         stack.callback(state.close)
         yield url, state
 
